@@ -1,0 +1,70 @@
+"""Where the admin token comes from (CP-3), and checking a presented one.
+
+Order: `MODELFORGE_ADMIN_TOKEN`, then `MODELFORGE_ADMIN_TOKEN_FILE`, then `<data dir>/admin-token`
+(generated on first start with mode 0600). Only a SHA-256 digest is kept in memory.
+"""
+
+from __future__ import annotations
+
+import hmac
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from control_plane.security import new_admin_token, sha256_hex, write_private_file
+from control_plane.settings import Settings
+
+GENERATED_TOKEN_FILE = "admin-token"  # noqa: S105 - a file name
+_MIN_LENGTH = 16
+
+
+class AdminTokenConfigError(Exception):
+    """The configured admin token cannot be used; the message says which setting and why."""
+
+
+@dataclass(frozen=True)
+class AdminTokenSource:
+    origin: str
+    generated: bool
+    file: Path | None
+    _digest: str = field(repr=False)
+
+    def matches(self, presented: str) -> bool:
+        return hmac.compare_digest(sha256_hex(presented), self._digest)
+
+
+def resolve_admin_token(settings: Settings) -> AdminTokenSource:
+    if settings.admin_token is not None:
+        value = settings.admin_token.get_secret_value().strip()
+        _check_strength(value, "MODELFORGE_ADMIN_TOKEN")
+        return AdminTokenSource("MODELFORGE_ADMIN_TOKEN", False, None, sha256_hex(value))
+    if settings.admin_token_file is not None:
+        path = settings.admin_token_file
+        try:
+            value = path.read_text().strip()
+        except OSError as exc:
+            raise AdminTokenConfigError(
+                f"MODELFORGE_ADMIN_TOKEN_FILE: cannot read {path} ({exc.strerror})"
+            ) from None
+        _check_strength(value, "MODELFORGE_ADMIN_TOKEN_FILE")
+        return AdminTokenSource(str(path), False, path, sha256_hex(value))
+    path = settings.data_dir / GENERATED_TOKEN_FILE
+    generated = False
+    if not path.exists():
+        write_private_file(path, new_admin_token() + "\n")
+        generated = True
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise AdminTokenConfigError(
+            f"{path} is readable by other users (mode {mode:o}); run: chmod 600 {path}"
+        )
+    value = path.read_text().strip()
+    _check_strength(value, str(path))
+    return AdminTokenSource(str(path), generated, path, sha256_hex(value))
+
+
+def _check_strength(value: str, origin: str) -> None:
+    if len(value) < _MIN_LENGTH:
+        raise AdminTokenConfigError(
+            f"{origin}: the admin token must be at least {_MIN_LENGTH} characters"
+        )

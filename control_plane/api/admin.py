@@ -1,0 +1,170 @@
+"""Admin API (`X-ModelForge-Admin-Token`): enrollments, nodes, events, credentials, signing key."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, status
+
+from control_plane.api.deps import AdminDep, ContextDep, SessionDep
+from control_plane.context import AppContext
+from control_plane.models import Node, NodeEnrollment
+from control_plane.schemas import (
+    CredentialRevocation,
+    EnrollmentCreate,
+    EnrollmentMinted,
+    EnrollmentPublic,
+    KeyRotation,
+    NodeEventPublic,
+    NodePublic,
+    Readiness,
+)
+from control_plane.services import enrollments, nodes
+from control_plane.services.readiness import assess_readiness
+
+router = APIRouter(prefix="/api/v1/admin", tags=["admin"], dependencies=[AdminDep])
+
+
+def _enrollment_public(ctx: AppContext, row: NodeEnrollment) -> EnrollmentPublic:
+    return EnrollmentPublic(
+        enrollment_id=row.id,
+        node_id=row.node_id,
+        display_name=row.display_name,
+        labels=row.labels,
+        state=enrollments.enrollment_state(row, ctx.clock.now()),  # type: ignore[arg-type]
+        created_at=row.created_at,
+        expires_at=row.expires_at,
+        claimed_at=row.claimed_at,
+        revoked_at=row.revoked_at,
+        production_eligible=row.production_eligible,
+    )
+
+
+def _node_views(ctx: AppContext, session: SessionDep, rows: list[Node]) -> list[NodePublic]:
+    now = ctx.clock.now()
+    duplicates = nodes.duplicates_of(session, rows)
+    views = []
+    for row in rows:
+        pending = ctx.heartbeats.peek(row.id)
+        views.append(
+            nodes.node_public(
+                row,
+                now=now,
+                thresholds=ctx.thresholds,
+                duplicates=duplicates.get(row.id, []),
+                pending_heartbeat_at=pending.at if pending else None,
+                pending=pending.as_view() if pending else None,
+            )
+        )
+    return views
+
+
+@router.post(
+    "/node-enrollments", status_code=status.HTTP_201_CREATED, response_model=EnrollmentMinted
+)
+def mint_enrollment(
+    body: EnrollmentCreate, request: Request, ctx: ContextDep, session: SessionDep
+) -> EnrollmentMinted:
+    row, token = enrollments.mint_enrollment(
+        session=session,
+        clock=ctx.clock,
+        display_name=body.display_name,
+        expires_in_seconds=body.expires_in_seconds,
+        labels=body.labels,
+        production_eligible=body.production_eligible,
+    )
+    origin = ctx.settings.public_url or str(request.base_url).rstrip("/")
+    public = _enrollment_public(ctx, row)
+    return EnrollmentMinted(**public.model_dump(), token=token, api_origin=origin)
+
+
+@router.get("/node-enrollments", response_model=list[EnrollmentPublic])
+def list_enrollments(ctx: ContextDep, session: SessionDep) -> list[EnrollmentPublic]:
+    return [_enrollment_public(ctx, r) for r in enrollments.list_enrollments(session=session)]
+
+
+@router.get("/node-enrollments/{enrollment_id}", response_model=EnrollmentPublic)
+def get_enrollment(enrollment_id: str, ctx: ContextDep, session: SessionDep) -> EnrollmentPublic:
+    row = enrollments.get_enrollment(session=session, enrollment_id=enrollment_id)
+    return _enrollment_public(ctx, row)
+
+
+@router.post("/node-enrollments/{enrollment_id}/revoke", response_model=EnrollmentPublic)
+def revoke_enrollment(enrollment_id: str, ctx: ContextDep, session: SessionDep) -> EnrollmentPublic:
+    row = enrollments.revoke_enrollment(
+        session=session, clock=ctx.clock, enrollment_id=enrollment_id
+    )
+    return _enrollment_public(ctx, row)
+
+
+@router.get("/nodes", response_model=list[NodePublic])
+def list_nodes(ctx: ContextDep, session: SessionDep) -> list[NodePublic]:
+    return _node_views(ctx, session, nodes.list_nodes(session=session))
+
+
+@router.get("/nodes/{node_id}", response_model=NodePublic)
+def get_node(node_id: str, ctx: ContextDep, session: SessionDep) -> NodePublic:
+    return _node_views(ctx, session, [nodes.get_node(session=session, node_id=node_id)])[0]
+
+
+@router.delete("/nodes/{node_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_node(node_id: str, ctx: ContextDep, session: SessionDep) -> None:
+    nodes.get_node(session=session, node_id=node_id)
+    ctx.authority.revoke_for_node(session, node_id=node_id, reason="node deleted")
+    nodes.delete_node(session=session, node_id=node_id)
+    ctx.heartbeats.discard(node_id)
+
+
+@router.get("/nodes/{node_id}/events", response_model=list[NodeEventPublic])
+def list_node_events(
+    node_id: str,
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+) -> list[NodeEventPublic]:
+    rows = nodes.list_events(session=session, node_id=node_id, limit=limit)
+    return [
+        NodeEventPublic(
+            id=r.id,
+            at=r.at,
+            kind=r.kind,
+            from_state=r.from_state,
+            to_state=r.to_state,
+            reason=r.reason,
+        )
+        for r in rows
+    ]
+
+
+@router.get("/nodes/{node_id}/readiness", response_model=Readiness)
+def node_readiness(node_id: str, ctx: ContextDep, session: SessionDep) -> Readiness:
+    view = _node_views(ctx, session, [nodes.get_node(session=session, node_id=node_id)])[0]
+    return assess_readiness(
+        view,
+        now=ctx.clock.now(),
+        stale_after=ctx.thresholds.stale_after,
+        telemetry_max_age=ctx.telemetry_max_age,
+    )
+
+
+@router.post("/nodes/{node_id}/credential/revoke", response_model=CredentialRevocation)
+def revoke_node_credential(
+    node_id: str, ctx: ContextDep, session: SessionDep
+) -> CredentialRevocation:
+    nodes.get_node(session=session, node_id=node_id)
+    revoked = ctx.authority.revoke_for_node(
+        session, node_id=node_id, reason="revoked by an administrator"
+    )
+    nodes.record_event(
+        session,
+        node_id=node_id,
+        at=ctx.clock.now(),
+        kind="credential_revoked",
+        reason=f"{len(revoked)} credential(s) revoked by an administrator",
+    )
+    return CredentialRevocation(node_id=node_id, revoked=len(revoked))
+
+
+@router.post("/signing-key/rotate", response_model=KeyRotation)
+def rotate_signing_key(ctx: ContextDep, session: SessionDep) -> KeyRotation:
+    kid, revoked = ctx.authority.rotate(session)
+    return KeyRotation(kid=kid, revoked_credentials=revoked)

@@ -1,0 +1,122 @@
+"""Agent API under /api/v1/agent: enroll (enrollment token), then heartbeat, inventory and
+telemetry authenticated by the node credential."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.concurrency import run_in_threadpool
+
+from control_plane import PROTOCOL_MAX, PROTOCOL_MIN
+from control_plane.api.deps import ContextDep, NodeDep, SessionDep
+from control_plane.context import AppContext
+from control_plane.errors import ProtocolIncompatible
+from control_plane.schemas import (
+    Accepted,
+    Compatibility,
+    EnrollRequest,
+    EnrollResponse,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    InventoryRequest,
+    TelemetryRequest,
+)
+from control_plane.services import enrollments, reports
+from control_plane.services.compatibility import judge_protocol
+from control_plane.services.heartbeats import PendingHeartbeat
+
+router = APIRouter(prefix="/api/v1/agent", tags=["agent"])
+
+
+def _intervals(ctx: AppContext) -> dict[str, float]:
+    return {
+        "heartbeat_interval_seconds": ctx.settings.heartbeat_interval_seconds,
+        "telemetry_interval_seconds": ctx.settings.telemetry_interval_seconds,
+    }
+
+
+def _refuse(ctx: AppContext, node_id: str, refusal: ProtocolIncompatible) -> None:
+    with ctx.session_factory.begin() as session:
+        reports.record_incompatibility(
+            session=session, clock=ctx.clock, node_id=node_id, refusal=refusal
+        )
+
+
+@router.post("/enroll", response_model=EnrollResponse)
+def enroll(body: EnrollRequest, ctx: ContextDep) -> EnrollResponse:
+    # Judged before the token is touched: an incompatible agent consumes nothing.
+    protocol = judge_protocol(body.protocol_version, component="agent")
+    result = enrollments.claim_enrollment(
+        session_factory=ctx.session_factory,
+        clock=ctx.clock,
+        authority=ctx.authority,
+        token=body.token,
+        claim_nonce=body.claim_nonce,
+        hostname=body.hostname,
+        agent_version=body.agent_version,
+        protocol_version=protocol,
+        fingerprint=body.fingerprint.model_dump() if body.fingerprint else None,
+    )
+    return EnrollResponse(
+        node_id=result.node_id,
+        credential=result.credential,
+        labels=result.labels,
+        **_intervals(ctx),
+    )
+
+
+@router.post("/heartbeat", response_model=HeartbeatResponse)
+async def heartbeat(body: HeartbeatRequest, node: NodeDep, ctx: ContextDep) -> HeartbeatResponse:
+    # The hot path of a fleet: no database round trip (see services/heartbeats.py).
+    try:
+        protocol = judge_protocol(body.protocol_version, component="agent")
+    except ProtocolIncompatible as refusal:
+        await run_in_threadpool(_refuse, ctx, node.node_id, refusal)
+        raise
+    ctx.heartbeats.record(
+        node.node_id,
+        PendingHeartbeat(
+            at=ctx.clock.now(),
+            agent_version=body.agent_version,
+            protocol_version=protocol,
+            health=body.health.model_dump(exclude_none=True),
+        ),
+    )
+    return HeartbeatResponse(
+        compatibility=Compatibility(
+            status="compatible",
+            protocol_version=protocol,
+            accepted=list(range(PROTOCOL_MIN, PROTOCOL_MAX + 1)),
+        ),
+        **_intervals(ctx),
+    )
+
+
+@router.put("/inventory", response_model=Accepted)
+def inventory(body: InventoryRequest, node: NodeDep, ctx: ContextDep) -> Accepted:
+    if body.runtime_worker is not None:
+        try:
+            judge_protocol(body.runtime_worker.protocol_version, component="runtime-worker")
+        except ProtocolIncompatible as refusal:
+            _refuse(ctx, node.node_id, refusal)
+            raise
+    with ctx.session_factory.begin() as session:
+        at = reports.store_inventory(
+            session=session,
+            clock=ctx.clock,
+            node_id=node.node_id,
+            inventory=body.model_dump(exclude_none=True),
+        )
+    return Accepted(received_at=at)
+
+
+@router.post("/telemetry", response_model=Accepted)
+def telemetry(
+    body: TelemetryRequest, node: NodeDep, session: SessionDep, ctx: ContextDep
+) -> Accepted:
+    at = reports.store_telemetry(
+        session=session,
+        clock=ctx.clock,
+        node_id=node.node_id,
+        telemetry=body.model_dump(exclude_none=True),
+    )
+    return Accepted(received_at=at)

@@ -1,0 +1,27 @@
+"""Public endpoints: health and version. No authentication, no secrets."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from sqlalchemy import text
+
+from control_plane import PROTOCOL_MAX, PROTOCOL_MIN, PROTOCOL_VERSION, RELEASE_VERSION
+from control_plane.api.deps import SessionDep
+from control_plane.schemas import Health, VersionInfo
+
+router = APIRouter(prefix="/api/v1", tags=["public"])
+
+
+@router.get("/health", response_model=Health)
+def health(session: SessionDep) -> Health:
+    session.execute(text("SELECT 1"))
+    return Health(status="ok", database="ok")
+
+
+@router.get("/version", response_model=VersionInfo)
+def version() -> VersionInfo:
+    return VersionInfo(
+        version=RELEASE_VERSION,
+        protocol_version=PROTOCOL_VERSION,
+        accepted_protocols=list(range(PROTOCOL_MIN, PROTOCOL_MAX + 1)),
+    )

@@ -1,0 +1,93 @@
+"""`modelforge-control-plane`: validate settings, prepare the data dir, migrate, serve with Granian.
+
+Configuration errors end here with a readable message and exit code 2, before any server starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from pydantic import ValidationError
+
+from control_plane.admin_token import AdminTokenConfigError, resolve_admin_token
+from control_plane.settings import Settings, describe_validation_error
+
+EXIT_CONFIG = 2
+EXIT_DATABASE = 1
+
+log = logging.getLogger("modelforge.control_plane")
+
+
+def main() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        _die(EXIT_CONFIG, "invalid configuration:\n" + describe_validation_error(exc))
+    logging.getLogger().setLevel(settings.log_level.upper())
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
+    try:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        source = resolve_admin_token(settings)
+    except AdminTokenConfigError as exc:
+        _die(EXIT_CONFIG, str(exc))
+    except OSError as exc:
+        _die(EXIT_CONFIG, f"MODELFORGE_DATA_DIR {settings.data_dir}: {exc.strerror}")
+    _migrate_or_die(settings)
+
+    scheme = "https" if settings.tls_cert else "http"
+    url = f"{scheme}://{settings.host}:{settings.port}"
+    if source.generated:
+        log.info("generated an admin token; it is in %s (mode 0600)", source.file)
+    else:
+        log.info("admin token from %s", source.origin)
+    log.info("ModelForge control plane on %s (API docs at %s/docs)", url, url)
+    log.info(
+        "data dir %s, database %s",
+        settings.data_dir.resolve(),
+        "PostgreSQL" if settings.is_postgresql else "SQLite (embedded)",
+    )
+    _serve(settings)
+
+
+def _migrate_or_die(settings: Settings) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    from control_plane.db import make_engine, migrate
+
+    engine = make_engine(settings.sqlalchemy_url)
+    try:
+        migrate(engine, lock_dir=settings.data_dir)
+    except OperationalError as exc:
+        _die(
+            EXIT_DATABASE,
+            f"cannot reach the database ({type(exc.orig).__name__}); check "
+            "MODELFORGE_DATABASE_URL and that the server is running",
+        )
+    finally:
+        engine.dispose()
+
+
+def _serve(settings: Settings) -> None:
+    from granian import Granian
+    from granian.constants import Interfaces
+
+    Granian(
+        target="control_plane.app:create_app",
+        factory=True,
+        interface=Interfaces.ASGI,
+        address=settings.host,
+        port=settings.port,
+        workers=1,
+        ssl_cert=settings.tls_cert,
+        ssl_key=settings.tls_key,
+        log_level=settings.log_level,  # type: ignore[arg-type]
+    ).serve()
+
+
+def _die(code: int, message: str) -> None:
+    print(f"modelforge-control-plane: {message}", file=sys.stderr)
+    raise SystemExit(code)

@@ -1,0 +1,38 @@
+"""Everything a running control plane holds, built once by the app factory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from control_plane.admin_token import AdminTokenSource
+from control_plane.clock import Clock
+from control_plane.services.credentials import CredentialAuthority
+from control_plane.services.heartbeats import HeartbeatBuffer
+from control_plane.services.nodes import LivenessThresholds
+from control_plane.settings import Settings
+
+
+@dataclass
+class AppContext:
+    settings: Settings
+    clock: Clock
+    engine: Engine
+    session_factory: sessionmaker[Session]
+    admin_token: AdminTokenSource
+    authority: CredentialAuthority
+    heartbeats: HeartbeatBuffer = field(default_factory=HeartbeatBuffer)
+
+    @property
+    def thresholds(self) -> LivenessThresholds:
+        return LivenessThresholds(
+            stale_after=timedelta(seconds=self.settings.node_stale_after_seconds),
+            offline_after=timedelta(seconds=self.settings.node_offline_after_seconds),
+        )
+
+    @property
+    def telemetry_max_age(self) -> timedelta:
+        return timedelta(seconds=3 * self.settings.telemetry_interval_seconds)

@@ -1,0 +1,156 @@
+"""ORM tables. Alembic owns the schema; these classes describe it for queries.
+
+Timestamps are UTC-aware everywhere (`UTCDateTime` restores the zone SQLite drops). Secrets are
+never stored: enrollment tokens and claim nonces as SHA-256 hashes, credentials by `jti` only.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Dialect,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON}
+
+
+class NodeEnrollment(Base):
+    __tablename__ = "node_enrollments"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    node_id: Mapped[str] = mapped_column(String(40), unique=True)
+    display_name: Mapped[str] = mapped_column(String(120))
+    labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    #: pending | claimed | revoked ("expired" is derived from expires_at, never stored).
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    production_eligible: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime]
+    claimed_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
+    claim_nonce_hash: Mapped[str | None] = mapped_column(String(64))
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    enrollment_id: Mapped[str] = mapped_column(ForeignKey("node_enrollments.id"))
+    display_name: Mapped[str] = mapped_column(String(120))
+    hostname: Mapped[str] = mapped_column(String(255))
+    labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime]
+    #: The liveness state last written as an event; the API always recomputes it (LV-1).
+    recorded_state: Mapped[str] = mapped_column(String(16), default="offline")
+    last_heartbeat_at: Mapped[datetime | None]
+    agent_version: Mapped[str | None] = mapped_column(String(64))
+    protocol_version: Mapped[int | None] = mapped_column(Integer)
+    health: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    inventory: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    inventory_at: Mapped[datetime | None]
+    telemetry: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    telemetry_at: Mapped[datetime | None]
+    fingerprint_hash: Mapped[str | None] = mapped_column(String(64), index=True)
+    #: CO-2: the last compatibility refusal (TOO_OLD | TOO_NEW | UNKNOWN) and of which component.
+    compat_code: Mapped[str | None] = mapped_column(String(16))
+    compat_component: Mapped[str | None] = mapped_column(String(32))
+    compat_detail: Mapped[str | None] = mapped_column(Text)
+    compat_at: Mapped[datetime | None]
+
+
+class NodeCredential(Base):
+    __tablename__ = "node_credentials"
+    __table_args__ = (
+        # CR-1: exactly one active credential per node, enforced by the database itself.
+        Index(
+            "uq_node_credentials_active_node",
+            "node_id",
+            unique=True,
+            sqlite_where=text("revoked_at IS NULL"),
+            postgresql_where=text("revoked_at IS NULL"),
+        ),
+    )
+
+    jti: Mapped[str] = mapped_column(String(64), primary_key=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"), index=True)
+    kid: Mapped[str] = mapped_column(String(64))
+    issued_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None] = mapped_column(index=True)
+    revoked_reason: Mapped[str | None] = mapped_column(String(200))
+
+
+class SigningKey(Base):
+    __tablename__ = "signing_keys"
+
+    kid: Mapped[str] = mapped_column(String(64), primary_key=True)
+    public_key_pem: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime]
+    retired_at: Mapped[datetime | None]
+
+
+class NodeEvent(Base):
+    __tablename__ = "node_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"), index=True)
+    at: Mapped[datetime]
+    kind: Mapped[str] = mapped_column(String(32))
+    from_state: Mapped[str | None] = mapped_column(String(16))
+    to_state: Mapped[str | None] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(Text)
+
+
+class TelemetrySample(Base):
+    __tablename__ = "telemetry_samples"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
+    at: Mapped[datetime] = mapped_column(index=True)
+    sample: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+    __table_args__ = (Index("ix_telemetry_samples_node_at", "node_id", "at"),)

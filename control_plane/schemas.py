@@ -1,0 +1,258 @@
+"""Request and response bodies, kept separate from the ORM tables."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+LabelKey = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([a-z0-9._/-]{0,62})$")]
+LabelValue = Annotated[str, StringConstraints(max_length=128)]
+Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=32)]
+Hostname = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=r"^[^\s]+$")]
+Version = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+NonNegative = Annotated[float, Field(ge=0)]
+ShortText = Annotated[str, StringConstraints(max_length=96)]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+    next_step: str
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+# -- enrollments -------------------------------------------------------------------------------
+
+
+class EnrollmentCreate(StrictModel):
+    display_name: Annotated[str, StringConstraints(min_length=1, max_length=120)]
+    expires_in_seconds: int = Field(ge=60, le=86400)
+    labels: Labels = Field(default_factory=dict)
+    production_eligible: bool = False
+
+    @field_validator("display_name")
+    @classmethod
+    def _strip(cls, value: str) -> str:
+        value = value.strip()
+        if not value:
+            raise ValueError("display_name must not be blank")
+        return value
+
+
+class EnrollmentPublic(BaseModel):
+    enrollment_id: str
+    node_id: str
+    display_name: str
+    labels: dict[str, str]
+    state: Literal["pending", "claimed", "revoked", "expired"]
+    created_at: datetime
+    expires_at: datetime
+    claimed_at: datetime | None
+    revoked_at: datetime | None
+    production_eligible: bool
+
+
+class EnrollmentMinted(EnrollmentPublic):
+    token: str
+    api_origin: str
+
+
+# -- agent -------------------------------------------------------------------------------------
+
+
+class Fingerprint(StrictModel):
+    machine_id: Annotated[str, StringConstraints(max_length=128)] | None = None
+    gpu_uuids: Annotated[
+        list[Annotated[str, StringConstraints(max_length=96)]], Field(max_length=64)
+    ] = Field(default_factory=list)
+
+
+class EnrollRequest(StrictModel):
+    token: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    claim_nonce: Annotated[str, StringConstraints(min_length=16, max_length=128)]
+    hostname: Hostname
+    protocol_version: Any = None
+    agent_version: Version
+    fingerprint: Fingerprint | None = None
+
+
+class AgentIntervals(BaseModel):
+    heartbeat_interval_seconds: float
+    telemetry_interval_seconds: float
+
+
+class EnrollResponse(AgentIntervals):
+    node_id: str
+    credential: str
+    labels: dict[str, str]
+
+
+class AgentHealth(StrictModel):
+    status: Literal["healthy", "degraded", "unhealthy"]
+    preflight: Literal["passed", "failed", "not_run"]
+    message: Annotated[str, StringConstraints(max_length=500)] | None = None
+
+
+class HeartbeatRequest(StrictModel):
+    protocol_version: Any = None
+    agent_version: Version
+    health: AgentHealth
+
+
+class Compatibility(BaseModel):
+    status: Literal["compatible"]
+    protocol_version: int
+    accepted: list[int]
+
+
+class HeartbeatResponse(AgentIntervals):
+    compatibility: Compatibility
+
+
+class GpuInventory(StrictModel):
+    index: int = Field(ge=0, le=255)
+    uuid: Annotated[str, StringConstraints(min_length=1, max_length=96)]
+    name: Annotated[str, StringConstraints(max_length=128)]
+    memory_total_mb: NonNegative | None = None
+    driver_version: Annotated[str, StringConstraints(max_length=64)] | None = None
+    cuda_version: Annotated[str, StringConstraints(max_length=32)] | None = None
+
+
+class RuntimeWorkerInventory(StrictModel):
+    version: Version
+    protocol_version: Any = None
+    healthy: bool = True
+
+
+class InventoryRequest(StrictModel):
+    hostname: Hostname
+    os: Annotated[str, StringConstraints(max_length=200)]
+    agent_version: Version
+    accelerator_mode: Literal["nvidia", "cpu"]
+    cpu_count: int = Field(ge=1, le=100_000)
+    memory_mb: int = Field(ge=1)
+    gpus: Annotated[list[GpuInventory], Field(max_length=64)] = Field(default_factory=list)
+    runtime_worker: RuntimeWorkerInventory | None = None
+    slurm: dict[str, str] | None = None
+
+
+class GpuTelemetry(StrictModel):
+    index: int = Field(ge=0, le=255)
+    uuid: Annotated[str, StringConstraints(min_length=1, max_length=96)]
+    utilization_percent: Annotated[float, Field(ge=0, le=100)] | None = None
+    memory_used_mb: NonNegative | None = None
+    memory_total_mb: NonNegative | None = None
+    temperature_c: Annotated[float, Field(ge=-50, le=200)] | None = None
+    power_draw_w: NonNegative | None = None
+    power_limit_w: NonNegative | None = None
+    ecc_volatile_corrected: Annotated[int, Field(ge=0)] | None = None
+    ecc_volatile_uncorrected: Annotated[int, Field(ge=0)] | None = None
+    throttle_reasons: Annotated[list[ShortText], Field(max_length=32)] | None = None
+
+
+class HostTelemetry(StrictModel):
+    cpu_percent: Annotated[float, Field(ge=0, le=100)] | None = None
+    memory_used_mb: NonNegative | None = None
+    memory_total_mb: NonNegative | None = None
+
+
+class TelemetryRequest(StrictModel):
+    host: HostTelemetry = Field(default_factory=HostTelemetry)
+    gpus: Annotated[list[GpuTelemetry], Field(max_length=64)] = Field(default_factory=list)
+
+
+class Accepted(BaseModel):
+    accepted: bool = True
+    received_at: datetime
+
+
+# -- nodes -------------------------------------------------------------------------------------
+
+NodeState = Literal["online", "stale", "offline"]
+
+
+class NeedsUpgrade(BaseModel):
+    code: str
+    component: str
+    detail: str
+
+
+class DuplicateIdentity(BaseModel):
+    other_node_ids: list[str]
+    message: str
+    next_step: str
+
+
+class NodePublic(BaseModel):
+    node_id: str
+    enrollment_id: str
+    display_name: str
+    hostname: str
+    labels: dict[str, str]
+    state: NodeState
+    created_at: datetime
+    last_heartbeat_at: datetime | None
+    agent_version: str | None
+    protocol_version: int | None
+    health: dict[str, Any] | None
+    needs_upgrade: NeedsUpgrade | None
+    duplicate_identity: DuplicateIdentity | None
+    inventory: dict[str, Any] | None
+    inventory_at: datetime | None
+    telemetry: dict[str, Any] | None
+    telemetry_at: datetime | None
+
+
+class NodeEventPublic(BaseModel):
+    id: int
+    at: datetime
+    kind: str
+    from_state: str | None
+    to_state: str | None
+    reason: str
+
+
+class ReadinessCheck(BaseModel):
+    name: str
+    status: Literal["pass", "fail", "unknown"]
+    detail: str
+    next_step: str
+
+
+class Readiness(BaseModel):
+    node_id: str
+    ready: bool
+    checks: list[ReadinessCheck]
+
+
+class CredentialRevocation(BaseModel):
+    node_id: str
+    revoked: int
+
+
+class KeyRotation(BaseModel):
+    kid: str
+    revoked_credentials: int
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    database: Literal["ok"]
+
+
+class VersionInfo(BaseModel):
+    version: str
+    protocol_version: int
+    accepted_protocols: list[int]

@@ -1,0 +1,32 @@
+"""Protocol compatibility (CO-1): one verdict function for agents and runtime workers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from control_plane import PROTOCOL_MAX, PROTOCOL_MIN
+from control_plane.errors import ProtocolIncompatible
+
+_NEXT_STEP = {
+    "TOO_OLD": "Upgrade the {component} to a release that speaks protocol {lo}..{hi}.",
+    "TOO_NEW": "Upgrade the control plane, or run a {component} release that speaks protocol "
+    "{lo}..{hi}.",
+    "UNKNOWN": "Report `protocol_version` as an integer; this control plane accepts {lo}..{hi}.",
+}
+
+
+def judge_protocol(value: Any, *, component: str) -> int:
+    """Return the protocol integer, or raise `ProtocolIncompatible` with TOO_OLD/TOO_NEW/UNKNOWN."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        code = "UNKNOWN"
+        message = f"The {component} did not report a protocol version this control plane can read."
+    elif value < PROTOCOL_MIN:
+        code = "TOO_OLD"
+        message = f"The {component} speaks protocol {value}, older than {PROTOCOL_MIN}."
+    elif value > PROTOCOL_MAX:
+        code = "TOO_NEW"
+        message = f"The {component} speaks protocol {value}, newer than {PROTOCOL_MAX}."
+    else:
+        return value
+    next_step = _NEXT_STEP[code].format(component=component, lo=PROTOCOL_MIN, hi=PROTOCOL_MAX)
+    raise ProtocolIncompatible(message, next_step, code=code, component=component)

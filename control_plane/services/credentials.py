@@ -1,0 +1,308 @@
+"""Node credentials (CR-1, CR-2): EdDSA JWTs signed with Authlib, one active `jti` per node.
+
+Verification is built for heartbeat fleets (HB-4): a credential string that verified once is kept
+in memory, and the status of each `jti` is cached, so a steady-state request costs two dict
+look-ups and no database round trip. Revocations made in this process apply at once; those made
+by another process are picked up by `refresh()`, which the app runs every second.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import threading
+import warnings
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from control_plane.clock import Clock
+from control_plane.db import rowcount
+from control_plane.errors import CredentialError, CredentialRevoked
+from control_plane.models import NodeCredential, SigningKey
+from control_plane.security import new_id, write_private_file
+
+import authlib.deprecate  # noqa: E402,I001 - installs Authlib's own warning filter first
+
+with warnings.catch_warnings():
+    # authlib.jose warns that joserfc is its successor; its JWT API is stable through Authlib 1.x.
+    warnings.simplefilter("ignore", authlib.deprecate.AuthlibDeprecationWarning)
+    from authlib.jose import JsonWebToken
+    from authlib.jose.errors import JoseError
+
+SIGNING_KEY_FILE = "signing-key.pem"
+ISSUER = "modelforge-control-plane"
+_ALGORITHM = "EdDSA"
+_VERIFIED_CACHE_LIMIT = 200_000
+#: Revocations committed by other processes are searched this far behind the last refresh.
+_REFRESH_OVERLAP = timedelta(seconds=10)
+
+
+@dataclass(frozen=True)
+class NodePrincipal:
+    node_id: str
+    jti: str
+    labels: dict[str, str]
+
+
+@dataclass(frozen=True)
+class _Key:
+    kid: str
+    public_pem: bytes
+    retired: bool
+
+
+class CredentialAuthority:
+    def __init__(self, *, data_dir: Path, clock: Clock) -> None:
+        self._key_path = data_dir / SIGNING_KEY_FILE
+        self._clock = clock
+        self._jwt = JsonWebToken([_ALGORITHM])
+        self._lock = threading.Lock()
+        self._private_pem = b""
+        self._kid = ""
+        self._keys: dict[str, _Key] = {}
+        self._verified: dict[str, NodePrincipal] = {}
+        #: jti -> True (active) / False (revoked); absent means "ask the database".
+        self._jti_active: dict[str, bool] = {}
+        self._refreshed_at: datetime | None = None
+
+    def __repr__(self) -> str:
+        return f"CredentialAuthority(kid={self._kid!r})"
+
+    # -- keys -------------------------------------------------------------------------------
+
+    def start(self, session: Session) -> None:
+        """Load (or create) the signing key and register it; call once at start-up."""
+        if self._key_path.exists():
+            self._private_pem = self._key_path.read_bytes()
+        else:
+            self._private_pem = _generate_private_pem()
+            write_private_file(self._key_path, self._private_pem.decode())
+        self._kid, public_pem = _describe(self._private_pem)
+        row = session.get(SigningKey, self._kid)
+        if row is None:
+            session.add(
+                SigningKey(
+                    kid=self._kid,
+                    public_key_pem=public_pem.decode(),
+                    created_at=self._clock.now(),
+                    retired_at=None,
+                )
+            )
+            session.flush()
+        self._load_keys(session)
+
+    def rotate(self, session: Session) -> tuple[str, int]:
+        """Replace the signing key and revoke every credential. Returns (new kid, revoked)."""
+        now = self._clock.now()
+        private_pem = _generate_private_pem()
+        kid, public_pem = _describe(private_pem)
+        session.execute(
+            update(SigningKey).where(SigningKey.retired_at.is_(None)).values(retired_at=now)
+        )
+        session.add(
+            SigningKey(kid=kid, public_key_pem=public_pem.decode(), created_at=now, retired_at=None)
+        )
+        revoked = rowcount(
+            session.execute(
+                update(NodeCredential)
+                .where(NodeCredential.revoked_at.is_(None))
+                .values(revoked_at=now, revoked_reason="signing key rotated")
+            )
+        )
+        session.flush()
+        # The key file is replaced only after the database accepted the change; the caller
+        # commits right after. A crash between the two leaves the old key active and nothing lost.
+        write_private_file(self._key_path, private_pem.decode())
+        with self._lock:
+            self._private_pem, self._kid = private_pem, kid
+            self._verified.clear()
+            self._jti_active = dict.fromkeys(self._jti_active, False)
+        self._load_keys(session)
+        return kid, revoked
+
+    def _load_keys(self, session: Session) -> None:
+        keys = {
+            row.kid: _Key(row.kid, row.public_key_pem.encode(), row.retired_at is not None)
+            for row in session.scalars(select(SigningKey))
+        }
+        with self._lock:
+            self._keys = keys
+            if keys.get(self._kid, _Key("", b"", True)).retired and self._key_path.exists():
+                # Another process sharing this data dir rotated the key.
+                self._private_pem = self._key_path.read_bytes()
+                self._kid, _ = _describe(self._private_pem)
+                self._verified.clear()
+
+    # -- issue ------------------------------------------------------------------------------
+
+    def issue(self, session: Session, *, node_id: str, labels: dict[str, str]) -> str:
+        """Revoke the node's active credential (if any) and issue a new one, in `session`."""
+        now = self._clock.now()
+        replaced = list(
+            session.scalars(
+                select(NodeCredential.jti).where(
+                    NodeCredential.node_id == node_id, NodeCredential.revoked_at.is_(None)
+                )
+            )
+        )
+        if replaced:
+            session.execute(
+                update(NodeCredential)
+                .where(NodeCredential.jti.in_(replaced))
+                .values(revoked_at=now, revoked_reason="replaced by a new credential")
+            )
+        jti = new_id("jti")
+        session.add(NodeCredential(jti=jti, node_id=node_id, kid=self._kid, issued_at=now))
+        session.flush()
+        claims = {
+            "iss": ISSUER,
+            "sub": node_id,
+            "jti": jti,
+            "iat": int(now.timestamp()),
+            "labels": labels,
+        }
+        token: bytes = self._jwt.encode(
+            {"alg": _ALGORITHM, "kid": self._kid, "typ": "JWT"}, claims, self._private_pem
+        )
+        self.forget(replaced)
+        return token.decode()
+
+    # -- verify -----------------------------------------------------------------------------
+
+    def verify(self, token: str) -> tuple[NodePrincipal, bool]:
+        """Check signature and cached status. Returns (principal, status_known).
+
+        When `status_known` is False the caller must call `load_status` (a database read)
+        before trusting the principal.
+        """
+        principal = self._verified.get(token)
+        if principal is None:
+            principal = self._verify_signature(token)
+            if len(self._verified) >= _VERIFIED_CACHE_LIMIT:
+                self._verified.clear()
+            self._verified[token] = principal
+        active = self._jti_active.get(principal.jti)
+        if active is None:
+            return principal, False
+        if not active:
+            raise _revoked()
+        return principal, True
+
+    def load_status(self, session: Session, principal: NodePrincipal) -> None:
+        row = session.get(NodeCredential, principal.jti)
+        active = row is not None and row.revoked_at is None and row.node_id == principal.node_id
+        self._jti_active[principal.jti] = active
+        if not active:
+            raise _revoked()
+
+    def _verify_signature(self, token: str) -> NodePrincipal:
+        try:
+            header = _unverified_header(token)
+            key = self._keys.get(str(header.get("kid", "")))
+            if key is None:
+                raise CredentialError(
+                    "The node credential was not signed by this control plane.",
+                    "Enroll the node again with a new enrollment token.",
+                )
+            if key.retired:
+                raise CredentialRevoked(
+                    "The node credential was revoked: the signing key was rotated.",
+                    "Enroll the node again with a new enrollment token.",
+                )
+            claims: Any = self._jwt.decode(
+                token,
+                key.public_pem,
+                claims_options={"iss": {"essential": True, "value": ISSUER}},
+            )
+            claims.validate()
+            node_id, jti, labels = claims["sub"], claims["jti"], claims.get("labels", {})
+        except (JoseError, ValueError, KeyError, TypeError):
+            raise CredentialError(
+                "The node credential is malformed or its signature is invalid.",
+                "Check that the agent sends the credential it received at enrollment; "
+                "if its state volume was lost, enroll again.",
+            ) from None
+        if not isinstance(node_id, str) or not isinstance(jti, str) or not isinstance(labels, dict):
+            raise CredentialError(
+                "The node credential is missing required claims.",
+                "Enroll the node again with a new enrollment token.",
+            )
+        return NodePrincipal(node_id=node_id, jti=jti, labels=labels)
+
+    # -- revoke -----------------------------------------------------------------------------
+
+    def revoke_for_node(self, session: Session, *, node_id: str, reason: str) -> list[str]:
+        now = self._clock.now()
+        jtis = list(
+            session.scalars(
+                select(NodeCredential.jti).where(
+                    NodeCredential.node_id == node_id, NodeCredential.revoked_at.is_(None)
+                )
+            )
+        )
+        if jtis:
+            session.execute(
+                update(NodeCredential)
+                .where(NodeCredential.jti.in_(jtis))
+                .values(revoked_at=now, revoked_reason=reason)
+            )
+        self.forget(jtis)
+        return jtis
+
+    def forget(self, jtis: list[str]) -> None:
+        """Mark `jtis` revoked in this process's cache (the database is the caller's job)."""
+        for jti in jtis:
+            self._jti_active[jti] = False
+
+    def refresh(self, session_factory: sessionmaker[Session]) -> None:
+        """Pick up revocations and key rotations committed by other processes."""
+        now = self._clock.now()
+        since = (self._refreshed_at or now) - _REFRESH_OVERLAP
+        with session_factory() as session:
+            revoked = list(
+                session.scalars(
+                    select(NodeCredential.jti).where(NodeCredential.revoked_at >= since)
+                )
+            )
+            self._load_keys(session)
+        self.forget(revoked)
+        self._refreshed_at = now
+
+
+def _revoked() -> CredentialRevoked:
+    return CredentialRevoked(
+        "The node credential was revoked.",
+        "Stop this agent; if the node should return, enroll it again with a new token.",
+    )
+
+
+def _generate_private_pem() -> bytes:
+    return Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _describe(private_pem: bytes) -> tuple[str, bytes]:
+    key = serialization.load_pem_private_key(private_pem, password=None)
+    public_pem = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return "k_" + hashlib.sha256(public_pem).hexdigest()[:24], public_pem
+
+
+def _unverified_header(token: str) -> dict[str, Any]:
+    head = token.split(".", 1)[0]
+    decoded = json.loads(base64.urlsafe_b64decode(head + "=" * (-len(head) % 4)))
+    if not isinstance(decoded, dict):
+        raise ValueError("JWT header is not an object")
+    return decoded

@@ -1,0 +1,236 @@
+"""Nodes: liveness (LV-1, LV-3), duplicate identities (ID-1), views, deletion.
+
+Liveness is computed from the last heartbeat every time a node is read, so the API never calls a
+silent node online; the background sweep only records the transitions as events.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from control_plane.clock import Clock
+from control_plane.db import rowcount
+from control_plane.errors import NotFound
+from control_plane.models import Node, NodeEvent
+from control_plane.schemas import DuplicateIdentity, NeedsUpgrade, NodePublic, NodeState
+
+
+@dataclass(frozen=True)
+class LivenessThresholds:
+    stale_after: timedelta
+    offline_after: timedelta
+
+
+def liveness_state(
+    last_heartbeat_at: datetime | None, now: datetime, thresholds: LivenessThresholds
+) -> NodeState:
+    if last_heartbeat_at is None:
+        return "offline"
+    silence = now - last_heartbeat_at
+    if silence >= thresholds.offline_after:
+        return "offline"
+    if silence >= thresholds.stale_after:
+        return "stale"
+    return "online"
+
+
+def fingerprint_hash(fingerprint: dict[str, Any] | None) -> str | None:
+    if not fingerprint:
+        return None
+    machine_id = (fingerprint.get("machine_id") or "").strip()
+    gpu_uuids = sorted({u.strip() for u in fingerprint.get("gpu_uuids") or [] if u.strip()})
+    if not machine_id and not gpu_uuids:
+        return None
+    canonical = json.dumps({"machine_id": machine_id, "gpu_uuids": gpu_uuids}, sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def record_event(
+    session: Session,
+    *,
+    node_id: str,
+    at: datetime,
+    kind: str,
+    reason: str,
+    from_state: str | None = None,
+    to_state: str | None = None,
+) -> None:
+    session.add(
+        NodeEvent(
+            node_id=node_id,
+            at=at,
+            kind=kind,
+            reason=reason,
+            from_state=from_state,
+            to_state=to_state,
+        )
+    )
+
+
+def get_node(*, session: Session, node_id: str) -> Node:
+    node = session.get(Node, node_id)
+    if node is None:
+        raise NotFound(
+            f"No node with id {node_id!r}.",
+            "List nodes with GET /api/v1/admin/nodes; a node exists once its token was claimed.",
+            code="NODE_NOT_FOUND",
+        )
+    return node
+
+
+def list_nodes(*, session: Session) -> list[Node]:
+    return list(session.scalars(select(Node).order_by(Node.created_at)))
+
+
+def duplicates_of(session: Session, nodes: list[Node]) -> dict[str, list[str]]:
+    hashes = {n.fingerprint_hash for n in nodes if n.fingerprint_hash}
+    if not hashes:
+        return {}
+    shared = set(
+        session.scalars(
+            select(Node.fingerprint_hash)
+            .where(Node.fingerprint_hash.in_(hashes))
+            .group_by(Node.fingerprint_hash)
+            .having(func.count() > 1)
+        )
+    )
+    if not shared:
+        return {}
+    by_hash: dict[str, list[str]] = {}
+    for node_id, fp in session.execute(
+        select(Node.id, Node.fingerprint_hash).where(Node.fingerprint_hash.in_(shared))
+    ):
+        if fp is not None:
+            by_hash.setdefault(fp, []).append(node_id)
+    return {
+        n.id: sorted(i for i in by_hash[n.fingerprint_hash] if i != n.id)
+        for n in nodes
+        if n.fingerprint_hash in by_hash
+    }
+
+
+def node_public(
+    node: Node,
+    *,
+    now: datetime,
+    thresholds: LivenessThresholds,
+    duplicates: list[str],
+    pending_heartbeat_at: datetime | None = None,
+    pending: dict[str, Any] | None = None,
+) -> NodePublic:
+    """The API view of a node, merging a heartbeat accepted but not yet flushed."""
+    last = node.last_heartbeat_at
+    if pending_heartbeat_at is not None and (last is None or pending_heartbeat_at > last):
+        last = pending_heartbeat_at
+    extra = pending or {}
+    return NodePublic(
+        node_id=node.id,
+        enrollment_id=node.enrollment_id,
+        display_name=node.display_name,
+        hostname=node.hostname,
+        labels=node.labels,
+        state=liveness_state(last, now, thresholds),
+        created_at=node.created_at,
+        last_heartbeat_at=last,
+        agent_version=extra.get("agent_version", node.agent_version),
+        protocol_version=extra.get("protocol_version", node.protocol_version),
+        health=extra.get("health", node.health),
+        needs_upgrade=(
+            NeedsUpgrade(
+                code=node.compat_code,
+                component=node.compat_component or "agent",
+                detail=node.compat_detail or "",
+            )
+            if node.compat_code
+            else None
+        ),
+        duplicate_identity=(
+            DuplicateIdentity(
+                other_node_ids=duplicates,
+                message="Another node was enrolled with the same machine fingerprint (GPU UUIDs "
+                "and machine id): this host probably lost its agent state volume and enrolled "
+                "again.",
+                next_step="Mount MODELFORGE_AGENT_STATE_VOLUME on durable storage, keep the node "
+                "that is online and delete the other (DELETE /api/v1/admin/nodes/{node_id}).",
+            )
+            if duplicates
+            else None
+        ),
+        inventory=node.inventory,
+        inventory_at=node.inventory_at,
+        telemetry=node.telemetry,
+        telemetry_at=node.telemetry_at,
+    )
+
+
+def list_events(*, session: Session, node_id: str, limit: int) -> list[NodeEvent]:
+    get_node(session=session, node_id=node_id)
+    return list(
+        session.scalars(
+            select(NodeEvent)
+            .where(NodeEvent.node_id == node_id)
+            .order_by(NodeEvent.id.desc())
+            .limit(limit)
+        )
+    )
+
+
+def sweep_liveness(*, session: Session, clock: Clock, thresholds: LivenessThresholds) -> int:
+    """Record each liveness change as an event (LV-3). Safe to run in several processes.
+
+    Transitions to `online` are recorded by the heartbeat flush; this records the decay.
+    """
+    now = clock.now()
+    stale_before = now - thresholds.stale_after
+    offline_before = now - thresholds.offline_after
+    candidates = session.execute(
+        select(Node.id, Node.recorded_state, Node.last_heartbeat_at).where(
+            Node.last_heartbeat_at.is_not(None),
+            ((Node.recorded_state == "online") & (Node.last_heartbeat_at <= stale_before))
+            | ((Node.recorded_state == "stale") & (Node.last_heartbeat_at <= offline_before)),
+        )
+    ).all()
+    changed = 0
+    for node_id, recorded, last in candidates:
+        to_state = liveness_state(last, now, thresholds)
+        if last is None or to_state == recorded:
+            continue
+        # Conditional: with several replicas sweeping, exactly one records the event.
+        result = session.execute(
+            update(Node)
+            .where(
+                Node.id == node_id,
+                Node.recorded_state == recorded,
+                Node.last_heartbeat_at == last,
+            )
+            .values(recorded_state=to_state)
+        )
+        if rowcount(result) != 1:
+            continue
+        silence = (now - last).total_seconds()
+        limit = thresholds.offline_after if to_state == "offline" else thresholds.stale_after
+        record_event(
+            session,
+            node_id=node_id,
+            at=now,
+            kind="state_changed",
+            from_state=recorded,
+            to_state=to_state,
+            reason=f"no heartbeat for {silence:.0f} s ({to_state} after "
+            f"{limit.total_seconds():g} s)",
+        )
+        changed += 1
+    return changed
+
+
+def delete_node(*, session: Session, node_id: str) -> Node:
+    node = get_node(session=session, node_id=node_id)
+    session.delete(node)
+    return node

@@ -1,0 +1,85 @@
+"""What agents report besides heartbeats: inventory (HB-2), telemetry (HB-3), and compatibility
+refusals (CO-2) recorded against the node so that it shows as Needs upgrade."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import delete, update
+from sqlalchemy.orm import Session
+
+from control_plane.clock import Clock
+from control_plane.db import rowcount
+from control_plane.errors import ProtocolIncompatible
+from control_plane.models import Node, TelemetrySample
+from control_plane.services.nodes import get_node, record_event
+
+
+def record_incompatibility(
+    *, session: Session, clock: Clock, node_id: str, refusal: ProtocolIncompatible
+) -> None:
+    node = session.get(Node, node_id)
+    if node is None:
+        return
+    if node.compat_code != refusal.code or node.compat_component != refusal.component:
+        record_event(
+            session,
+            node_id=node_id,
+            at=clock.now(),
+            kind="needs_upgrade",
+            reason=f"{refusal.code}: {refusal.message}",
+        )
+    node.compat_code = refusal.code
+    node.compat_component = refusal.component
+    node.compat_detail = f"{refusal.message} {refusal.next_step}"
+    node.compat_at = clock.now()
+
+
+def store_inventory(
+    *, session: Session, clock: Clock, node_id: str, inventory: dict[str, Any]
+) -> datetime:
+    node = get_node(session=session, node_id=node_id)
+    now = clock.now()
+    if node.inventory != inventory:
+        record_event(
+            session,
+            node_id=node_id,
+            at=now,
+            kind="inventory_changed",
+            reason=_describe_inventory(inventory),
+        )
+    node.inventory = inventory
+    node.inventory_at = now
+    node.hostname = inventory["hostname"]
+    if node.compat_component == "runtime-worker":
+        node.compat_code = node.compat_component = node.compat_detail = None
+    return now
+
+
+def store_telemetry(
+    *, session: Session, clock: Clock, node_id: str, telemetry: dict[str, Any]
+) -> datetime:
+    now = clock.now()
+    session.execute(
+        update(Node).where(Node.id == node_id).values(telemetry=telemetry, telemetry_at=now)
+    )
+    session.add(TelemetrySample(node_id=node_id, at=now, sample=telemetry))
+    return now
+
+
+def prune_telemetry(*, session: Session, clock: Clock, retention: timedelta) -> int:
+    result = session.execute(
+        delete(TelemetrySample).where(TelemetrySample.at < clock.now() - retention)
+    )
+    return rowcount(result)
+
+
+def _describe_inventory(inventory: dict[str, Any]) -> str:
+    gpus = inventory.get("gpus") or []
+    worker = inventory.get("runtime_worker") or {}
+    return (
+        f"{inventory.get('cpu_count')} CPUs, {inventory.get('memory_mb')} MB RAM, "
+        f"{len(gpus)} GPU(s), mode {inventory.get('accelerator_mode')}, "
+        f"runtime worker {worker.get('version', 'absent')}"
+    )

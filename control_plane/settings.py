@@ -1,0 +1,92 @@
+"""Control plane settings: one pydantic-settings class, prefix `MODELFORGE_` (CP-1..CP-4).
+
+Values are validated once at start; contradictory liveness thresholds are refused with a message
+naming the settings. Secrets are `SecretStr` so that `repr()` and logs never show them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Self
+
+from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MODELFORGE_", extra="ignore")
+
+    data_dir: Path = Field(default=Path("modelforge-data"))
+    database_url: SecretStr | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    public_url: str | None = None
+    admin_token: SecretStr | None = None
+    admin_token_file: Path | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    node_stale_after_seconds: float = 30.0
+    node_offline_after_seconds: float = 90.0
+    heartbeat_interval_seconds: float = 10.0
+    telemetry_interval_seconds: float = 15.0
+    #: How often coalesced heartbeats are written (HB-4 promises at most 1 s).
+    heartbeat_flush_interval_seconds: float = Field(default=0.5, gt=0, le=1.0)
+    liveness_sweep_interval_seconds: float = Field(default=1.0, gt=0)
+    #: How often this process re-reads credential revocations made by other processes.
+    credential_refresh_interval_seconds: float = Field(default=1.0, gt=0)
+    telemetry_retention_seconds: float = Field(default=3600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_liveness(self) -> Self:
+        stale = self.node_stale_after_seconds
+        offline = self.node_offline_after_seconds
+        interval = self.heartbeat_interval_seconds
+        problems: list[str] = []
+        for name, value in (
+            ("MODELFORGE_NODE_STALE_AFTER_SECONDS", stale),
+            ("MODELFORGE_NODE_OFFLINE_AFTER_SECONDS", offline),
+            ("MODELFORGE_HEARTBEAT_INTERVAL_SECONDS", interval),
+            ("MODELFORGE_TELEMETRY_INTERVAL_SECONDS", self.telemetry_interval_seconds),
+        ):
+            if value <= 0:
+                problems.append(f"{name} must be positive (got {value:g})")
+        if offline <= stale:
+            problems.append(
+                "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS "
+                f"({offline:g}) must be greater than MODELFORGE_NODE_STALE_AFTER_SECONDS "
+                f"({stale:g})"
+            )
+        if interval >= stale:
+            problems.append(
+                f"MODELFORGE_HEARTBEAT_INTERVAL_SECONDS ({interval:g}) must be below "
+                f"MODELFORGE_NODE_STALE_AFTER_SECONDS ({stale:g}), or every node would go stale "
+                "between two heartbeats"
+            )
+        if (self.tls_cert is None) != (self.tls_key is None):
+            problems.append("MODELFORGE_TLS_CERT and MODELFORGE_TLS_KEY must be set together")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        if self.database_url is not None:
+            return self.database_url.get_secret_value()
+        return f"sqlite:///{(self.data_dir / 'modelforge.db').resolve()}"
+
+    @property
+    def is_postgresql(self) -> bool:
+        return self.sqlalchemy_url.startswith("postgresql")
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """One readable line per problem, naming environment variables, never echoing values."""
+    lines = []
+    for item in error.errors():
+        loc = "_".join(str(part) for part in item["loc"] if part != "__root__")
+        name = f"MODELFORGE_{loc.upper()}" if loc else "settings"
+        message = str(item["msg"]).removeprefix("Value error, ")
+        lines.append(message if not loc else f"{name}: {message}")
+    return "\n".join(lines)

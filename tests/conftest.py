@@ -1,0 +1,83 @@
+"""Shared fixtures: every database-backed test runs on SQLite and on a real PostgreSQL.
+
+PostgreSQL comes from MODELFORGE_TEST_POSTGRES_URL (default: the local server on 127.0.0.1:5432).
+If it cannot be reached the PostgreSQL tests fail with the reason: they are never skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from control_plane.db import make_engine, migrate
+from tests.factories import ADMIN_TOKEN
+
+POSTGRES_ADMIN_URL = os.environ.get(
+    "MODELFORGE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+_TABLES = [
+    "telemetry_samples",
+    "node_events",
+    "node_credentials",
+    "nodes",
+    "node_enrollments",
+    "signing_keys",
+]
+
+
+def _libpq(url: str) -> str:
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A fresh, migrated PostgreSQL database for this test session, dropped at the end."""
+    name = f"modelforge_test_{secrets.token_hex(4)}"
+    try:
+        admin = psycopg.connect(_libpq(POSTGRES_ADMIN_URL), autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as exc:
+        pytest.fail(
+            f"PostgreSQL is required for these tests and is unreachable at "
+            f"MODELFORGE_TEST_POSTGRES_URL ({exc}). Start it (see .ci/run).",
+            pytrace=False,
+        )
+    with admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    url = make_url(POSTGRES_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    engine = make_engine(url)
+    migrate(engine)
+    engine.dispose()
+    try:
+        yield url
+    finally:
+        with psycopg.connect(_libpq(POSTGRES_ADMIN_URL), autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _truncate(url: str) -> None:
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text(f"TRUNCATE {', '.join(_TABLES)} RESTART IDENTITY CASCADE"))
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Run the test once per supported database, each time on an empty schema."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'cp.db'}"
+    url: str = request.getfixturevalue("postgres_url")
+    _truncate(url)
+    return url
+
+
+@pytest.fixture
+def admin_token() -> str:
+    return ADMIN_TOKEN

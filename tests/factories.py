@@ -1,0 +1,153 @@
+"""Factories for tests: settings, an in-process control plane, and agent-side request bodies."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
+
+from control_plane.app import create_app
+from control_plane.clock import Clock, ManualClock
+from control_plane.context import AppContext
+from control_plane.settings import Settings
+
+ADMIN_TOKEN = "mfa_test_" + secrets.token_urlsafe(24)
+
+
+def make_settings(data_dir: Path, database_url: str, **overrides: Any) -> Settings:
+    return Settings(
+        data_dir=data_dir,
+        database_url=SecretStr(database_url),
+        admin_token=SecretStr(ADMIN_TOKEN),
+        **overrides,
+    )
+
+
+def heartbeat_body(protocol: Any = 1, **health: Any) -> dict[str, Any]:
+    return {
+        "protocol_version": protocol,
+        "agent_version": "0.1.0",
+        "health": {"status": "healthy", "preflight": "passed", **health},
+    }
+
+
+def inventory_body(mode: str = "cpu", worker_protocol: Any = 1, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "hostname": "gpu-host-1",
+        "os": "Debian GNU/Linux 12",
+        "agent_version": "0.1.0",
+        "accelerator_mode": mode,
+        "cpu_count": 16,
+        "memory_mb": 64000,
+        "gpus": [],
+        "runtime_worker": {"version": "0.1.0", "protocol_version": worker_protocol},
+    }
+    if mode == "nvidia":
+        body["gpus"] = [
+            {"index": 0, "uuid": "GPU-0000-aaaa", "name": "NVIDIA H200", "memory_total_mb": 143771}
+        ]
+    body.update(extra)
+    return body
+
+
+def telemetry_body() -> dict[str, Any]:
+    return {
+        "host": {"cpu_percent": 12.5, "memory_used_mb": 2048, "memory_total_mb": 64000},
+        "gpus": [
+            {
+                "index": 0,
+                "uuid": "GPU-0000-aaaa",
+                "utilization_percent": 37.0,
+                "memory_used_mb": 1024,
+                "memory_total_mb": 143771,
+                "temperature_c": 41,
+                "power_draw_w": 120.5,
+            }
+        ],
+    }
+
+
+class ControlPlane:
+    """An in-process control plane (real app, real database) driven through HTTP calls."""
+
+    def __init__(self, client: TestClient, clock: ManualClock) -> None:
+        self.client = client
+        self.clock = clock
+        self.ctx: AppContext = client.app.state.ctx  # type: ignore[attr-defined]
+
+    @property
+    def admin(self) -> dict[str, str]:
+        return {"X-ModelForge-Admin-Token": ADMIN_TOKEN}
+
+    def mint(self, expires_in_seconds: int = 900, **body: Any) -> dict[str, Any]:
+        response = self.client.post(
+            "/api/v1/admin/node-enrollments",
+            headers=self.admin,
+            json={"display_name": "gpu-1", "expires_in_seconds": expires_in_seconds, **body},
+        )
+        assert response.status_code == 201, response.text
+        return dict(response.json())
+
+    def enroll_raw(self, token: str, nonce: str | None = None, **body: Any) -> Any:
+        payload = {
+            "token": token,
+            "claim_nonce": nonce or secrets.token_hex(16),
+            "hostname": "gpu-host-1",
+            "protocol_version": 1,
+            "agent_version": "0.1.0",
+            **body,
+        }
+        return self.client.post("/api/v1/agent/enroll", json=payload)
+
+    def enroll(self, **body: Any) -> dict[str, Any]:
+        response = self.enroll_raw(self.mint()["token"], **body)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    def agent(self, credential: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {credential}"}
+
+    def heartbeat(self, credential: str, **kw: Any) -> Any:
+        return self.client.post(
+            "/api/v1/agent/heartbeat", headers=self.agent(credential), json=heartbeat_body(**kw)
+        )
+
+    def node(self, node_id: str) -> dict[str, Any]:
+        response = self.client.get(f"/api/v1/admin/nodes/{node_id}", headers=self.admin)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    def readiness(self, node_id: str) -> dict[str, Any]:
+        response = self.client.get(f"/api/v1/admin/nodes/{node_id}/readiness", headers=self.admin)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    def events(self, node_id: str) -> list[dict[str, Any]]:
+        response = self.client.get(f"/api/v1/admin/nodes/{node_id}/events", headers=self.admin)
+        assert response.status_code == 200, response.text
+        return list(reversed(response.json()))
+
+    def flush(self) -> int:
+        return self.ctx.heartbeats.flush(session_factory=self.ctx.session_factory)
+
+    def sweep(self) -> int:
+        from control_plane.background.loops import sweep
+
+        return sweep(self.ctx)
+
+
+@contextmanager
+def control_plane(
+    data_dir: Path, database_url: str, clock: Clock | None = None, **overrides: Any
+) -> Iterator[ControlPlane]:
+    clock = clock or ManualClock()
+    assert isinstance(clock, ManualClock)
+    app = create_app(make_settings(data_dir, database_url, **overrides), clock=clock,
+                     run_loops=False)
+    with TestClient(app) as client:
+        yield ControlPlane(client, clock)
