@@ -5,7 +5,15 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from fastapi import Path
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 LabelKey = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([a-z0-9._/-]{0,62})$")]
 LabelValue = Annotated[str, StringConstraints(max_length=128)]
@@ -13,11 +21,34 @@ Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=32)]
 Hostname = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=r"^[^\s]+$")]
 Version = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 NonNegative = Annotated[float, Field(ge=0)]
+#: Path parameters naming a resource (`node_…`, `enr_…`).
+ResourceId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 ShortText = Annotated[str, StringConstraints(max_length=96)]
 
 
+def _reject_nul(value: Any, where: str) -> None:
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ValueError(f"{where or 'a value'} must not contain NUL characters")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _reject_nul(key, where)
+            _reject_nul(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _reject_nul(item, f"{where}[{index}]")
+
+
 class StrictModel(BaseModel):
+    """Input bodies: unknown fields refused; NUL characters refused (no database stores them)."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nul(cls, data: Any) -> Any:
+        _reject_nul(data, "")
+        return data
 
 
 # -- errors ------------------------------------------------------------------------------------

@@ -79,5 +79,12 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 @pytest.fixture
+def pg_database_url(postgres_url: str) -> str:
+    """PostgreSQL only: for behaviour that needs several processes on one database."""
+    _truncate(postgres_url)
+    return postgres_url
+
+
+@pytest.fixture
 def admin_token() -> str:
     return ADMIN_TOKEN

@@ -147,7 +147,8 @@ def control_plane(
 ) -> Iterator[ControlPlane]:
     clock = clock or ManualClock()
     assert isinstance(clock, ManualClock)
-    app = create_app(make_settings(data_dir, database_url, **overrides), clock=clock,
-                     run_loops=False)
+    app = create_app(
+        make_settings(data_dir, database_url, **overrides), clock=clock, run_loops=False
+    )
     with TestClient(app) as client:
         yield ControlPlane(client, clock)

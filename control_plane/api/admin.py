@@ -18,6 +18,7 @@ from control_plane.schemas import (
     NodeEventPublic,
     NodePublic,
     Readiness,
+    ResourceId,
 )
 from control_plane.services import enrollments, nodes
 from control_plane.services.readiness import assess_readiness
@@ -84,13 +85,17 @@ def list_enrollments(ctx: ContextDep, session: SessionDep) -> list[EnrollmentPub
 
 
 @router.get("/node-enrollments/{enrollment_id}", response_model=EnrollmentPublic)
-def get_enrollment(enrollment_id: str, ctx: ContextDep, session: SessionDep) -> EnrollmentPublic:
+def get_enrollment(
+    enrollment_id: ResourceId, ctx: ContextDep, session: SessionDep
+) -> EnrollmentPublic:
     row = enrollments.get_enrollment(session=session, enrollment_id=enrollment_id)
     return _enrollment_public(ctx, row)
 
 
 @router.post("/node-enrollments/{enrollment_id}/revoke", response_model=EnrollmentPublic)
-def revoke_enrollment(enrollment_id: str, ctx: ContextDep, session: SessionDep) -> EnrollmentPublic:
+def revoke_enrollment(
+    enrollment_id: ResourceId, ctx: ContextDep, session: SessionDep
+) -> EnrollmentPublic:
     row = enrollments.revoke_enrollment(
         session=session, clock=ctx.clock, enrollment_id=enrollment_id
     )
@@ -103,12 +108,12 @@ def list_nodes(ctx: ContextDep, session: SessionDep) -> list[NodePublic]:
 
 
 @router.get("/nodes/{node_id}", response_model=NodePublic)
-def get_node(node_id: str, ctx: ContextDep, session: SessionDep) -> NodePublic:
+def get_node(node_id: ResourceId, ctx: ContextDep, session: SessionDep) -> NodePublic:
     return _node_views(ctx, session, [nodes.get_node(session=session, node_id=node_id)])[0]
 
 
 @router.delete("/nodes/{node_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_node(node_id: str, ctx: ContextDep, session: SessionDep) -> None:
+def delete_node(node_id: ResourceId, ctx: ContextDep, session: SessionDep) -> None:
     nodes.get_node(session=session, node_id=node_id)
     ctx.authority.revoke_for_node(session, node_id=node_id, reason="node deleted")
     nodes.delete_node(session=session, node_id=node_id)
@@ -117,7 +122,7 @@ def delete_node(node_id: str, ctx: ContextDep, session: SessionDep) -> None:
 
 @router.get("/nodes/{node_id}/events", response_model=list[NodeEventPublic])
 def list_node_events(
-    node_id: str,
+    node_id: ResourceId,
     session: SessionDep,
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> list[NodeEventPublic]:
@@ -136,7 +141,7 @@ def list_node_events(
 
 
 @router.get("/nodes/{node_id}/readiness", response_model=Readiness)
-def node_readiness(node_id: str, ctx: ContextDep, session: SessionDep) -> Readiness:
+def node_readiness(node_id: ResourceId, ctx: ContextDep, session: SessionDep) -> Readiness:
     view = _node_views(ctx, session, [nodes.get_node(session=session, node_id=node_id)])[0]
     return assess_readiness(
         view,
@@ -148,7 +153,7 @@ def node_readiness(node_id: str, ctx: ContextDep, session: SessionDep) -> Readin
 
 @router.post("/nodes/{node_id}/credential/revoke", response_model=CredentialRevocation)
 def revoke_node_credential(
-    node_id: str, ctx: ContextDep, session: SessionDep
+    node_id: ResourceId, ctx: ContextDep, session: SessionDep
 ) -> CredentialRevocation:
     nodes.get_node(session=session, node_id=node_id)
     revoked = ctx.authority.revoke_for_node(

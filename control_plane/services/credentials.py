@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import authlib.deprecate  # noqa: E402,I001 - installs Authlib's own warning filter first
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select, update
@@ -28,8 +29,6 @@ from control_plane.db import rowcount
 from control_plane.errors import CredentialError, CredentialRevoked
 from control_plane.models import NodeCredential, SigningKey
 from control_plane.security import new_id, write_private_file
-
-import authlib.deprecate  # noqa: E402,I001 - installs Authlib's own warning filter first
 
 with warnings.catch_warnings():
     # authlib.jose warns that joserfc is its successor; its JWT API is stable through Authlib 1.x.

@@ -158,3 +158,40 @@ def test_unknown_ids_give_not_found(tmp_path: Path, database_url: str) -> None:
             response = cp.client.get(path, headers=cp.admin)
             assert response.status_code == 404
             assert response.json()["error"]["code"] == code
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        (
+            "post",
+            "/api/v1/admin/node-enrollments",
+            {"display_name": "a\x00b", "expires_in_seconds": 300},
+        ),
+        (
+            "post",
+            "/api/v1/admin/node-enrollments",
+            {"display_name": "ab", "expires_in_seconds": 300, "labels": {"zone": "x\x00"}},
+        ),
+        ("get", "/api/v1/admin/nodes/node%00x", None),
+        (
+            "post",
+            "/api/v1/agent/enroll",
+            {
+                "token": "mfe_\x00",
+                "claim_nonce": "n" * 20,
+                "hostname": "h",
+                "protocol_version": 1,
+                "agent_version": "0.1.0",
+            },
+        ),
+    ],
+)
+def test_nul_characters_are_refused_not_500(
+    tmp_path: Path, database_url: str, method: str, path: str, body: object
+) -> None:
+    """PostgreSQL cannot store NUL in text: such input must be a 422, never a 500."""
+    with control_plane(tmp_path, database_url) as cp:
+        response = cp.client.request(method, path, headers=cp.admin, json=body)
+        assert response.status_code == 422, response.text
+        assert response.json()["error"]["code"] == "INVALID_REQUEST"

@@ -1,0 +1,95 @@
+"""Run the real `modelforge-control-plane` (Granian) in a subprocess for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.factories import ADMIN_TOKEN
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class LiveServer:
+    data_dir: Path
+    database_url: str
+    env_overrides: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir.parent / f"control-plane-{self.port}.log"
+
+    @property
+    def admin(self) -> dict[str, str]:
+        return {"X-ModelForge-Admin-Token": ADMIN_TOKEN}
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+        env.update(
+            MODELFORGE_DATA_DIR=str(self.data_dir),
+            MODELFORGE_DATABASE_URL=self.database_url,
+            MODELFORGE_ADMIN_TOKEN=ADMIN_TOKEN,
+            MODELFORGE_PORT=str(self.port),
+            MODELFORGE_LOG_LEVEL="debug",
+        )
+        env.update(self.env_overrides)
+        return env
+
+    def start(self, timeout: float = 30.0) -> LiveServer:
+        executable = shutil.which("modelforge-control-plane")
+        assert executable, "modelforge-control-plane is not installed (pip install -e .)"
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [executable], env=self.env(), stdout=log, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"control plane exited: {self.log()}")
+            try:
+                if httpx.get(f"{self.url}/api/v1/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"control plane did not become healthy: {self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        code = self.process.wait(timeout=timeout)
+        return code
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def client(self, **kw: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=30, **kw)
+
+    def __enter__(self) -> LiveServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.stop()

@@ -1,0 +1,160 @@
+"""Real time, real processes: liveness with short thresholds, shutdown flush, refusal of
+contradictory settings at start-up (CP-2, LV-1, LV-3, HB-4)."""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, select
+
+from control_plane.models import Node
+from tests.e2e.server import LiveServer, free_port
+from tests.factories import heartbeat_body
+
+pytestmark = pytest.mark.e2e
+
+SHORT = {
+    "MODELFORGE_NODE_STALE_AFTER_SECONDS": "1.0",
+    "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS": "2.0",
+    "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS": "0.5",
+    "MODELFORGE_LIVENESS_SWEEP_INTERVAL_SECONDS": "0.2",
+    "MODELFORGE_HEARTBEAT_FLUSH_INTERVAL_SECONDS": "0.2",
+}
+
+
+def _enroll(client, server: LiveServer) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    token = client.post(
+        "/api/v1/admin/node-enrollments",
+        headers=server.admin,
+        json={"display_name": "rt", "expires_in_seconds": 300},
+    ).json()["token"]
+    response = client.post(
+        "/api/v1/agent/enroll",
+        json={
+            "token": token,
+            "claim_nonce": secrets.token_hex(16),
+            "hostname": "rt-host",
+            "protocol_version": 1,
+            "agent_version": "0.1.0",
+        },
+    )
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def _wait_for_state(client, server: LiveServer, node_id: str, state: str, within: float) -> float:  # type: ignore[no-untyped-def]
+    start = time.monotonic()
+    while time.monotonic() - start < within:
+        if (
+            client.get(f"/api/v1/admin/nodes/{node_id}", headers=server.admin).json()["state"]
+            == state
+        ):
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"node did not become {state} within {within} s")
+
+
+def test_liveness_with_real_time(tmp_path: Path, database_url: str) -> None:
+    with (
+        LiveServer(tmp_path / "data", database_url, env_overrides=SHORT) as server,
+        server.client() as client,
+    ):
+        enrolled = _enroll(client, server)
+        node_id = enrolled["node_id"]
+        auth = {"Authorization": f"Bearer {enrolled['credential']}"}
+        assert (
+            client.post("/api/v1/agent/heartbeat", headers=auth, json=heartbeat_body()).status_code
+            == 200
+        )
+        assert (
+            client.get(f"/api/v1/admin/nodes/{node_id}", headers=server.admin).json()["state"]
+            == "online"
+        )
+        stale_after = _wait_for_state(client, server, node_id, "stale", within=3)
+        offline_after = _wait_for_state(client, server, node_id, "offline", within=3)
+        assert stale_after < 1.5 and offline_after < 1.5
+        time.sleep(0.5)  # let the sweep record the transitions
+        events = client.get(f"/api/v1/admin/nodes/{node_id}/events", headers=server.admin).json()
+        transitions = [
+            (e["from_state"], e["to_state"])
+            for e in reversed(events)
+            if e["kind"] == "state_changed"
+        ]
+        assert transitions == [("offline", "online"), ("online", "stale"), ("stale", "offline")]
+
+
+def test_heartbeat_survives_graceful_stop(tmp_path: Path, database_url: str) -> None:
+    """A 2xx heartbeat is written even when the process is stopped before the next flush."""
+    env = {"MODELFORGE_HEARTBEAT_FLUSH_INTERVAL_SECONDS": "1.0"}
+    server = LiveServer(tmp_path / "data", database_url, env_overrides=env).start()
+    with server.client() as client:
+        enrolled = _enroll(client, server)
+        auth = {"Authorization": f"Bearer {enrolled['credential']}"}
+        assert (
+            client.post("/api/v1/agent/heartbeat", headers=auth, json=heartbeat_body()).status_code
+            == 200
+        )
+    assert server.stop() == 0, server.log()
+    engine = create_engine(database_url)
+    with engine.connect() as conn:
+        last = conn.scalar(select(Node.last_heartbeat_at).where(Node.id == enrolled["node_id"]))
+    engine.dispose()
+    assert last is not None, server.log()
+
+
+@pytest.mark.parametrize(
+    ("env", "names"),
+    [
+        (
+            {
+                "MODELFORGE_NODE_STALE_AFTER_SECONDS": "30",
+                "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS": "30",
+            },
+            ["MODELFORGE_NODE_OFFLINE_AFTER_SECONDS", "MODELFORGE_NODE_STALE_AFTER_SECONDS"],
+        ),
+        (
+            {
+                "MODELFORGE_NODE_STALE_AFTER_SECONDS": "60",
+                "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS": "20",
+            },
+            ["MODELFORGE_NODE_OFFLINE_AFTER_SECONDS", "MODELFORGE_NODE_STALE_AFTER_SECONDS"],
+        ),
+        (
+            {"MODELFORGE_HEARTBEAT_INTERVAL_SECONDS": "30"},
+            ["MODELFORGE_HEARTBEAT_INTERVAL_SECONDS", "MODELFORGE_NODE_STALE_AFTER_SECONDS"],
+        ),
+        ({"MODELFORGE_NODE_STALE_AFTER_SECONDS": "-1"}, ["MODELFORGE_NODE_STALE_AFTER_SECONDS"]),
+    ],
+)
+def test_contradictory_liveness_settings_refuse_to_start(
+    tmp_path: Path, env: dict[str, str], names: list[str]
+) -> None:
+    server = LiveServer(tmp_path / "data", f"sqlite:///{tmp_path / 'x.db'}", env_overrides=env)
+    executable = shutil.which("modelforge-control-plane")
+    assert executable
+    result = subprocess.run(
+        [executable], env=server.env(), capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 2
+    for name in names:
+        assert name in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "x.db").exists()  # refused before touching anything
+
+
+def test_unreachable_database_is_a_clear_error(tmp_path: Path) -> None:
+    url = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/nothing"
+    server = LiveServer(tmp_path / "data", url)
+    executable = shutil.which("modelforge-control-plane")
+    assert executable
+    result = subprocess.run(
+        [executable], env=server.env(), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1
+    assert "cannot reach the database" in result.stderr
+    assert "Traceback" not in result.stderr
