@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,14 @@ from typing import Any
 import httpx
 
 from tests.factories import ADMIN_TOKEN
+
+
+def control_plane_executable() -> str:
+    """The console script of the environment running the tests (PATH need not include it)."""
+    beside = Path(sys.executable).parent / "modelforge-control-plane"
+    found = str(beside) if beside.exists() else shutil.which("modelforge-control-plane")
+    assert found, "modelforge-control-plane is not installed (pip install -e .)"
+    return found
 
 
 def free_port() -> int:
@@ -56,8 +65,7 @@ class LiveServer:
         return env
 
     def start(self, timeout: float = 30.0) -> LiveServer:
-        executable = shutil.which("modelforge-control-plane")
-        assert executable, "modelforge-control-plane is not installed (pip install -e .)"
+        executable = control_plane_executable()
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 [executable], env=self.env(), stdout=log, stderr=subprocess.STDOUT

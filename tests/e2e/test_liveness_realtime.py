@@ -4,7 +4,6 @@ contradictory settings at start-up (CP-2, LV-1, LV-3, HB-4)."""
 from __future__ import annotations
 
 import secrets
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 from sqlalchemy import create_engine, select
 
 from control_plane.models import Node
-from tests.e2e.server import LiveServer, free_port
+from tests.e2e.server import LiveServer, control_plane_executable, free_port
 from tests.factories import heartbeat_body
 
 pytestmark = pytest.mark.e2e
@@ -135,8 +134,7 @@ def test_contradictory_liveness_settings_refuse_to_start(
     tmp_path: Path, env: dict[str, str], names: list[str]
 ) -> None:
     server = LiveServer(tmp_path / "data", f"sqlite:///{tmp_path / 'x.db'}", env_overrides=env)
-    executable = shutil.which("modelforge-control-plane")
-    assert executable
+    executable = control_plane_executable()
     result = subprocess.run(
         [executable], env=server.env(), capture_output=True, text=True, timeout=30
     )
@@ -150,8 +148,7 @@ def test_contradictory_liveness_settings_refuse_to_start(
 def test_unreachable_database_is_a_clear_error(tmp_path: Path) -> None:
     url = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/nothing"
     server = LiveServer(tmp_path / "data", url)
-    executable = shutil.which("modelforge-control-plane")
-    assert executable
+    executable = control_plane_executable()
     result = subprocess.run(
         [executable], env=server.env(), capture_output=True, text=True, timeout=60
     )

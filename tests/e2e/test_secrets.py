@@ -4,7 +4,6 @@ HTTP error bodies, process arguments or `repr()` — checked over a full flow ag
 from __future__ import annotations
 
 import secrets
-import shutil
 import signal
 import subprocess
 import time
@@ -15,7 +14,7 @@ import pytest
 from pydantic import SecretStr
 
 from control_plane.settings import Settings
-from tests.e2e.server import LiveServer
+from tests.e2e.server import LiveServer, control_plane_executable
 from tests.factories import ADMIN_TOKEN, heartbeat_body, inventory_body, telemetry_body
 
 pytestmark = pytest.mark.e2e
@@ -130,8 +129,7 @@ def test_generated_admin_token_file(tmp_path: Path) -> None:
     server = LiveServer(data_dir, f"sqlite:///{tmp_path / 'cp.db'}")
     env = server.env()
     del env["MODELFORGE_ADMIN_TOKEN"]
-    executable = shutil.which("modelforge-control-plane")
-    assert executable
+    executable = control_plane_executable()
     log_path = tmp_path / "log.txt"
     with log_path.open("w") as log:
         process = subprocess.Popen([executable], env=env, stdout=log, stderr=subprocess.STDOUT)
