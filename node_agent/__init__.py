@@ -1,5 +1,16 @@
-"""ModelForge node agent: outbound-only; enrolls once, reports inventory and telemetry, claims work.
+"""ModelForge node agent: outbound-only. It runs the NVIDIA preflight, enrolls once with a
+single-use token, then reports heartbeats, inventory and telemetry to the control plane.
 
-It must never open an inbound port, log its credential or enrollment token, or send fabricated
-telemetry. (Built by the node agent issue; this package holds nothing executable yet.)
+It must never open an inbound port, write its credential or enrollment token to a log or a
+process argument, or send an empty inventory or fabricated telemetry.
 """
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    AGENT_VERSION = version("modelforge")
+except PackageNotFoundError:  # running from a source tree without an install
+    AGENT_VERSION = "0.0.0+source"
+
+#: The agent protocol this agent speaks (judged by the control plane, CO-1).
+PROTOCOL_VERSION = 1

@@ -32,7 +32,7 @@ def _enrollment_public(ctx: AppContext, row: NodeEnrollment) -> EnrollmentPublic
         node_id=row.node_id,
         display_name=row.display_name,
         labels=row.labels,
-        state=enrollments.enrollment_state(row, ctx.clock.now()),  # type: ignore[arg-type]
+        state=enrollments.enrollment_state(row, ctx.clock.now()),
         created_at=row.created_at,
         expires_at=row.expires_at,
         claimed_at=row.claimed_at,

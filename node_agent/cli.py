@@ -1,0 +1,138 @@
+"""`python3 -m node_agent`: validate configuration, run the NVIDIA preflight, then the agent.
+
+Exit codes: 0 stopped by a signal, 2 configuration or state volume, 3 preflight failed,
+4 credential revoked or rejected, 5 protocol refused (426), 6 enrollment refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from types import FrameType
+
+from pydantic import ValidationError
+
+from node_agent import AGENT_VERSION
+from node_agent.agent import EXIT_CONFIG, Agent, AgentStopped
+from node_agent.client import make_client
+from node_agent.config import (
+    AgentSettings,
+    ConfigError,
+    PreflightSettings,
+    describe_validation_error,
+)
+from node_agent.identity import IdentityStore, StateVolumeError
+from node_agent.inventory import Overrides
+from node_agent.preflight import EXIT_PREFLIGHT, run_preflight
+
+log = logging.getLogger("modelforge.node_agent")
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return number
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python3 -m node_agent",
+        description="ModelForge node agent (configured by MODELFORGE_AGENT_* variables).",
+    )
+    parser.add_argument(
+        "--preflight",
+        action="store_true",
+        help="run only the bounded NVIDIA preflight (no network), exit 0 or 3",
+    )
+    parser.add_argument("--json", action="store_true", help="with --preflight: print JSON")
+    parser.add_argument("--cpus", type=_positive, help="advertise this many CPUs")
+    parser.add_argument("--gpus", type=_positive, help="advertise at most this many GPUs")
+    parser.add_argument("--ram-mb", type=_positive, help="advertise this much memory (MB)")
+    parser.add_argument("--version", action="version", version=AGENT_VERSION)
+    return parser.parse_args(argv)
+
+
+def _die(code: int, message: str) -> int:
+    print(f"node-agent: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
+    if args.preflight:
+        return _preflight_only(args.json)
+    try:
+        settings = AgentSettings()
+    except ValidationError as exc:
+        return _die(EXIT_CONFIG, "invalid configuration:\n" + describe_validation_error(exc))
+    logging.getLogger().setLevel(settings.log_level.upper())
+    if not settings.tls_verify:
+        for _ in range(3):
+            log.warning(
+                "!!! MODELFORGE_AGENT_TLS_VERIFY=false: the control plane's certificate is NOT "
+                "verified; anyone on the path can impersonate it and take this node's "
+                "credential. Use MODELFORGE_AGENT_CA_CERT_PATH instead. !!!"
+            )
+    store = IdentityStore(settings.state_volume)
+    try:
+        store.check_writable()
+    except StateVolumeError as exc:
+        return _die(EXIT_CONFIG, str(exc))
+
+    result = run_preflight(settings.accelerator_mode, timeout=settings.preflight_timeout_seconds)
+    if not result.ok:
+        # Nothing has been sent: no enrollment, no empty inventory, no invented telemetry.
+        return _die(EXIT_PREFLIGHT, f"{result.code}: {result.message}. {result.next_step}")
+    log.info("preflight passed (mode %s, %d GPU(s))", result.mode, len(result.gpus))
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    overrides = Overrides(cpus=args.cpus, gpus=args.gpus, ram_mb=args.ram_mb)
+    http = make_client(
+        settings.control_plane_url,
+        tls_verify=settings.tls_verify,
+        ca_cert_path=settings.ca_cert_path,
+        timeout=settings.request_timeout_seconds,
+    )
+    try:
+        with http:
+            Agent(
+                settings=settings,
+                preflight=result,
+                store=store,
+                http=http,
+                overrides=overrides,
+                stop=stop,
+            ).run()
+    except AgentStopped as exc:
+        return _die(exc.exit_code, exc.explanation)
+    except (StateVolumeError, ConfigError) as exc:
+        return _die(EXIT_CONFIG, str(exc))
+    return 0
+
+
+def _preflight_only(as_json: bool) -> int:
+    try:
+        settings = PreflightSettings()
+    except ValidationError as exc:
+        return _die(EXIT_CONFIG, "invalid configuration:\n" + describe_validation_error(exc))
+    result = run_preflight(settings.accelerator_mode, timeout=settings.preflight_timeout_seconds)
+    print(json.dumps(result.as_json()) if as_json else result.report())
+    return 0 if result.ok else EXIT_PREFLIGHT

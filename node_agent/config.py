@@ -1,0 +1,123 @@
+"""Agent configuration from `MODELFORGE_AGENT_*` environment variables (AG-1), validated at start.
+
+Refused with a specific message: placeholder (example-domain) URLs, plain `http://` to anything
+but loopback unless explicitly allowed, a CA file that does not exist. The enrollment token is a
+secret: it never appears in `repr()` or logs.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from pathlib import Path
+from typing import Literal, Self
+from urllib.parse import urlsplit
+
+from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_WORKER_SOCKET = Path("/run/modelforge/runtime-worker.sock")
+_PLACEHOLDER_SUFFIXES = (".example", ".invalid", ".localdomain.example")
+
+
+class PreflightSettings(BaseSettings):
+    """All `--preflight` needs: it runs without network and without a control plane URL."""
+
+    model_config = SettingsConfigDict(env_prefix="MODELFORGE_AGENT_", extra="ignore")
+
+    accelerator_mode: Literal["nvidia", "cpu", "auto"] = "nvidia"
+    preflight_timeout_seconds: float = Field(default=10.0, gt=0, le=120)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class AgentSettings(PreflightSettings):
+    control_plane_url: str
+    enrollment_token: SecretStr | None = None
+    enrollment_token_file: Path | None = None
+    hostname: str = Field(default_factory=socket.gethostname, min_length=1, max_length=255)
+    tls_verify: bool = True
+    ca_cert_path: Path | None = None
+    allow_insecure_http: bool = False
+    state_volume: Path = Path("/var/lib/modelforge/agent")
+    identity_mode: Literal["persisted"] = "persisted"
+    worker_socket: Path = DEFAULT_WORKER_SOCKET
+    request_timeout_seconds: float = Field(default=10.0, gt=0, le=300)
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        problems = _url_problems(self.control_plane_url, self.allow_insecure_http)
+        if self.ca_cert_path is not None and not self.ca_cert_path.is_file():
+            problems.append(
+                f"MODELFORGE_AGENT_CA_CERT_PATH: {self.ca_cert_path} is not a readable file"
+            )
+        if self.ca_cert_path is not None and not self.tls_verify:
+            problems.append(
+                "MODELFORGE_AGENT_CA_CERT_PATH is set but MODELFORGE_AGENT_TLS_VERIFY=false would "
+                "ignore it; keep verification on and trust the private CA instead"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.control_plane_url = self.control_plane_url.rstrip("/")
+        return self
+
+    def read_enrollment_token(self) -> str | None:
+        if self.enrollment_token is not None:
+            return self.enrollment_token.get_secret_value().strip() or None
+        if self.enrollment_token_file is not None:
+            try:
+                return self.enrollment_token_file.read_text().strip() or None
+            except OSError as exc:
+                raise ConfigError(
+                    f"MODELFORGE_AGENT_ENROLLMENT_TOKEN_FILE: cannot read "
+                    f"{self.enrollment_token_file} ({exc.strerror})"
+                ) from None
+        return None
+
+
+class ConfigError(Exception):
+    """A configuration the agent cannot start with; the message names the variable."""
+
+
+def _url_problems(url: str, allow_insecure_http: bool) -> list[str]:
+    name = "MODELFORGE_AGENT_CONTROL_PLANE_URL"
+    parts = urlsplit(url)
+    if parts.scheme not in ("https", "http") or not parts.hostname:
+        return [f"{name} must be an https:// URL of the control plane (got {url!r})"]
+    host = parts.hostname.lower()
+    labels = host.split(".")
+    if (
+        "example" in labels
+        or host.endswith(_PLACEHOLDER_SUFFIXES)
+        or host in {"example.com", "example.org", "example.net"}
+    ):
+        return [
+            f"{name} points at a placeholder host ({host}); set it to the address of your "
+            "control plane"
+        ]
+    if parts.scheme == "http" and not allow_insecure_http and not _is_loopback(host):
+        return [
+            f"{name} uses plain http:// to {host}, which is not loopback; use https:// (see "
+            "MODELFORGE_AGENT_CA_CERT_PATH for a private CA) or set "
+            "MODELFORGE_AGENT_ALLOW_INSECURE_HTTP=true on a trusted network"
+        ]
+    return []
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        loc = "_".join(str(p) for p in item["loc"])
+        message = str(item["msg"]).removeprefix("Value error, ")
+        if item["type"] == "missing":
+            message = "is required"
+        lines.append(f"MODELFORGE_AGENT_{loc.upper()}: {message}" if loc else message)
+    return "\n".join(lines)

@@ -1,0 +1,111 @@
+"""What this node has (AG-7, HB-2) and how busy it is (HB-3): psutil for the host, NVML for GPUs,
+the Slurm allocation when the agent runs inside one, explicit overrides on top."""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from node_agent import AGENT_VERSION
+from node_agent.nvml import GpuInfo, Nvml
+
+_MACHINE_ID_FILES = (Path("/etc/machine-id"), Path("/var/lib/dbus/machine-id"))
+
+
+@dataclass(frozen=True)
+class Overrides:
+    cpus: int | None = None
+    gpus: int | None = None
+    ram_mb: int | None = None
+
+
+def machine_id() -> str | None:
+    for path in _MACHINE_ID_FILES:
+        try:
+            value = path.read_text().strip()
+        except OSError:
+            continue
+        if value:
+            return value
+    return None
+
+
+def slurm_allocation(environ: dict[str, str] | None = None) -> dict[str, str] | None:
+    env = os.environ if environ is None else environ
+    job = env.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    keys = {
+        "job_id": "SLURM_JOB_ID",
+        "cpus_on_node": "SLURM_CPUS_ON_NODE",
+        "mem_per_node_mb": "SLURM_MEM_PER_NODE",
+        "gpus": "SLURM_JOB_GPUS",
+        "partition": "SLURM_JOB_PARTITION",
+    }
+    return {name: env[var] for name, var in keys.items() if env.get(var)}
+
+
+def _os_name() -> str:
+    try:
+        release = platform.freedesktop_os_release()
+        return str(release.get("PRETTY_NAME") or release.get("NAME") or platform.system())
+    except OSError:
+        return f"{platform.system()} {platform.release()}"
+
+
+def collect_inventory(
+    *,
+    hostname: str,
+    mode: str,
+    gpus: list[GpuInfo],
+    overrides: Overrides,
+    runtime_worker: dict[str, Any] | None,
+) -> dict[str, Any]:
+    cpus = psutil.cpu_count(logical=True) or 1
+    memory_mb = psutil.virtual_memory().total // (1024 * 1024)
+    slurm = slurm_allocation()
+    if slurm:
+        # Inside a Slurm allocation only what the job was given is ours to offer.
+        if slurm.get("cpus_on_node", "").isdigit():
+            cpus = min(cpus, int(slurm["cpus_on_node"]))
+        if slurm.get("mem_per_node_mb", "").isdigit():
+            memory_mb = min(memory_mb, int(slurm["mem_per_node_mb"]))
+    listed = list(gpus)
+    if overrides.cpus is not None:
+        cpus = overrides.cpus
+    if overrides.ram_mb is not None:
+        memory_mb = overrides.ram_mb
+    if overrides.gpus is not None:
+        listed = listed[: overrides.gpus]
+    inventory: dict[str, Any] = {
+        "hostname": hostname,
+        "os": _os_name(),
+        "agent_version": AGENT_VERSION,
+        "accelerator_mode": mode,
+        "cpu_count": cpus,
+        "memory_mb": memory_mb,
+        "gpus": [g.inventory() for g in listed],
+    }
+    if runtime_worker is not None:
+        inventory["runtime_worker"] = runtime_worker
+    if slurm:
+        inventory["slurm"] = slurm
+    return inventory
+
+
+def collect_telemetry(nvml: Nvml | None, gpus: list[GpuInfo]) -> dict[str, Any]:
+    memory = psutil.virtual_memory()
+    telemetry: dict[str, Any] = {
+        "host": {
+            "cpu_percent": psutil.cpu_percent(interval=None),
+            "memory_used_mb": round((memory.total - memory.available) / (1024 * 1024), 1),
+            "memory_total_mb": round(memory.total / (1024 * 1024), 1),
+        },
+        "gpus": [nvml.telemetry(g.index, g.uuid) for g in gpus] if nvml is not None else [],
+    }
+    return telemetry
