@@ -551,6 +551,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--duration", type=int, default=15, help="measured seconds (default 15)")
     parser.add_argument("--connections", type=int, default=32, help="keep-alive connections")
     parser.add_argument("--threads", type=int, default=1, help="wrk threads (default 1)")
+    parser.add_argument("--rounds", type=int, default=1, help="measured runs; median reported")
     parser.add_argument("--client", choices=["auto", "wrk", "python"], default="auto")
     parser.add_argument("--pg-host", default=os.environ.get("PGHOST", "127.0.0.1"))
     parser.add_argument("--pg-port", type=int, default=int(os.environ.get("PGPORT", "5432")))
@@ -576,6 +577,40 @@ def _loadgen_main(argv: list[str]) -> None:
     asyncio.run(_loadgen(args.port, credentials, args.connections, args.duration))
 
 
+@dataclass(frozen=True)
+class Round:
+    load: LoadResult
+    other_cores: float
+    cpu: list[tuple[str, str]]
+
+
+def measure(args: argparse.Namespace, wrk: str | None, server: ControlPlane, creds: Path) -> Round:
+    """One measured load run, with the CPU accounting around it."""
+    worker = server.worker_pid()
+    profiler = None
+    if args.profile is not None:
+        print(f"profiling Granian worker pid {worker} -> {args.profile}")
+        profiler = start_profiler(worker, args.profile.resolve(), args.duration)
+    before = cpu_snapshot(server, worker)
+    if wrk is not None:
+        load = run_wrk(
+            wrk,
+            port=server.port,
+            creds_file=creds,
+            connections=args.connections,
+            threads=args.threads,
+            duration=args.duration,
+        )
+    else:
+        load = run_python_client(
+            port=server.port, creds_file=creds, connections=args.connections, duration=args.duration
+        )
+    after = cpu_snapshot(server, worker)
+    if profiler is not None:
+        profiler.wait()
+    return Round(load, cpu_other_share(before, after), cpu_report(before, after))
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["_loadgen"]:
         _loadgen_main(argv[1:])
@@ -598,8 +633,8 @@ def main(argv: list[str]) -> int:
                 _enroll_all(server.base, server.admin_token, args.nodes, args.enroll_concurrency)
             )
             print(f"enrolled {len(credentials)} nodes in {time.perf_counter() - t:.1f} s")
-            creds_file = workdir / "credentials.txt"
-            creds_file.write_text("\n".join(credentials) + "\n")
+            creds = workdir / "credentials.txt"
+            creds.write_text("\n".join(credentials) + "\n")
 
             t = time.perf_counter()
             failed = asyncio.run(_warm_up(server.base, credentials, args.enroll_concurrency))
@@ -609,57 +644,50 @@ def main(argv: list[str]) -> int:
             )
             time.sleep(1.0)  # let the warm-up batch flush
 
-            profiler = None
-            worker = server.worker_pid()
-            if args.profile is not None:
-                print(f"profiling Granian worker pid {worker} -> {args.profile}")
-                profiler = start_profiler(worker, args.profile.resolve(), args.duration)
             run_start = datetime.now(UTC)
-            cpu_before = cpu_snapshot(server, worker)
-            if wrk is not None:
-                load = run_wrk(
-                    wrk,
-                    port=server.port,
-                    creds_file=creds_file,
-                    connections=args.connections,
-                    threads=args.threads,
-                    duration=args.duration,
+            rounds: list[Round] = []
+            for number in range(1, args.rounds + 1):
+                rounds.append(measure(args, wrk, server, creds))
+                load = rounds[-1].load
+                print(
+                    f"round {number}: {load.heartbeats_per_s:,.0f} heartbeats/s, "
+                    f"p50 {load.p50_ms:.2f} ms, p99 {load.p99_ms:.2f} ms, "
+                    f"other processes {100 * rounds[-1].other_cores:.0f}% of a core"
                 )
-            else:
-                load = run_python_client(
-                    port=server.port,
-                    creds_file=creds_file,
-                    connections=args.connections,
-                    duration=args.duration,
-                )
-            cpu_after = cpu_snapshot(server, worker)
-            if profiler is not None:
-                profiler.wait()
-
             time.sleep(VERIFY_DELAY_S)
             total, seen, fresh = pg.heartbeat_counts(run_start)
             server.stop()
             server = None
 
-            tps = run_pgbench(
-                pg,
-                nodes=args.nodes,
-                clients=args.pgbench_clients,
-                jobs=args.pgbench_jobs,
-                duration=args.pgbench_duration,
-                workdir=workdir,
-            )
+            tps_runs = []
+            for number in range(1, args.rounds + 1):
+                tps_runs.append(
+                    run_pgbench(
+                        pg,
+                        nodes=args.nodes,
+                        clients=args.pgbench_clients,
+                        jobs=args.pgbench_jobs,
+                        duration=args.pgbench_duration,
+                        workdir=workdir,
+                    )
+                )
+                print(f"pgbench {number}: {tps_runs[-1]:,.0f} TPS")
         finally:
             if server is not None:
                 server.stop()
             if not args.keep:
                 pg.drop()
 
+    # The median round (by throughput) and the median pgbench run stand for the whole run.
+    chosen = sorted(rounds, key=lambda r: r.load.heartbeats_per_s)[(len(rounds) - 1) // 2]
+    load = chosen.load
+    tps = sorted(tps_runs)[(len(tps_runs) - 1) // 2]
     ratio = load.heartbeats_per_s / tps
+    median = " (median round)" if len(rounds) > 1 else ""
     rows = [
         ("nodes", f"{args.nodes}"),
         ("load generator", f"{load.client}, {args.connections} connections, {args.duration} s"),
-        ("heartbeats/s", f"{load.heartbeats_per_s:,.0f}"),
+        (f"heartbeats/s{median}", f"{load.heartbeats_per_s:,.0f}"),
         ("latency p50", f"{load.p50_ms:.2f} ms"),
         ("latency p99", f"{load.p99_ms:.2f} ms"),
         ("non-2xx / socket errors", f"{load.non_2xx} / {load.errors}"),
@@ -672,20 +700,19 @@ def main(argv: list[str]) -> int:
         ("target ratio >= 0.5", "met" if ratio >= TARGET_RATIO else "NOT met"),
         ("nodes with last_heartbeat_at", f"{seen}/{total}"),
         ("  written during the run", f"{fresh}/{total}"),
-        *cpu_report(cpu_before, cpu_after),
+        *chosen.cpu,
     ]
     width = max(len(name) for name, _ in rows)
     print()
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
-    other = cpu_other_share(cpu_before, cpu_after)
-    if other > 0.2:
+    if chosen.other_cores > 0.2:
         print(
-            f"warning: other processes used {100 * other:.0f}% of a core during the run;"
-            " the figures are disturbed, run again on a quiet machine"
+            f"warning: other processes used {100 * chosen.other_cores:.0f}% of a core during"
+            " the run; the figures are disturbed, run again on a quiet machine"
         )
-    ok = load.non_2xx == 0 and load.errors == 0 and fresh == total == args.nodes
-    return 0 if ok else 1
+    errors = sum(r.load.non_2xx + r.load.errors for r in rounds)
+    return 0 if errors == 0 and fresh == total == args.nodes else 1
 
 
 if __name__ == "__main__":
