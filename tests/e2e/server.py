@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -39,10 +40,13 @@ class LiveServer:
     env_overrides: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    #: With TLS: the CA file that verifies the server certificate.
+    ca_file: Path | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if "MODELFORGE_TLS_CERT" in self.env_overrides else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     @property
     def log_path(self) -> Path:
@@ -75,7 +79,8 @@ class LiveServer:
             if self.process.poll() is not None:
                 raise AssertionError(f"control plane exited: {self.log()}")
             try:
-                if httpx.get(f"{self.url}/api/v1/health", timeout=1).status_code == 200:
+                health = httpx.get(f"{self.url}/api/v1/health", timeout=1, verify=self._verify())
+                if health.status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -93,7 +98,26 @@ class LiveServer:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def client(self, **kw: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=30, **kw)
+        return httpx.Client(base_url=self.url, timeout=30, verify=self._verify(), **kw)
+
+    def _verify(self) -> ssl.SSLContext | bool:
+        return ssl.create_default_context(cafile=str(self.ca_file)) if self.ca_file else True
+
+    def mint(self, **body: Any) -> dict[str, Any]:
+        with self.client() as client:
+            response = client.post(
+                "/api/v1/admin/node-enrollments",
+                headers=self.admin,
+                json={"display_name": "node", "expires_in_seconds": 900, **body},
+            )
+        assert response.status_code == 201, response.text
+        return dict(response.json())
+
+    def get(self, path: str) -> Any:
+        with self.client() as client:
+            response = client.get(path, headers=self.admin)
+        assert response.status_code == 200, response.text
+        return response.json()
 
     def __enter__(self) -> LiveServer:
         return self.start()

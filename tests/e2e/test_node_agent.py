@@ -1,0 +1,200 @@
+"""The node agent end to end with real processes: control plane on Granian, runtime worker,
+agent — in cpu mode and in nvidia mode over the substitute NVML."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.node import Node, wait_until
+from tests.e2e.server import LiveServer
+from tests.nvml_substitute import EXPECTED_GPUS, build_fake_nvml
+
+pytestmark = pytest.mark.e2e
+
+FAST = {
+    "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS": "0.5",
+    "MODELFORGE_TELEMETRY_INTERVAL_SECONDS": "1",
+    "MODELFORGE_NODE_STALE_AFTER_SECONDS": "2",
+    "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS": "4",
+    "MODELFORGE_HEARTBEAT_FLUSH_INTERVAL_SECONDS": "0.2",
+    "MODELFORGE_LIVENESS_SWEEP_INTERVAL_SECONDS": "0.2",
+}
+
+
+@pytest.fixture(scope="module")
+def nvml_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_fake_nvml(tmp_path_factory.mktemp("nvml"))
+
+
+def _node_view(server: LiveServer, node_id: str) -> dict[str, Any]:
+    return dict(server.get(f"/api/v1/admin/nodes/{node_id}"))
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvidia"])
+def test_node_becomes_ready_then_goes_stale_and_offline(
+    tmp_path: Path, nvml_dir: Path, mode: str
+) -> None:
+    with LiveServer(
+        tmp_path / "cp", f"sqlite:///{tmp_path / 'cp.db'}", env_overrides=FAST
+    ) as server:
+        token = server.mint()["token"]
+        node = Node(
+            tmp_path / "node",
+            server.url,
+            token=token,
+            mode=mode,
+            nvml_dir=nvml_dir if mode == "nvidia" else None,
+        )
+        with node:
+            node.start_worker().start_agent()
+            node_id = node.node_id()
+            wait_until(
+                lambda: server.get(f"/api/v1/admin/nodes/{node_id}/readiness")["ready"],
+                20,
+                "readiness",
+            )
+            readiness = server.get(f"/api/v1/admin/nodes/{node_id}/readiness")
+            assert {c["status"] for c in readiness["checks"]} == {"pass"}
+            view = _node_view(server, node_id)
+            assert view["state"] == "online"
+            inventory, telemetry = view["inventory"], view["telemetry"]
+            assert inventory["accelerator_mode"] == mode
+            assert inventory["runtime_worker"]["protocol_version"] == 1
+            if mode == "nvidia":
+                assert [g["uuid"] for g in inventory["gpus"]] == [g["uuid"] for g in EXPECTED_GPUS]
+                assert [g["memory_total_mb"] for g in inventory["gpus"]] == [143771, 143771]
+                for reported, expected in zip(telemetry["gpus"], EXPECTED_GPUS, strict=True):
+                    for key in (
+                        "uuid",
+                        "memory_used_mb",
+                        "utilization_percent",
+                        "temperature_c",
+                        "power_draw_w",
+                        "power_limit_w",
+                    ):
+                        assert reported[key] == expected[key], key
+                    # ECC is not supported by this "GPU": the field is absent, not zero.
+                    assert "ecc_volatile_corrected" not in reported
+            else:
+                assert inventory["gpus"] == [] and telemetry["gpus"] == []
+            assert "cpu_percent" in telemetry["host"]
+
+            # Secrets never reach the agent's log or its process arguments.
+            cmdline = Path(f"/proc/{node.agent.pid}/cmdline").read_bytes()  # type: ignore[union-attr]
+            credential = (node.state / "identity.json").read_text()
+            credential_value = re.search(r'"credential": "([^"]+)"', credential).group(1)  # type: ignore[union-attr]
+            for secret in (token, credential_value):
+                assert secret.encode() not in cmdline
+                assert secret not in node.log()
+
+            assert node.stop_agent() == 0
+            stopped_at = _node_view(server, node_id)["last_heartbeat_at"]
+            took_stale = wait_until(
+                lambda: _node_view(server, node_id)["state"] == "stale", 4, "stale"
+            )
+            wait_until(lambda: _node_view(server, node_id)["state"] == "offline", 4, "offline")
+            assert took_stale <= 2.5
+            time.sleep(1)
+            # The recorded heartbeat genuinely stopped advancing.
+            assert _node_view(server, node_id)["last_heartbeat_at"] == stopped_at
+            events = server.get(f"/api/v1/admin/nodes/{node_id}/events")
+            transitions = [
+                (e["from_state"], e["to_state"])
+                for e in reversed(events)
+                if e["kind"] == "state_changed"
+            ]
+            assert transitions[-2:] == [("online", "stale"), ("stale", "offline")]
+
+
+def test_kill_9_and_restart_keeps_the_identity(tmp_path: Path) -> None:
+    with LiveServer(
+        tmp_path / "cp", f"sqlite:///{tmp_path / 'cp.db'}", env_overrides=FAST
+    ) as server:
+        token = server.mint()["token"]
+        with Node(tmp_path / "node", server.url, token=token) as node:
+            node.start_worker().start_agent()
+            node_id = node.node_id()
+            wait_until(lambda: _node_view(server, node_id)["state"] == "online", 10, "online")
+            assert node.stop_agent(signal.SIGKILL) == -signal.SIGKILL
+            node.start_agent()  # the token is still in its environment
+            wait_until(lambda: "identity of node" in node.log(), 10, "identity loaded")
+            assert node.node_id() == node_id
+            assert f"identity of node {node_id} loaded; the enrollment token" in node.log()
+            nodes = server.get("/api/v1/admin/nodes")
+            assert [n["node_id"] for n in nodes] == [node_id]
+            enrolled = [
+                e
+                for e in server.get(f"/api/v1/admin/nodes/{node_id}/events")
+                if e["kind"] in ("enrolled", "credential_reissued")
+            ]
+            assert len(enrolled) == 1
+            before = _node_view(server, node_id)["last_heartbeat_at"]
+            wait_until(
+                lambda: _node_view(server, node_id)["last_heartbeat_at"] != before,
+                5,
+                "heartbeats after restart",
+            )
+
+
+def test_revoked_credential_stops_the_agent(tmp_path: Path) -> None:
+    with LiveServer(
+        tmp_path / "cp", f"sqlite:///{tmp_path / 'cp.db'}", env_overrides=FAST
+    ) as server:
+        with Node(tmp_path / "node", server.url, token=server.mint()["token"]) as node:
+            node.start_worker().start_agent()
+            node_id = node.node_id()
+            wait_until(lambda: _node_view(server, node_id)["state"] == "online", 10, "online")
+            with server.client() as client:
+                client.post(
+                    f"/api/v1/admin/nodes/{node_id}/credential/revoke", headers=server.admin
+                )
+            assert node.wait_agent_exit(timeout=10) == 4
+            log = node.log()
+            assert "credential was revoked" in log
+            assert log.count("CREDENTIAL_REVOKED") <= 1  # no retry storm
+
+
+def test_control_plane_outage_backs_off_and_recovers(tmp_path: Path) -> None:
+    env = dict(
+        FAST, MODELFORGE_NODE_STALE_AFTER_SECONDS="30", MODELFORGE_NODE_OFFLINE_AFTER_SECONDS="90"
+    )
+    server = LiveServer(tmp_path / "cp", f"sqlite:///{tmp_path / 'cp.db'}", env_overrides=env)
+    server.start()
+    try:
+        with Node(tmp_path / "node", server.url, token=server.mint()["token"]) as node:
+            node.start_worker().start_agent()
+            node_id = node.node_id()
+            wait_until(lambda: _node_view(server, node_id)["state"] == "online", 10, "online")
+            assert server.stop() == 0
+            line = "ConnectError on POST /api/v1/agent/heartbeat (backoff 1s…16s)"
+            wait_until(
+                lambda: "next attempt in 16s" in node.log(),
+                45,
+                "backoff to reach 16 s",
+                interval=0.5,
+            )
+            log = node.log()
+            assert line in log
+            waits = [int(w) for w in re.findall(r"next attempt in (\d+)s", log)]
+            assert max(waits) == 16 and waits[:4] == [1, 2, 4, 8]
+            assert re.search(r"last success \d+s ago", log)
+            server.start()
+            back = time.monotonic()
+            seen = _node_view(server, node_id)["last_heartbeat_at"]
+            wait_until(
+                lambda: _node_view(server, node_id)["last_heartbeat_at"] != seen,
+                20,
+                "a heartbeat after the control plane returned",
+                interval=0.2,
+            )
+            assert time.monotonic() - back <= 17
+            assert "reconnected to the control plane" in node.log()
+    finally:
+        if server.process is not None and server.process.poll() is None:
+            server.stop()
