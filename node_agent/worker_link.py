@@ -1,31 +1,56 @@
-"""The agent's side of the local runtime worker link: a unix socket, never the network (RW-1)."""
+"""The agent's side of the local runtime worker link: a unix socket, never the network (RW-1).
+
+Plain `http.client` over AF_UNIX: it is small, and it closes the socket when the worker is not
+there (httpx's unix transport leaks the socket on a failed connect, which an agent polling a
+stopped worker every heartbeat would turn into a descriptor leak).
+"""
 
 from __future__ import annotations
 
+import http.client
+import json
 import logging
+import socket
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 log = logging.getLogger(__name__)
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("runtime-worker", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(str(self._path))
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
 
 
 def query_runtime_worker(socket_path: Path, *, timeout: float = 2.0) -> dict[str, Any] | None:
     """The worker's version, protocol and health, or None when it does not answer."""
     if not socket_path.exists():
         return None
-    transport = httpx.HTTPTransport(uds=str(socket_path))
+    connection = _UnixConnection(socket_path, timeout)
     try:
-        with httpx.Client(
-            transport=transport, base_url="http://runtime-worker", timeout=timeout
-        ) as client:
-            response = client.get("/v1/health")
-            response.raise_for_status()
-            data = response.json()
-    except (httpx.HTTPError, ValueError) as exc:
+        connection.request("GET", "/v1/health")
+        response = connection.getresponse()
+        if response.status != 200:
+            raise ValueError(f"HTTP {response.status}")
+        data = json.loads(response.read())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, http.client.HTTPException, ValueError) as exc:
         log.warning("runtime worker at %s did not answer (%s)", socket_path, type(exc).__name__)
         return None
+    finally:
+        connection.close()
     return {
         "version": str(data.get("version", "unknown")),
         "protocol_version": data.get("protocol_version"),
