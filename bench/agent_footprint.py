@@ -34,6 +34,18 @@ Run (the editable install with the control-plane and agent extras)::
 
     python bench/agent_footprint.py --duration 60
 
+The development environment also holds the dev extras, and their presence changes the agent:
+``import httpx`` imports ``httpx._main`` (click, rich, pygments) whenever those are installed,
+which schemathesis pulls in. To measure the agent as a node would run it, point
+``--agent-python`` at an interpreter whose environment has only the agent's dependencies (the
+repository root is put on its ``PYTHONPATH``; the control plane and runtime worker keep running
+under this interpreter)::
+
+    python -m venv /tmp/agent-venv
+    /tmp/agent-venv/bin/pip install pydantic==2.14.4 pydantic-settings==2.16.3 httpx==0.28.1
+    /tmp/agent-venv/bin/pip install nvidia-ml-py==13.615.71 psutil==7.2.2 tenacity==9.2.1
+    python bench/agent_footprint.py --duration 60 --agent-python /tmp/agent-venv/bin/python
+
 The exit status is 0 when the 10 s target holds (or no 10 s interval was measured), 1 when it
 does not, 2 when a run failed.
 """
@@ -65,6 +77,8 @@ TARGET_INTERVAL_S = 10.0
 TARGET_RSS_MB = 50.0
 TARGET_CPU_PERCENT = 0.5
 MB = 1_000_000
+MIB = 1024 * 1024
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class BenchError(Exception):
@@ -176,7 +190,12 @@ def wait_until(
 
 
 def measure_interval(
-    interval: float, telemetry: float, duration: float, warmup: float, verbose: bool
+    interval: float,
+    telemetry: float,
+    duration: float,
+    warmup: float,
+    agent_python: str | None,
+    verbose: bool,
 ) -> Result:
     with tempfile.TemporaryDirectory(prefix="modelforge-agent-footprint-") as tmp_name:
         tmp = Path(tmp_name)
@@ -245,8 +264,16 @@ def measure_interval(
                     "MODELFORGE_AGENT_STATE_VOLUME": str(state),
                     "MODELFORGE_AGENT_WORKER_SOCKET": str(worker_socket),
                 }
+                if agent_python is not None:
+                    path = os.environ.get("PYTHONPATH")
+                    agent_env["PYTHONPATH"] = os.pathsep.join(
+                        [str(REPO_ROOT), *([path] if path else [])]
+                    )
                 agent = processes.start(
-                    "agent", [sys.executable, "-m", "node_agent"], agent_env, logs["agent"]
+                    "agent",
+                    [agent_python or sys.executable, "-m", "node_agent"],
+                    agent_env,
+                    logs["agent"],
                 )
                 identity = state / "identity.json"
 
@@ -365,6 +392,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="telemetry interval in seconds for every run (default max(2, 1.5 x heartbeat))",
     )
+    parser.add_argument(
+        "--agent-python",
+        default=None,
+        help="interpreter to run the agent with (default: this one); the repository root is "
+        "added to its PYTHONPATH",
+    )
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
@@ -376,13 +409,24 @@ def main(argv: list[str] | None = None) -> int:
         telemetry = args.telemetry_interval or max(2.0, 1.5 * interval)
         try:
             results.append(
-                measure_interval(interval, telemetry, args.duration, args.warmup, not args.quiet)
+                measure_interval(
+                    interval,
+                    telemetry,
+                    args.duration,
+                    args.warmup,
+                    args.agent_python,
+                    not args.quiet,
+                )
             )
         except BenchError as exc:
             print(f"agent-footprint: {interval:g} s run failed: {exc}", file=sys.stderr)
             return 2
 
-    print(f"Node agent footprint ({os.cpu_count()} CPUs, Python {sys.version.split()[0]})")
+    agent = args.agent_python or sys.executable
+    print(
+        f"Node agent footprint: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
+        f"agent interpreter {agent}; MB = 10^6 bytes"
+    )
     print(render(results))
     if args.json:
         print(json.dumps([r.__dict__ for r in results], indent=2))
@@ -395,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"target at {TARGET_INTERVAL_S:g} s (RSS <= {TARGET_RSS_MB:g} MB, CPU <= "
             f"{TARGET_CPU_PERCENT:g} % of one core): RSS max {r.rss_max_mb:.1f} MB "
+            f"({r.rss_max_mb * MB / MIB:.1f} MiB) "
             f"{'OK' if r.rss_max_mb <= TARGET_RSS_MB else 'EXCEEDED'}, CPU "
             f"{r.cpu_percent:.3f} % {'OK' if r.cpu_percent <= TARGET_CPU_PERCENT else 'EXCEEDED'}"
             f" -> {'MET' if r.meets_target else 'NOT MET'}"

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 from tenacity import Retrying, retry_if_exception, wait_exponential
@@ -22,9 +22,11 @@ from node_agent import client as api
 from node_agent.config import AgentSettings
 from node_agent.identity import Identity, IdentityStore
 from node_agent.inventory import Overrides, collect_inventory, collect_telemetry, machine_id
-from node_agent.nvml import Nvml
 from node_agent.preflight import PreflightResult
 from node_agent.worker_link import query_runtime_worker
+
+if TYPE_CHECKING:
+    from node_agent.nvml import Nvml
 
 log = logging.getLogger("modelforge.node_agent")
 T = TypeVar("T")
@@ -230,7 +232,11 @@ class Agent:
 
     def _run(self) -> None:
         identity = self.identity()
-        nvml = Nvml().__enter__() if self.preflight.mode == "nvidia" else None
+        nvml: Nvml | None = None
+        if self.preflight.mode == "nvidia":
+            from node_agent.nvml import Nvml  # only nvidia mode loads the NVML bindings
+
+            nvml = Nvml().__enter__()
         try:
             next_heartbeat = next_telemetry = time.monotonic()
             while not self.stop.is_set():

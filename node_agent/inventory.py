@@ -7,12 +7,14 @@ import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from node_agent import AGENT_VERSION
-from node_agent.nvml import GpuInfo, Nvml
+
+if TYPE_CHECKING:
+    from node_agent.nvml import GpuInfo, Nvml
 
 _MACHINE_ID_FILES = (Path("/etc/machine-id"), Path("/var/lib/dbus/machine-id"))
 

@@ -12,11 +12,10 @@ import glob
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import pynvml
-
-from node_agent.nvml import GpuInfo, Nvml, NvmlUnavailable
+if TYPE_CHECKING:
+    from node_agent.nvml import GpuInfo
 
 EXIT_PREFLIGHT = 3
 FailureCode = Literal[
@@ -98,6 +97,11 @@ def run_preflight(requested_mode: str, *, timeout: float) -> PreflightResult:
 
 
 def _check_nvidia(requested_mode: str) -> PreflightResult:
+    # Imported here: a cpu-mode agent never loads the NVML bindings (memory footprint).
+    import pynvml
+
+    from node_agent.nvml import Nvml, NvmlUnavailable
+
     def fail(code: FailureCode, message: str, gpus: list[GpuInfo] | None = None) -> PreflightResult:
         return PreflightResult(requested_mode, "nvidia", False, code, message, gpus or [])
 

@@ -74,6 +74,15 @@ class LiveServer:
             self.process = subprocess.Popen(
                 [executable], env=self.env(), stdout=log, stderr=subprocess.STDOUT
             )
+        try:
+            self._wait_healthy(timeout)
+        except BaseException:
+            self.stop()  # never leave a server behind a failed start
+            raise
+        return self
+
+    def _wait_healthy(self, timeout: float) -> None:
+        assert self.process is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -81,7 +90,7 @@ class LiveServer:
             try:
                 health = httpx.get(f"{self.url}/api/v1/health", timeout=1, verify=self._verify())
                 if health.status_code == 200:
-                    return self
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
