@@ -3,6 +3,7 @@ loops in the lifespan. Nothing happens at import time."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane import RELEASE_VERSION
 from control_plane.admin_token import resolve_admin_token
-from control_plane.api import admin, agent, public
+from control_plane.api import admin, agent, agent_work, jobs, public
 from control_plane.background.loops import start_loops, stop_loops
 from control_plane.clock import Clock, SystemClock
 from control_plane.context import AppContext
@@ -48,11 +49,15 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await to_thread.run_sync(_start, ctx)
+        ctx.dispatcher.bind(asyncio.get_running_loop())
+        if ctx.settings.is_postgresql:
+            ctx.dispatcher.listen(ctx.settings.sqlalchemy_url)
         tasks = start_loops(ctx) if run_loops else []
         try:
             yield
         finally:
             await stop_loops(ctx, tasks)
+            ctx.dispatcher.close()
             engine.dispose()
 
     app = FastAPI(
@@ -67,6 +72,8 @@ def create_app(
     app.include_router(public.router)
     app.include_router(admin.router)
     app.include_router(agent.router)
+    app.include_router(agent_work.router)
+    app.include_router(jobs.router)
     return app
 
 

@@ -11,9 +11,11 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
     Dialect,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -154,3 +156,56 @@ class TelemetrySample(Base):
     sample: Mapped[dict[str, Any]] = mapped_column(JSON)
 
     __table_args__ = (Index("ix_telemetry_samples_node_at", "node_id", "at"),)
+
+
+class Job(Base):
+    """A unit of model execution (WL-1, WL-1a). `state` moves queued -> running -> one of
+    succeeded | failed | cancelled, always by conditional UPDATE."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_state_created", "state", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    state: Mapped[str] = mapped_column(String(16), default="queued")
+    entrypoint: Mapped[dict[str, Any]] = mapped_column(JSON)
+    params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    inputs: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    resources: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    worker_policy: Mapped[str] = mapped_column(String(16), default="require")
+    timeout_seconds: Mapped[float] = mapped_column(Float)
+    silence_timeout_seconds: Mapped[float] = mapped_column(Float)
+    node_id: Mapped[str | None] = mapped_column(String(40), index=True)
+    created_at: Mapped[datetime]
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    #: Last progress from the agent running it; heartbeats do not touch it (WL-3).
+    last_contact_at: Mapped[datetime | None]
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    result: Mapped[Any | None] = mapped_column(JSON)
+    outputs: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    error_code: Mapped[str | None] = mapped_column(String(40))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    next_event_seq: Mapped[int] = mapped_column(Integer, default=1)
+
+
+class JobEvent(Base):
+    __tablename__ = "job_events"
+    __table_args__ = (Index("uq_job_events_job_seq", "job_id", "seq", unique=True),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(Integer)
+    at: Mapped[datetime]
+    kind: Mapped[str] = mapped_column(String(16))
+    data: Mapped[Any] = mapped_column(JSON)
+
+
+class Artifact(Base):
+    """A content-addressed blob in the data dir (AR-1); the file is named by its digest."""
+
+    __tablename__ = "artifacts"
+
+    digest: Mapped[str] = mapped_column(String(71), primary_key=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime]

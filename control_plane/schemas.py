@@ -287,3 +287,148 @@ class VersionInfo(BaseModel):
     version: str
     protocol_version: int
     accepted_protocols: list[int]
+
+
+# -- jobs (WL-1a) ------------------------------------------------------------------------------
+
+Digest = Annotated[str, StringConstraints(pattern=r"^sha256:[0-9a-f]{64}$")]
+Identifier = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=100)]
+ModuleName = Annotated[
+    str,
+    StringConstraints(
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", max_length=200
+    ),
+]
+SourcePath = Annotated[
+    str,
+    StringConstraints(
+        pattern=r"^([A-Za-z_][A-Za-z0-9_]*/)*[A-Za-z_][A-Za-z0-9_]*\.py$", max_length=200
+    ),
+]
+MAX_SOURCE_BYTES = 1_000_000
+
+
+class PythonEntrypoint(StrictModel):
+    kind: Literal["python"]
+    module: ModuleName
+    function: Identifier
+    source: Annotated[dict[SourcePath, str], Field(max_length=200)] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _source_size(self) -> PythonEntrypoint:
+        if sum(len(text.encode()) for text in self.source.values()) > MAX_SOURCE_BYTES:
+            raise ValueError(f"source must not exceed {MAX_SOURCE_BYTES} bytes in total")
+        return self
+
+
+class OnnxEntrypoint(StrictModel):
+    kind: Literal["onnx"]
+    model: Digest
+
+
+Entrypoint = Annotated[PythonEntrypoint | OnnxEntrypoint, Field(discriminator="kind")]
+
+
+class JobResources(StrictModel):
+    cpus: Annotated[float, Field(ge=0, le=4096)] = 1.0
+    gpus: Annotated[int, Field(ge=0, le=64)] = 0
+    memory_mb: Annotated[int, Field(ge=0, le=16_000_000)] = 0
+
+
+class JobCreate(StrictModel):
+    entrypoint: Entrypoint
+    params: dict[str, Any] = Field(default_factory=dict)
+    inputs: Annotated[dict[Identifier, Digest], Field(max_length=100)] = Field(default_factory=dict)
+    resources: JobResources = Field(default_factory=JobResources)
+    labels: Labels = Field(default_factory=dict)
+    worker_policy: Literal["require", "prefer"] = "require"
+    timeout_seconds: Annotated[float, Field(gt=0, le=7 * 86400)] = 3600.0
+    silence_timeout_seconds: Annotated[float, Field(gt=0, le=86400)] = 600.0
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+
+
+JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+
+
+class JobPublic(BaseModel):
+    job_id: str
+    state: JobState
+    node_id: str | None
+    entrypoint: dict[str, Any]
+    params: dict[str, Any]
+    inputs: dict[str, str]
+    resources: dict[str, Any]
+    labels: dict[str, str]
+    worker_policy: str
+    timeout_seconds: float
+    silence_timeout_seconds: float
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    cancel_requested: bool
+    result: Any = None
+    outputs: dict[str, str] | None
+    error: JobError | None
+
+
+class JobEventPublic(BaseModel):
+    seq: int
+    at: datetime
+    kind: str
+    data: Any
+
+
+class WorkClaim(StrictModel):
+    hold_seconds: Annotated[float, Field(ge=0, le=60)] = 25.0
+
+
+class JobAssignment(BaseModel):
+    job_id: str
+    entrypoint: dict[str, Any]
+    params: dict[str, Any]
+    inputs: dict[str, str]
+    resources: dict[str, Any]
+    timeout_seconds: float
+    silence_timeout_seconds: float
+    progress_interval_seconds: float
+
+
+class AgentJobEvent(StrictModel):
+    kind: Literal["event", "log", "progress"]
+    data: Any = None
+
+
+class AgentJobReport(StrictModel):
+    events: Annotated[list[AgentJobEvent], Field(max_length=1000)] = Field(default_factory=list)
+
+
+class AgentJobControl(BaseModel):
+    cancel: bool
+
+
+class AgentJobWatch(StrictModel):
+    job_ids: Annotated[list[str], Field(max_length=256)]
+    hold_seconds: Annotated[float, Field(ge=0, le=60)] = 25.0
+
+
+class AgentJobCancellations(BaseModel):
+    cancel: list[str]
+
+
+class AgentJobComplete(StrictModel):
+    state: Literal["succeeded", "failed"]
+    result: Any = None
+    outputs: Annotated[dict[Identifier, Digest], Field(max_length=100)] = Field(
+        default_factory=dict
+    )
+    error: JobError | None = None
+
+
+class ArtifactPublic(BaseModel):
+    digest: str
+    size_bytes: int
+    created_at: datetime

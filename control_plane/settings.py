@@ -37,6 +37,10 @@ class Settings(BaseSettings):
     #: How often this process re-reads credential revocations made by other processes.
     credential_refresh_interval_seconds: float = Field(default=1.0, gt=0)
     telemetry_retention_seconds: float = Field(default=3600.0, gt=0)
+    #: WL-3: how often an agent reports progress on a running job, and how long without any
+    #: report fails it (heartbeats do not count).
+    job_progress_interval_seconds: float = Field(default=10.0, gt=0)
+    job_contact_timeout_seconds: float = Field(default=90.0, gt=0)
 
     @model_validator(mode="after")
     def _check_liveness(self) -> Self:
@@ -63,6 +67,12 @@ class Settings(BaseSettings):
                 f"MODELFORGE_HEARTBEAT_INTERVAL_SECONDS ({interval:g}) must be below "
                 f"MODELFORGE_NODE_STALE_AFTER_SECONDS ({stale:g}), or every node would go stale "
                 "between two heartbeats"
+            )
+        if self.job_contact_timeout_seconds <= self.job_progress_interval_seconds:
+            problems.append(
+                "MODELFORGE_JOB_CONTACT_TIMEOUT_SECONDS "
+                f"({self.job_contact_timeout_seconds:g}) must be greater than "
+                f"MODELFORGE_JOB_PROGRESS_INTERVAL_SECONDS ({self.job_progress_interval_seconds:g})"
             )
         if (self.tls_cert is None) != (self.tls_key is None):
             problems.append("MODELFORGE_TLS_CERT and MODELFORGE_TLS_KEY must be set together")

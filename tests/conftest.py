@@ -23,6 +23,9 @@ POSTGRES_ADMIN_URL = os.environ.get(
     "MODELFORGE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
 _TABLES = [
+    "job_events",
+    "jobs",
+    "artifacts",
     "telemetry_samples",
     "node_events",
     "node_credentials",

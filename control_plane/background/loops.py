@@ -12,6 +12,8 @@ from datetime import timedelta
 from anyio import to_thread
 
 from control_plane.context import AppContext
+from control_plane.dispatch import Dispatcher
+from control_plane.services import jobs
 from control_plane.services.nodes import sweep_liveness
 from control_plane.services.reports import prune_telemetry
 
@@ -52,6 +54,20 @@ def prune(ctx: AppContext) -> int:
         return prune_telemetry(session=session, clock=ctx.clock, retention=retention)
 
 
+def sweep_jobs(ctx: AppContext) -> int:
+    with ctx.session_factory.begin() as session:
+        failed = jobs.sweep_jobs(
+            session=session,
+            clock=ctx.clock,
+            contact_timeout=timedelta(seconds=ctx.settings.job_contact_timeout_seconds),
+        )
+        if failed:
+            Dispatcher.announce(session)
+    if failed:
+        ctx.dispatcher.notify()
+    return failed
+
+
 def start_loops(ctx: AppContext) -> list[asyncio.Task[None]]:
     s = ctx.settings
     specs: list[tuple[str, float, Callable[[], object]]] = [
@@ -63,6 +79,7 @@ def start_loops(ctx: AppContext) -> list[asyncio.Task[None]]:
             lambda: ctx.authority.refresh(ctx.session_factory),
         ),
         ("telemetry retention", 60.0, lambda: prune(ctx)),
+        ("job sweep", s.liveness_sweep_interval_seconds, lambda: sweep_jobs(ctx)),
     ]
     return [asyncio.create_task(_every(name, i, fn), name=name) for name, i, fn in specs]
 

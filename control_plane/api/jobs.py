@@ -1,0 +1,112 @@
+"""Jobs and artifacts for users (admin token): submit, list, get, cancel, delete, events."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, status
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse
+
+from control_plane.api.deps import AdminDep, ContextDep, SessionDep
+from control_plane.context import AppContext
+from control_plane.dispatch import Dispatcher
+from control_plane.schemas import (
+    ArtifactPublic,
+    Digest,
+    JobCreate,
+    JobEventPublic,
+    JobPublic,
+    ResourceId,
+)
+from control_plane.services import artifacts, jobs
+
+router = APIRouter(prefix="/api/v1", tags=["jobs"], dependencies=[AdminDep])
+
+
+@router.post("/jobs", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
+def submit_job(body: JobCreate, ctx: ContextDep, session: SessionDep) -> JobPublic:
+    job = jobs.submit_job(session=session, clock=ctx.clock, request=body)
+    Dispatcher.announce(session)
+    session.commit()
+    ctx.dispatcher.notify()
+    return jobs.job_public(job)
+
+
+@router.get("/jobs", response_model=list[JobPublic])
+def list_jobs(
+    session: SessionDep,
+    state: Annotated[
+        str | None, Query(pattern="^(queued|running|succeeded|failed|cancelled)$")
+    ] = None,
+    node_id: Annotated[str | None, Query(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+) -> list[JobPublic]:
+    rows = jobs.list_jobs(session=session, state=state, node_id=node_id, limit=limit)
+    return [jobs.job_public(job) for job in rows]
+
+
+@router.get("/jobs/{job_id}", response_model=JobPublic)
+def get_job(job_id: ResourceId, session: SessionDep) -> JobPublic:
+    return jobs.job_public(jobs.get_job(session=session, job_id=job_id))
+
+
+@router.post("/jobs/{job_id}/cancel", response_model=JobPublic)
+def cancel_job(job_id: ResourceId, ctx: ContextDep, session: SessionDep) -> JobPublic:
+    job = jobs.cancel_job(session=session, clock=ctx.clock, job_id=job_id)
+    Dispatcher.announce(session)
+    session.commit()
+    ctx.dispatcher.notify()
+    return jobs.job_public(job)
+
+
+@router.delete("/jobs/{job_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_job(job_id: ResourceId, session: SessionDep) -> None:
+    jobs.delete_job(session=session, job_id=job_id)
+
+
+def _events(ctx: AppContext, job_id: str, after: int, limit: int) -> list[JobEventPublic]:
+    with ctx.session_factory() as session:
+        rows = jobs.list_events(session=session, job_id=job_id, after=after, limit=limit)
+        return [JobEventPublic(seq=r.seq, at=r.at, kind=r.kind, data=r.data) for r in rows]
+
+
+@router.get("/jobs/{job_id}/events", response_model=list[JobEventPublic])
+async def job_events(
+    job_id: ResourceId,
+    ctx: ContextDep,
+    after: Annotated[int, Query(ge=0)] = 0,
+    wait: Annotated[float, Query(ge=0, le=60)] = 0,
+    limit: Annotated[int, Query(ge=1, le=5000)] = 1000,
+) -> list[JobEventPublic]:
+    """Events after `after`, in order. With `wait`, a long poll: returns as soon as there are
+    new ones (follow a job by passing the last `seq` seen back as `after`)."""
+
+    async def attempt() -> list[JobEventPublic] | None:
+        return await run_in_threadpool(_events, ctx, job_id, after, limit) or None
+
+    return await ctx.dispatcher.poll(wait, attempt) or []
+
+
+@router.post("/artifacts", status_code=status.HTTP_201_CREATED, response_model=ArtifactPublic)
+async def upload_artifact(request: Request, ctx: ContextDep) -> ArtifactPublic:
+    digest, size = await ctx.artifacts.receive(request.stream(), expected=None)
+    return await run_in_threadpool(_record, ctx, digest, size)
+
+
+def _record(ctx: AppContext, digest: str, size: int) -> ArtifactPublic:
+    with ctx.session_factory.begin() as session:
+        row = artifacts.record_artifact(session=session, clock=ctx.clock, digest=digest, size=size)
+        return ArtifactPublic(
+            digest=row.digest, size_bytes=row.size_bytes, created_at=row.created_at
+        )
+
+
+@router.get("/artifacts/{digest}", response_class=FileResponse)
+def download_artifact(digest: Digest, ctx: ContextDep, session: SessionDep) -> FileResponse:
+    artifacts.get_artifact(session=session, store=ctx.artifacts, digest=digest)
+    return FileResponse(
+        ctx.artifacts.path_for(digest),
+        media_type="application/octet-stream",
+        headers={"X-ModelForge-Digest": digest},
+    )
