@@ -263,6 +263,8 @@ def measure_interval(
                     "MODELFORGE_AGENT_ACCELERATOR_MODE": "cpu",
                     "MODELFORGE_AGENT_STATE_VOLUME": str(state),
                     "MODELFORGE_AGENT_WORKER_SOCKET": str(worker_socket),
+                    "MODELFORGE_AGENT_SOCKET": str(worker_socket.with_name("agent.sock")),
+                    "MODELFORGE_ARTIFACT_CACHE": str(state.with_name("cache")),
                 }
                 if agent_python is not None:
                     path = os.environ.get("PYTHONPATH")

@@ -19,10 +19,13 @@ import httpx
 from tenacity import Retrying, retry_if_exception, wait_exponential
 
 from node_agent import client as api
+from node_agent.artifact_cache import ArtifactCache
 from node_agent.config import AgentSettings
 from node_agent.identity import Identity, IdentityStore
 from node_agent.inventory import Overrides, collect_inventory, collect_telemetry, machine_id
+from node_agent.local_api import serve_local_api
 from node_agent.preflight import PreflightResult
+from node_agent.work import WorkRunner
 from node_agent.worker_link import query_runtime_worker
 
 if TYPE_CHECKING:
@@ -90,6 +93,7 @@ class Agent:
         http: httpx.Client,
         overrides: Overrides,
         stop: threading.Event,
+        parallel: int = 1,
     ) -> None:
         self.settings = settings
         self.preflight = preflight
@@ -97,6 +101,7 @@ class Agent:
         self.http = http
         self.overrides = overrides
         self.stop = stop
+        self.parallel = parallel
         self.heartbeat_interval = 10.0
         self.telemetry_interval = 15.0
         self._last_success: float | None = None
@@ -232,6 +237,34 @@ class Agent:
 
     def _run(self) -> None:
         identity = self.identity()
+        cache = ArtifactCache(self.settings.artifact_cache, self.settings.artifact_cache_bytes)
+        local = serve_local_api(
+            self.settings.socket,
+            cache=cache,
+            http=self.http,
+            credential=lambda: identity.credential,
+        )
+        threading.Thread(target=local.serve_forever, daemon=True, name="local-api").start()
+        work = WorkRunner(
+            http=self.http,
+            credential=identity.credential,
+            worker_socket=self.settings.worker_socket,
+            agent_socket=self.settings.socket,
+            parallel=self.parallel,
+            stop=self.stop,
+            publish=self._publish,
+        )
+        try:
+            self._loop(identity, work)
+        finally:
+            local.shutdown()
+            local.server_close()
+            self.settings.socket.unlink(missing_ok=True)
+        if work.failure is not None:
+            raise work.failure
+
+    def _loop(self, identity: Identity, work: WorkRunner) -> None:
+        work_started = False
         nvml: Nvml | None = None
         if self.preflight.mode == "nvidia":
             from node_agent.nvml import Nvml  # only nvidia mode loads the NVML bindings
@@ -245,6 +278,9 @@ class Agent:
                     self._heartbeat(identity)
                     self._inventory_if_changed(identity)
                     next_heartbeat = time.monotonic() + self.heartbeat_interval
+                    if not work_started:  # claim only once the node has reported itself
+                        work.start()
+                        work_started = True
                 if now >= next_telemetry:
                     self._telemetry(identity, nvml)
                     next_telemetry = time.monotonic() + self.telemetry_interval

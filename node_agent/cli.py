@@ -53,6 +53,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cpus", type=_positive, help="advertise this many CPUs")
     parser.add_argument("--gpus", type=_positive, help="advertise at most this many GPUs")
     parser.add_argument("--ram-mb", type=_positive, help="advertise this much memory (MB)")
+    parser.add_argument(
+        "--parallel",
+        type=_positive,
+        default=1,
+        help="run at most this many jobs at once (default 1)",
+    )
     parser.add_argument("--version", action="version", version=AGENT_VERSION)
     return parser.parse_args(argv)
 
@@ -120,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 http=http,
                 overrides=overrides,
                 stop=stop,
+                parallel=max(1, args.parallel),
             ).run()
     except AgentStopped as exc:
         return _die(exc.exit_code, exc.explanation)

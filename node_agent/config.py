@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import tempfile
 from pathlib import Path
 from typing import Literal, Self
 from urllib.parse import urlsplit
@@ -17,6 +18,7 @@ from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_WORKER_SOCKET = Path("/run/modelforge/runtime-worker.sock")
+DEFAULT_AGENT_SOCKET = Path("/run/modelforge/agent.sock")
 _PLACEHOLDER_SUFFIXES = (".example", ".invalid", ".localdomain.example")
 
 
@@ -41,6 +43,15 @@ class AgentSettings(PreflightSettings):
     state_volume: Path = Path("/var/lib/modelforge/agent")
     identity_mode: Literal["persisted"] = "persisted"
     worker_socket: Path = DEFAULT_WORKER_SOCKET
+    #: Where job code on this node reaches the agent (artifact helpers).
+    socket: Path = DEFAULT_AGENT_SOCKET
+    artifact_cache: Path = Field(
+        default=Path(tempfile.gettempdir()) / "modelforge-artifacts",
+        validation_alias="MODELFORGE_ARTIFACT_CACHE",
+    )
+    artifact_cache_bytes: int = Field(
+        default=1024**3, ge=0, validation_alias="MODELFORGE_ARTIFACT_CACHE_BYTES"
+    )
     request_timeout_seconds: float = Field(default=10.0, gt=0, le=300)
 
     @model_validator(mode="after")

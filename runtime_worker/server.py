@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime_worker import PROTOCOL_VERSION, WORKER_VERSION
+from runtime_worker.execution import run_job
 
 log = logging.getLogger("modelforge.runtime_worker")
 
@@ -44,6 +45,53 @@ class _Handler(BaseHTTPRequestHandler):
                     }
                 },
             )
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        if self.path != "/v1/jobs":
+            self._send(
+                404,
+                {
+                    "error": {
+                        "code": "NOT_FOUND",
+                        "message": f"no route {self.path}",
+                        "next_step": "POST /v1/jobs",
+                    }
+                },
+            )
+            return
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            spec = json.loads(self.rfile.read(length))
+            agent_socket = str(spec.pop("agent_socket"))
+            str(spec["job_id"])
+        except (ValueError, KeyError, TypeError) as exc:
+            self._send(
+                400,
+                {
+                    "error": {
+                        "code": "INVALID_JOB",
+                        "message": str(exc),
+                        "next_step": "send a job assignment from the agent",
+                    }
+                },
+            )
+            return
+        # One JSON line per record, streamed until the job exits. The agent closing this
+        # connection (cancel, or the agent died) ends the job: its group is killed.
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-ndjson")
+        self.end_headers()
+        records = run_job(spec, agent_socket=agent_socket)
+        try:
+            for record in records:
+                self.wfile.write((json.dumps(record, default=str) + "\n").encode())
+                self.wfile.flush()
+        except OSError:
+            log.warning(
+                "the agent went away from job %s; its process group is killed", spec.get("job_id")
+            )
+        finally:
+            records.close()
 
     def _send(self, status: int, body: dict[str, Any]) -> None:
         payload = json.dumps(body).encode()

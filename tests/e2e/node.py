@@ -61,6 +61,8 @@ class Node:
             MODELFORGE_AGENT_ACCELERATOR_MODE=self.mode,
             MODELFORGE_AGENT_STATE_VOLUME=str(self.state),
             MODELFORGE_AGENT_WORKER_SOCKET=str(self.socket),
+            MODELFORGE_AGENT_SOCKET=str(self.root / "agent.sock"),
+            MODELFORGE_ARTIFACT_CACHE=str(self.root / "cache"),
             MODELFORGE_WORKER_SOCKET=str(self.socket),
         )
         if self.token:

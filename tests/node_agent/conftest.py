@@ -44,6 +44,8 @@ def agent_env(
         MODELFORGE_AGENT_ACCELERATOR_MODE=mode,
         MODELFORGE_AGENT_STATE_VOLUME=str(state),
         MODELFORGE_AGENT_WORKER_SOCKET=str(state.parent / "worker.sock"),
+        MODELFORGE_AGENT_SOCKET=str(state.parent / "agent.sock"),
+        MODELFORGE_ARTIFACT_CACHE=str(state.parent / "cache"),
         MODELFORGE_AGENT_PREFLIGHT_TIMEOUT_SECONDS="5",
     )
     if token:

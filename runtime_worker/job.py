@@ -1,0 +1,103 @@
+"""Helpers for code running inside a job; they work the same on every node:
+
+    from runtime_worker.job import emit, inputs, load_artifact, save_artifact
+
+`emit(event)` records a JSON event visible through the jobs API, in order. `load_artifact(digest)`
+returns a local path to the artifact (fetched and cached by the node agent). `save_artifact(path,
+name=None)` uploads a file and returns its digest; with a `name` it becomes one of the job's
+outputs. `inputs()` maps the job's input names to digests.
+
+They talk to the runtime worker through an inherited pipe and to the node agent through its
+local unix socket; neither needs (or sees) a credential.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+_lock = threading.Lock()
+_CHUNK = 1024 * 1024
+
+
+def _write(record: dict[str, Any]) -> None:
+    fd = int(os.environ["MODELFORGE_JOB_EVENTS_FD"])
+    line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
+    with _lock:
+        os.write(fd, line)
+
+
+def emit(event: Any) -> None:
+    """Record `event` (anything JSON-serialisable) as a job event."""
+    _write({"kind": "event", "data": event})
+
+
+def inputs() -> dict[str, str]:
+    return dict(json.loads(os.environ.get("MODELFORGE_JOB_INPUTS", "{}")))
+
+
+class _AgentConnection(http.client.HTTPConnection):
+    def __init__(self) -> None:
+        super().__init__("node-agent", timeout=600)
+        self._path = os.environ["MODELFORGE_AGENT_SOCKET"]
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(self._path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def _agent(
+    method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+) -> dict[str, Any]:
+    connection = _AgentConnection()
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        data = json.loads(response.read() or b"{}")
+    finally:
+        connection.close()
+    if response.status >= 400:
+        error = data.get("error", {}) if isinstance(data, dict) else {}
+        raise RuntimeError(f"{error.get('code', response.status)}: {error.get('message', '')}")
+    return dict(data)
+
+
+def load_artifact(digest: str) -> Path:
+    """A local, read-only path to the artifact `digest` (sha256:…)."""
+    answer = _agent(
+        "POST",
+        "/v1/artifacts/fetch",
+        json.dumps({"digest": digest}),
+        {"Content-Type": "application/json"},
+    )
+    return Path(answer["path"])
+
+
+def save_artifact(path: str | os.PathLike[str], name: str | None = None) -> str:
+    """Upload the file at `path`; returns its digest. `name` makes it a job output."""
+    source = Path(path)
+    with source.open("rb") as handle:
+        answer = _agent(
+            "PUT",
+            "/v1/artifacts",
+            handle,
+            {
+                "Content-Length": str(source.stat().st_size),
+                "Content-Type": "application/octet-stream",
+            },
+        )
+    digest = str(answer["digest"])
+    if name is not None:
+        _write({"kind": "output", "name": name, "digest": digest})
+    return digest
