@@ -26,4 +26,11 @@ lint: install
 ## The whole suite: lint, types, then every test on SQLite and PostgreSQL (started if needed).
 test: lint
 	./scripts/ensure-postgres
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest --ignore=tests/e2e_docker
+
+## The heavier end-to-end suite against a real Docker engine (installed and started if needed):
+## build the images, bundle, sign, verify, load, and `up` the stack.
+e2e: install
+	./scripts/ensure-postgres
+	./scripts/ensure-docker
+	$(VENV)/bin/pytest tests/e2e_docker

@@ -14,7 +14,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MODELFORGE_", extra="ignore")
+    # Empty variables count as unset: Compose passes `${VAR:-}` through as "".
+    model_config = SettingsConfigDict(
+        env_prefix="MODELFORGE_", extra="ignore", env_ignore_empty=True
+    )
 
     data_dir: Path = Field(default=Path("modelforge-data"))
     database_url: SecretStr | None = None
@@ -73,6 +76,12 @@ class Settings(BaseSettings):
                 "MODELFORGE_JOB_CONTACT_TIMEOUT_SECONDS "
                 f"({self.job_contact_timeout_seconds:g}) must be greater than "
                 f"MODELFORGE_JOB_PROGRESS_INTERVAL_SECONDS ({self.job_progress_interval_seconds:g})"
+            )
+        if self.database_url is not None and not self.database_url.get_secret_value().startswith(
+            ("postgresql+psycopg://", "sqlite:///")
+        ):
+            problems.append(
+                "MODELFORGE_DATABASE_URL must start with postgresql+psycopg:// (or sqlite:///)"
             )
         if (self.tls_cert is None) != (self.tls_key is None):
             problems.append("MODELFORGE_TLS_CERT and MODELFORGE_TLS_KEY must be set together")

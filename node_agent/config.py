@@ -25,7 +25,10 @@ _PLACEHOLDER_SUFFIXES = (".example", ".invalid", ".localdomain.example")
 class PreflightSettings(BaseSettings):
     """All `--preflight` needs: it runs without network and without a control plane URL."""
 
-    model_config = SettingsConfigDict(env_prefix="MODELFORGE_AGENT_", extra="ignore")
+    # Empty variables count as unset: Compose passes `${VAR:-}` through as "".
+    model_config = SettingsConfigDict(
+        env_prefix="MODELFORGE_AGENT_", extra="ignore", env_ignore_empty=True
+    )
 
     accelerator_mode: Literal["nvidia", "cpu", "auto"] = "nvidia"
     preflight_timeout_seconds: float = Field(default=10.0, gt=0, le=120)
@@ -46,7 +49,7 @@ class AgentSettings(PreflightSettings):
     #: Where job code on this node reaches the agent (artifact helpers).
     socket: Path = DEFAULT_AGENT_SOCKET
     artifact_cache: Path = Field(
-        default=Path(tempfile.gettempdir()) / "modelforge-artifacts",
+        default_factory=lambda: Path(tempfile.gettempdir()) / "modelforge-artifacts",
         validation_alias="MODELFORGE_ARTIFACT_CACHE",
     )
     artifact_cache_bytes: int = Field(

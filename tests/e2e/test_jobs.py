@@ -75,12 +75,7 @@ SOURCE = {"pipeline.py": PIPELINE, "helpers.py": HELPERS}
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, Node]]:
     root = tmp_path_factory.mktemp("jobs")
     with LiveServer(root / "cp", f"sqlite:///{root / 'cp.db'}", env_overrides=FAST) as server:
-        node = Node(
-            root / "node",
-            server.url,
-            token=server.mint()["token"],
-            extra_env={"MODELFORGE_AGENT_ENROLLMENT_TOKEN_FILE": ""},
-        )
+        node = Node(root / "node", server.url, token=server.mint()["token"])
         with node:
             node.start_worker().start_agent("--parallel", "2")
             node_id = node.node_id()

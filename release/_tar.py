@@ -1,0 +1,132 @@
+"""Deterministic bytes for release artefacts: tar entries and canonical JSON.
+
+Every entry gets one fixed mtime, numeric owners (0:0 unless told otherwise), no user or group
+names and no atime/ctime/xattr records; a tree is written in sorted path order. The same input
+therefore always gives the same bytes, and the same sha256.
+
+This module must never read the clock, follow a symlink, or record a host user, group or path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import stat
+import tarfile
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Protocol
+
+CHUNK = 1 << 20
+
+
+class Readable(Protocol):
+    def read(self, size: int = ..., /) -> bytes: ...
+
+
+def canonical_json(value: object) -> bytes:
+    """Sorted keys, compact separators, UTF-8: the byte form every digest is taken over."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def rfc3339(epoch: int) -> str:
+    """SOURCE_DATE_EPOCH as the UTC timestamp written into configs, labels and SBOMs."""
+    return datetime.fromtimestamp(epoch, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def sha256_stream(stream: IO[bytes]) -> str:
+    """The hex sha256 of what is left in `stream`, read in constant memory."""
+    digest = hashlib.sha256()
+    while chunk := stream.read(CHUNK):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    with path.open("rb") as stream:
+        return sha256_stream(stream)
+
+
+def open_writer(path: Path) -> tarfile.TarFile:
+    return tarfile.open(path, mode="w", format=tarfile.PAX_FORMAT)
+
+
+def _info(name: str, *, mtime: int, mode: int, uid: int = 0, gid: int = 0) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.mtime = mtime  # an int: tarfile then writes no pax mtime record
+    info.mode = mode
+    info.uid, info.gid = uid, gid
+    info.uname = info.gname = ""
+    return info
+
+
+def add_bytes(tar: tarfile.TarFile, name: str, data: bytes, *, mtime: int) -> None:
+    info = _info(name, mtime=mtime, mode=0o644)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def add_stream(tar: tarfile.TarFile, name: str, stream: Readable, size: int, *, mtime: int) -> None:
+    info = _info(name, mtime=mtime, mode=0o644)
+    info.size = size
+    tar.addfile(info, stream)
+
+
+def write_tree(
+    root: Path,
+    out: Path,
+    *,
+    mtime: int,
+    owners: Mapping[str, tuple[int, int]] | None = None,
+    normalize_modes: bool = False,
+) -> str:
+    """Write everything below `root` as an image layer tar at `out`; return its "sha256:<hex>".
+
+    Paths in the tar are relative to `root` ("usr/bin/python3"). `owners` maps a relative path to
+    the numeric (uid, gid) it gets; everything else is 0:0. With `normalize_modes`, files become
+    0644 or 0755 and directories 0755, so the host's umask cannot leak into the layer. Hard links
+    inside the tree stay hard links (the first path in sorted order carries the data).
+    Device nodes, fifos and sockets are refused: a layer must not carry them.
+    """
+    owners = owners or {}
+    paths = sorted(
+        (os.path.relpath(os.path.join(parent, name), root), os.path.join(parent, name))
+        for parent, dirs, files in os.walk(root)
+        for name in (*dirs, *files)
+    )
+    first_link: dict[tuple[int, int], str] = {}
+    with open_writer(out) as tar:
+        for relative, absolute in paths:
+            arcname = Path(relative).as_posix()
+            st = os.lstat(absolute)
+            mode = stat.S_IMODE(st.st_mode)
+            if normalize_modes:
+                executable = stat.S_ISDIR(st.st_mode) or mode & 0o111
+                mode = 0o755 if executable else 0o644
+            uid, gid = owners.get(arcname, (0, 0))
+            info = _info(arcname, mtime=mtime, mode=mode, uid=uid, gid=gid)
+            if stat.S_ISDIR(st.st_mode):
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            elif stat.S_ISLNK(st.st_mode):
+                info.type = tarfile.SYMTYPE
+                info.mode = 0o777
+                info.linkname = os.readlink(absolute)
+                tar.addfile(info)
+            elif stat.S_ISREG(st.st_mode):
+                inode = (st.st_dev, st.st_ino)
+                if st.st_nlink > 1 and inode in first_link:
+                    info.type = tarfile.LNKTYPE
+                    info.linkname = first_link[inode]
+                    tar.addfile(info)
+                    continue
+                first_link[inode] = arcname
+                info.size = st.st_size
+                with open(absolute, "rb") as stream:
+                    tar.addfile(info, stream)
+            else:
+                raise ValueError(f"{absolute}: not a file, directory or symlink")
+    return "sha256:" + sha256_file(out)

@@ -1,0 +1,305 @@
+"""Image builds: reproducible IDs, no shell or package manager, non-root, labels, SBOMs.
+
+The e2e tests build real images with mmdebstrap (root, network to Debian's mirror and PyPI) and
+take a few minutes; the others check the SBOM and the argument checks without building anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from release import sbom
+from release.images import PROJECT_DIR, BuiltImage, ImageBuildError, _copy_project, build_images
+
+EPOCH = 1_700_000_000
+VERSION = "0.1.0"
+FORBIDDEN = re.compile(r"^(usr/)?s?bin/(\w*sh|apt[^/]*|dpkg[^/]*)$")
+STATUS = """\
+Package: libc6
+Status: install ok installed
+Architecture: amd64
+Source: glibc
+Version: 2.36-9+deb12u14
+Description: GNU C Library
+ shared libraries
+
+Package: gone
+Status: deinstall ok config-files
+Version: 1.0
+
+Package: libcrypt1
+Status: install ok installed
+Architecture: amd64
+Source: libxcrypt
+Version: 1:4.4.33-2
+"""
+
+
+def _entries(image: BuiltImage) -> list[tarfile.TarInfo]:
+    members = []
+    for layer in image.layers:
+        with tarfile.open(layer) as tar:
+            members.extend(tar.getmembers())
+    return members
+
+
+def _build(work_dir: Path, **options: object) -> list[BuiltImage]:
+    return build_images(
+        version=VERSION,
+        revision="0123abc",
+        source_date_epoch=EPOCH,
+        work_dir=work_dir,
+        progress=lambda line: None,
+        project_dir=work_dir.parent / "project",
+        **options,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[BuiltImage]]]:
+    """The cpu-flavour images, built once from a snapshot of the project (the same inputs for
+    every build in this module, even while the checkout is being edited)."""
+    if os.geteuid() != 0 or shutil.which("mmdebstrap") is None:
+        pytest.fail(
+            "building images needs root and mmdebstrap (apt-get install mmdebstrap)", pytrace=False
+        )
+    root = tmp_path_factory.mktemp("images")
+    _copy_project(PROJECT_DIR, root / "project")
+    shutil.copytree(PROJECT_DIR / "locks", root / "project" / "locks")
+    yield root / "first", _build(root / "first", worker_flavour="cpu")
+
+
+def test_sbom_lists_installed_debian_packages_with_purls() -> None:
+    packages = sbom.debian_packages(sbom.parse_dpkg_status(STATUS))
+
+    document = sbom.build_sbom(
+        image="modelforge-node-agent",
+        version=VERSION,
+        source_date_epoch=EPOCH,
+        debian=packages,
+        python=[sbom.PythonDistribution("Pydantic_Core", "2.50.5")],
+    )
+
+    assert document["specVersion"] == "1.5"
+    assert document["metadata"]["timestamp"] == "2023-11-14T22:13:20Z"
+    assert [c["purl"] for c in document["components"]] == [
+        "pkg:deb/debian/libc6@2.36-9%2Bdeb12u14?arch=amd64&upstream=glibc",
+        "pkg:deb/debian/libcrypt1@1%3A4.4.33-2?arch=amd64&upstream=libxcrypt",
+        "pkg:pypi/pydantic-core@2.50.5",
+    ]
+    assert document["components"][0]["version"] == "2.36-9+deb12u14"
+
+
+def test_sbom_serial_number_follows_the_content() -> None:
+    def document(version: str) -> dict[str, object]:
+        return sbom.build_sbom(
+            image="x", version=version, source_date_epoch=EPOCH, debian=[], python=[]
+        )
+
+    assert document("1")["serialNumber"] == document("1")["serialNumber"]
+    assert document("1")["serialNumber"] != document("2")["serialNumber"]
+    assert str(document("1")["serialNumber"]).startswith("urn:uuid:")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"version": "0.1.0 beta"}, "is not a valid image tag"),
+        ({"components": ["gateway"]}, "unknown components"),
+        ({"worker_flavour": "rocm"}, "neither 'cpu' nor 'cuda'"),
+    ],
+)
+def test_bad_arguments_are_refused_before_building(
+    tmp_path: Path, options: dict[str, object], message: str
+) -> None:
+    arguments: dict[str, object] = {
+        "version": VERSION,
+        "revision": "r",
+        "source_date_epoch": EPOCH,
+        "work_dir": tmp_path / "work",
+        **options,
+    }
+    with pytest.raises(ImageBuildError, match=message):
+        build_images(**arguments)  # type: ignore[arg-type]
+    assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1200)
+def test_two_builds_from_scratch_give_identical_images(
+    built: tuple[Path, list[BuiltImage]],
+) -> None:
+    work_dir, first = built
+
+    second = _build(work_dir.parent / "second", worker_flavour="cpu")  # an empty cache
+
+    assert [(i.tag, i.config_digest, i.diff_ids) for i in second] == [
+        (i.tag, i.config_digest, i.diff_ids) for i in first
+    ]
+    assert [i.config_bytes for i in second] == [i.config_bytes for i in first]
+    assert [i.sbom for i in second] == [i.sbom for i in first]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1200)
+def test_images_share_the_base_and_application_layers(
+    built: tuple[Path, list[BuiltImage]],
+) -> None:
+    _, images = built
+
+    assert [i.tag for i in images] == [
+        "modelforge-control-plane:0.1.0",
+        "modelforge-node-agent:0.1.0",
+        "modelforge-runtime-worker:0.1.0",
+    ]
+    assert len({i.diff_ids[0] for i in images}) == 1
+    assert len({i.diff_ids[-1] for i in images}) == 1
+    assert len({i.diff_ids[1] for i in images}) == 3
+    node_agent = images[1]
+    assert node_agent.size_bytes <= 120_000_000, node_agent.size_bytes
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1200)
+def test_no_shell_no_package_manager_no_bytecode(built: tuple[Path, list[BuiltImage]]) -> None:
+    _, images = built
+    for image in images:
+        names = [m.name for m in _entries(image)]
+
+        assert [n for n in names if FORBIDDEN.match(n)] == [], image.tag
+        assert [n for n in names if n.startswith(("etc/apt", "var/lib/apt", "usr/lib/dpkg"))] == []
+        assert [n for n in names if n.endswith(".pyc") or "__pycache__" in n] == [], image.tag
+        assert "usr/bin/python3.11" in names
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1200)
+def test_node_agent_carries_no_nvidia_driver_library(
+    built: tuple[Path, list[BuiltImage]],
+) -> None:
+    _, images = built
+    names = [m.name for m in _entries(images[1])]
+
+    assert [n for n in names if "libnvidia-ml" in n] == []
+    assert "opt/modelforge/lib/pynvml.py" in names  # the pure-Python bindings
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1200)
+def test_layers_have_fixed_metadata(built: tuple[Path, list[BuiltImage]]) -> None:
+    _, images = built
+    members = _entries(images[0])
+
+    assert {m.mtime for m in members} == {EPOCH}
+    assert {(m.uname, m.gname) for m in members} == {("", "")}
+    owned = {m.name: (m.uid, m.gid) for m in members if (m.uid, m.gid) != (0, 0)}
+    assert owned == {"run/modelforge": (10001, 10001), "var/lib/modelforge": (10001, 10001)}
+    assert not [m.name for m in members if {"atime", "ctime"} & set(m.pax_headers)]
+    assert not [m.name for m in members if m.isdev() or m.isfifo()]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1200)
+def test_configs_run_as_non_root_with_labels(built: tuple[Path, list[BuiltImage]]) -> None:
+    _, images = built
+    expected_cmd = {
+        "control-plane": ["python3", "-m", "control_plane"],
+        "node-agent": ["python3", "-m", "node_agent"],
+        "runtime-worker": ["python3", "-m", "runtime_worker"],
+    }
+    with tarfile.open(images[0].layers[0]) as base:
+        passwd = base.extractfile("etc/passwd").read().decode()  # type: ignore[union-attr]
+        group = base.extractfile("etc/group").read().decode()  # type: ignore[union-attr]
+    assert "modelforge:x:10001:10001:" in passwd
+    assert "modelforge:x:10001:" in group
+
+    for image in images:
+        config = json.loads(image.config_bytes)
+        component = image.name.removeprefix("modelforge-")
+        assert config["config"]["User"] == "10001:10001"
+        assert config["config"]["Cmd"] == expected_cmd[component]
+        assert "Entrypoint" not in config["config"]
+        assert {"PYTHONDONTWRITEBYTECODE=1", "PYTHONPATH=/opt/modelforge/lib"} <= set(
+            config["config"]["Env"]
+        )
+        assert config["rootfs"]["diff_ids"] == list(image.diff_ids)
+        assert len(config["history"]) == len(image.diff_ids)
+        assert config["config"]["Labels"] == dict(image.labels)
+        assert image.labels["org.opencontainers.image.version"] == VERSION
+        assert image.labels["org.opencontainers.image.revision"] == "0123abc"
+        assert image.labels["org.opencontainers.image.created"] == "2023-11-14T22:13:20Z"
+        assert image.labels["org.opencontainers.image.title"] == image.name
+        assert image.labels["org.opencontainers.image.licenses"] == "Apache-2.0"
+        assert image.labels["io.modelforge.component"] == component
+        assert image.labels["io.modelforge.protocol"] == "1"
+    control_plane = json.loads(images[0].config_bytes)["config"]
+    assert control_plane["ExposedPorts"] == {"8000/tcp": {}}
+    assert {"MODELFORGE_HOST=0.0.0.0", "MODELFORGE_DATA_DIR=/var/lib/modelforge"} <= set(
+        control_plane["Env"]
+    )
+    assert images[2].labels["io.modelforge.flavour"] == "cpu"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1200)
+def test_sbom_covers_debian_and_python_components(
+    built: tuple[Path, list[BuiltImage]],
+) -> None:
+    _, images = built
+    purls = {c["purl"].split("@")[0] for c in images[1].sbom["components"]}
+
+    assert {"pkg:deb/debian/libc6", "pkg:deb/debian/python3.11-minimal"} <= purls
+    assert {"pkg:pypi/pydantic", "pkg:pypi/nvidia-ml-py", "pkg:pypi/modelforge"} <= purls
+    assert not [p for p in purls if p.endswith(("/dpkg", "/apt", "/bash", "/dash"))]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1200)
+def test_node_agent_runs_its_preflight_without_a_shell(
+    built: tuple[Path, list[BuiltImage]], tmp_path: Path
+) -> None:
+    _, images = built
+    rootfs = tmp_path / "rootfs"
+    rootfs.mkdir()
+    for layer in images[1].layers:  # as a container runtime unpacks them: modes and owners kept
+        subprocess.run(["tar", "-xpf", str(layer), "-C", str(rootfs)], check=True)
+    env = dict(item.split("=", 1) for item in json.loads(images[1].config_bytes)["config"]["Env"])
+
+    done = subprocess.run(
+        ["chroot", "--userspec=10001:10001", str(rootfs), "python3", "-m", "node_agent",
+         "--preflight", "--json"],
+        env={**env, "MODELFORGE_AGENT_ACCELERATOR_MODE": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["ok"] is True
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1200)
+def test_cuda_worker_carries_the_cuda_runtime(built: tuple[Path, list[BuiltImage]]) -> None:
+    work_dir, cpu_images = built
+
+    (cuda,) = _build(work_dir, worker_flavour="cuda", components=["runtime-worker"])
+
+    names = [m.name for m in _entries(cuda)]
+    assert "opt/modelforge/lib/nvidia/cuda_runtime/lib/libcudart.so.12" in names
+    assert cuda.tag == cpu_images[2].tag
+    assert cuda.labels["io.modelforge.flavour"] == "cuda"
+    assert cuda.diff_ids[0] == cpu_images[2].diff_ids[0]
+    assert "pkg:pypi/nvidia-cuda-runtime-cu12" in {
+        c["purl"].split("@")[0] for c in cuda.sbom["components"]
+    }
+    assert not [n for n in _entries(cpu_images[2]) if "libcudart" in n.name]

@@ -1,0 +1,282 @@
+"""RL-1..RL-5 against a real Docker engine: build the three images without Docker, bundle, sign,
+verify, load, `up` the control plane, node agent (cpu mode) and runtime worker; enroll the agent
+through the admin API until the node is ready; every container runs its recorded image ID. A
+container from a different image under the same tag makes `up` fail and stop the stack."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from release.cli import main as release
+from release.docker import LOADED_FILE, compose_command
+from tests.e2e.server import free_port
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = REPO / "compose"
+CP_FILES = [COMPOSE / "docker-compose.yml"]
+NODE_FILES = [
+    COMPOSE / "docker-compose.node-agent.yml",
+    COMPOSE / "docker-compose.runtime-worker.yml",
+    Path(__file__).with_name("compose.node-host-network.yml"),
+]
+VERSION = "0.1.0"
+
+
+def docker(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, check=check)
+
+
+@pytest.fixture(scope="module")
+def release_bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    root = tmp_path_factory.mktemp("release")
+    bundle, private, public = root / "bundle", root / "cosign.key", root / "cosign.pub"
+    work = Path(os.environ.get("MODELFORGE_RELEASE_WORK_DIR", REPO / "build" / "release"))
+    assert (
+        release(["build", "--out", str(bundle), "--work-dir", str(work), "--worker-flavour", "cpu"])
+        == 0
+    )
+    assert release(["bundle", str(bundle)]) == 0
+    assert release(["keygen", "--private", str(private), "--public", str(public)]) == 0
+    assert release(["sign", str(bundle), "--key", str(private)]) == 0
+    yield bundle, public
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, **extra}
+
+
+def _wait(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _project_containers(project: str) -> list[str]:
+    return docker(
+        "ps", "-aq", "--filter", f"label=com.docker.compose.project={project}"
+    ).stdout.split()
+
+
+def _logs(project: str) -> str:
+    return "\n".join(
+        docker("logs", "--tail", "30", container, check=False).stdout
+        + docker("logs", "--tail", "30", container, check=False).stderr
+        for container in _project_containers(project)
+    )
+
+
+def test_tampered_bundle_loads_nothing(release_bundle: tuple[Path, Path], tmp_path: Path) -> None:
+    bundle, public = release_bundle
+    tampered = tmp_path / "tampered"
+    subprocess.run(["cp", "-r", str(bundle), str(tampered)], check=True)
+    data = json.loads((tampered / "release-manifest.json").read_text())
+    data["images"]["modelforge-node-agent"]["architecture"] = "arm64"
+    (tampered / "release-manifest.json").write_text(json.dumps(data))
+    for image in ("modelforge-control-plane", "modelforge-node-agent", "modelforge-runtime-worker"):
+        docker("image", "rm", "-f", f"{image}:{VERSION}", check=False)
+    assert release(["load", str(tampered), "--key", str(public)]) == 1
+    assert (
+        docker("image", "inspect", f"modelforge-node-agent:{VERSION}", check=False).returncode != 0
+    )
+    assert not (tampered / LOADED_FILE).exists()
+
+
+def test_release_end_to_end(release_bundle: tuple[Path, Path], tmp_path: Path) -> None:
+    bundle, public = release_bundle
+    assert release(["verify", str(bundle), "--key", str(public)]) == 0
+    assert release(["load", str(bundle), "--key", str(public)]) == 0
+    recorded = json.loads((bundle / LOADED_FILE).read_text())
+    assert sorted(recorded) == [
+        f"modelforge-control-plane:{VERSION}",
+        f"modelforge-node-agent:{VERSION}",
+        f"modelforge-runtime-worker:{VERSION}",
+    ]
+
+    # Shell-less: the image runs its default command, and `sh` does not exist in it.
+    no_shell = docker(
+        "run",
+        "--rm",
+        "--network",
+        "none",
+        f"modelforge-node-agent:{VERSION}",
+        "sh",
+        "-c",
+        "true",
+        check=False,
+    )
+    assert no_shell.returncode != 0
+    preflight = docker(
+        "run",
+        "--rm",
+        "--network",
+        "none",
+        "-e",
+        "MODELFORGE_AGENT_ACCELERATOR_MODE=nvidia",
+        f"modelforge-node-agent:{VERSION}",
+        "python3",
+        "-m",
+        "node_agent",
+        "--preflight",
+        check=False,
+    )
+    assert preflight.returncode == 3 and "NVIDIA_NVML_UNAVAILABLE" in preflight.stdout
+
+    port = free_port()
+    cp_project, node_project = f"mfcp{port}", f"mfnode{port}"
+    os.environ.update(MODELFORGE_PORT=str(port), MODELFORGE_BIND_ADDRESS="127.0.0.1")
+    try:
+        assert (
+            release(
+                ["up", str(bundle), "-p", cp_project, *sum((["-f", str(f)] for f in CP_FILES), [])]
+            )
+            == 0
+        )
+        url = f"http://127.0.0.1:{port}"
+        _wait(
+            lambda: httpx.get(f"{url}/api/v1/health", timeout=2).status_code == 200,
+            90,
+            "control plane health",
+        )
+        container = _project_containers(cp_project)[0]
+        admin_token = docker(
+            "exec",
+            container,
+            "python3",
+            "-c",
+            "import sys; sys.stdout.write(open('/var/lib/modelforge/admin-token').read().strip())",
+        ).stdout
+        admin = {"X-ModelForge-Admin-Token": admin_token}
+        minted = httpx.post(
+            f"{url}/api/v1/admin/node-enrollments",
+            headers=admin,
+            json={"display_name": "docker-node", "expires_in_seconds": 900},
+        ).json()
+        node_env = tmp_path / "node.env"
+        fd = os.open(node_env, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(
+                f"MODELFORGE_AGENT_ENROLLMENT_TOKEN={minted['token']}\n"
+                f"MODELFORGE_AGENT_CONTROL_PLANE_URL={url}\n"
+                "MODELFORGE_AGENT_ACCELERATOR_MODE=cpu\n"
+            )
+        for line in node_env.read_text().splitlines():
+            key, value = line.split("=", 1)
+            os.environ[key] = value
+        try:
+            assert (
+                release(
+                    [
+                        "up",
+                        str(bundle),
+                        "-p",
+                        node_project,
+                        *sum((["-f", str(f)] for f in NODE_FILES), []),
+                    ]
+                )
+                == 0
+            )
+        finally:
+            os.environ.pop("MODELFORGE_AGENT_ENROLLMENT_TOKEN", None)  # used once, at creation
+            node_env.unlink()
+        node_id = minted["node_id"]
+        try:
+            _wait(
+                lambda: (
+                    httpx.get(f"{url}/api/v1/admin/nodes/{node_id}/readiness", headers=admin)
+                    .json()
+                    .get("ready")
+                    is True
+                ),
+                120,
+                "node readiness",
+            )
+        except AssertionError:
+            readiness = httpx.get(f"{url}/api/v1/admin/nodes/{node_id}/readiness", headers=admin)
+            raise AssertionError(f"{readiness.text}\n{_logs(node_project)}") from None
+        for project in (cp_project, node_project):
+            for container in _project_containers(project):
+                info = json.loads(docker("container", "inspect", container).stdout)[0]
+                assert info["Image"] == recorded[info["Config"]["Image"]]
+                assert info["HostConfig"]["ReadonlyRootfs"] is True
+                assert info["HostConfig"]["CapDrop"] == ["ALL"]
+                assert info["Config"]["User"] == "10001:10001"
+
+        # A container from a different image under the same tag: `up` fails and stops the stack.
+        worker_tag = f"modelforge-runtime-worker:{VERSION}"
+        docker("tag", f"modelforge-control-plane:{VERSION}", worker_tag)
+        os.environ["MODELFORGE_RUNTIME_WORKER_IMAGE"] = worker_tag
+        subprocess.run(
+            [
+                *compose_command(),
+                "-p",
+                node_project,
+                *sum((["-f", str(f)] for f in NODE_FILES), []),
+                "up",
+                "-d",
+                "--no-build",
+                "--force-recreate",
+                "runtime-worker",
+            ],
+            check=True,
+            capture_output=True,
+            env=_env(
+                MODELFORGE_AGENT_CONTROL_PLANE_URL=url,
+                MODELFORGE_NODE_AGENT_IMAGE=f"modelforge-node-agent:{VERSION}",
+            ),
+        )
+        assert (
+            release(
+                [
+                    "up",
+                    str(bundle),
+                    "-p",
+                    node_project,
+                    *sum((["-f", str(f)] for f in NODE_FILES), []),
+                ]
+            )
+            == 1
+        )
+        assert _project_containers(node_project) == []
+    finally:
+        for project, files in ((node_project, NODE_FILES), (cp_project, CP_FILES)):
+            subprocess.run(
+                [
+                    *compose_command(),
+                    "-p",
+                    project,
+                    *sum((["-f", str(f)] for f in files), []),
+                    "down",
+                    "-v",
+                ],
+                capture_output=True,
+                env=_env(
+                    MODELFORGE_AGENT_CONTROL_PLANE_URL="http://127.0.0.1:1",
+                    MODELFORGE_CONTROL_PLANE_IMAGE="x:local",
+                    MODELFORGE_NODE_AGENT_IMAGE="x:local",
+                    MODELFORGE_RUNTIME_WORKER_IMAGE="x:local",
+                ),
+            )
+        for key in (
+            "MODELFORGE_RUNTIME_WORKER_IMAGE",
+            "MODELFORGE_AGENT_CONTROL_PLANE_URL",
+            "MODELFORGE_AGENT_ACCELERATOR_MODE",
+            "MODELFORGE_PORT",
+            "MODELFORGE_BIND_ADDRESS",
+        ):
+            os.environ.pop(key, None)
