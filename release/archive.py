@@ -15,7 +15,7 @@ import hashlib
 import json
 import tarfile
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -94,23 +94,33 @@ def write_images_tar(images: Sequence[BuiltImage], path: Path) -> None:
 
 
 def read_images_tar(
-    path: Path, *, progress: Callable[[str], None] | None = None
+    path: Path,
+    *,
+    progress: Callable[[str], None] | None = None,
+    entry_digests: Mapping[str, str] | None = None,
 ) -> list[ArchivedImage]:
-    """Parse and check a docker-archive without Docker; every referenced layer is re-hashed."""
+    """Parse and check a docker-archive without Docker; every referenced layer is re-hashed.
+
+    `entry_digests` (entry name -> digest, from `scan_tar`) saves that second read when the
+    caller already streamed the whole file once.
+    """
     try:
         with tarfile.open(path, mode="r:") as tar:
-            return _check_archive(tar, path.name, progress)
+            return _check_archive(tar, path.name, progress, entry_digests or {})
     except (OSError, EOFError, tarfile.TarError) as exc:
         raise ArchiveError(f"{path.name}: not a readable tar archive ({exc})") from None
 
 
 def _check_archive(
-    tar: tarfile.TarFile, archive: str, progress: Callable[[str], None] | None
+    tar: tarfile.TarFile,
+    archive: str,
+    progress: Callable[[str], None] | None,
+    entry_digests: Mapping[str, str],
 ) -> list[ArchivedImage]:
     entries = tar.getmembers()  # headers only: the data stays in the file
     members = {member.name.removeprefix("./"): member for member in entries}
     counts = Counter(member.name.removeprefix("./") for member in entries)
-    reader = _EntryReader(tar, members, counts, archive)
+    reader = _EntryReader(tar, members, counts, archive, entry_digests)
     manifest = reader.json(MANIFEST, what="manifest.json")
     if not isinstance(manifest, list) or not manifest:
         raise ArchiveError(f"{archive}: manifest.json is not a non-empty list of images")
@@ -194,8 +204,10 @@ class _EntryReader:
         members: dict[str, tarfile.TarInfo],
         counts: Counter[str],
         archive: str,
+        known_digests: Mapping[str, str],
     ) -> None:
         self.tar, self.members, self.counts, self.archive = tar, members, counts, archive
+        self.known_digests = known_digests
 
     def _open(self, name: str, what: str) -> IO[bytes]:
         member = self.members.get(name.removeprefix("./"))
@@ -220,7 +232,48 @@ class _EntryReader:
 
     def digest(self, name: str, *, what: str) -> str:
         with self._open(name, what) as stream:
-            return "sha256:" + sha256_stream(stream)
+            known = self.known_digests.get(name.removeprefix("./"))
+            return known if known is not None else "sha256:" + sha256_stream(stream)
+
+
+def scan_tar(
+    path: Path, progress: Callable[[int, int], None] | None = None
+) -> tuple[str, dict[str, str]]:
+    """One streaming pass, constant memory: the SHA-256 of the whole file and of every entry.
+
+    This is what lets `verify` check the bundle's checksum and every layer's diff_id while
+    reading the (large) images tar only once.
+    """
+    total = path.stat().st_size
+    whole = hashlib.sha256()
+    done = 0
+
+    class _Tee:
+        def read(self, size: int = CHUNK) -> bytes:
+            nonlocal done
+            data = handle.read(size)
+            whole.update(data)
+            done += len(data)
+            if progress is not None and data:
+                progress(done, total)
+            return data
+
+    entries: dict[str, str] = {}
+    with path.open("rb") as handle:
+        try:
+            with tarfile.open(fileobj=_Tee(), mode="r|", bufsize=CHUNK) as tar:  # type: ignore[call-overload]
+                for member in tar:
+                    stream = tar.extractfile(member) if member.isfile() else None
+                    if stream is not None:
+                        entries[member.name.removeprefix("./")] = "sha256:" + sha256_stream(stream)
+        except (EOFError, tarfile.TarError) as exc:
+            raise ArchiveError(f"{path.name}: not a readable tar archive ({exc})") from None
+        tee = _Tee()
+        while tee.read(CHUNK):  # end-of-archive padding counts for the file's checksum
+            pass
+    if progress is not None:
+        progress(total, total)
+    return "sha256:" + whole.hexdigest(), entries
 
 
 class _HashingReader:

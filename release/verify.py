@@ -47,6 +47,15 @@ def required_files(version: str) -> list[str]:
     return names
 
 
+def load_manifest_listed(directory: Path, sums: str) -> Manifest:
+    """The manifest, but only after its own checksum matched (it decides what else to check)."""
+    entry = next((e for e in checksums.parse_sha256sums(sums) if e.name == MANIFEST_FILE), None)
+    if entry is None:
+        raise VerificationError(f"{SUMS_FILE} does not list {MANIFEST_FILE}")
+    checksums.verify_sha256sums(f"{entry.sha256}  {entry.name}\n", directory)
+    return load_manifest(directory / MANIFEST_FILE)
+
+
 def verify_bundle(
     directory: Path,
     public_key: Path,
@@ -85,14 +94,40 @@ def _verify(
             raise VerificationError(f"{SIGSTORE_BUNDLE_FILE} is not JSON: {exc}") from None
         signing.verify_bundle(sums, bundle, key_pem, bundle_name=SIGSTORE_BUNDLE_FILE)
 
-    listed = checksums.verify_sha256sums(sums.decode(), directory, progress)
-    manifest = load_manifest(directory / MANIFEST_FILE)
+    manifest = load_manifest_listed(directory, sums.decode())
+    listed = checksums.parse_sha256sums(sums.decode())
     names = {entry.name for entry in listed}
     for name in required_files(manifest.version):
         if name not in names:
             raise VerificationError(f"{SUMS_FILE} does not list {name}, which a release carries")
     if not re.fullmatch(r"[0-9A-Za-z][0-9A-Za-z._+-]*", manifest.version):
         raise VerificationError(f"{MANIFEST_FILE}: version {manifest.version!r} is not valid")
-    images_tar = directory / images_tar_name(manifest.version)
-    check_images(manifest, archive.read_images_tar(images_tar))
+    tar_name = images_tar_name(manifest.version)
+    images_tar = directory / tar_name
+    if not images_tar.is_file():
+        raise VerificationError(f"listed in {SUMS_FILE} but missing: {tar_name}")
+    # Everything but the images tar, then the tar in one pass that also hashes each layer.
+    others = "".join(f"{e.sha256}  {e.name}\n" for e in listed if e.name != tar_name)
+    checksums.verify_sha256sums(others, directory, progress)
+    expected = next(e.sha256 for e in listed if e.name == tar_name)
+
+    def tar_progress(done: int, total: int) -> None:
+        if progress is not None:
+            progress(tar_name, done, total)
+
+    unreadable: archive.ArchiveError | None = None
+    entry_digests: dict[str, str] = {}
+    try:
+        found, entry_digests = archive.scan_tar(images_tar, tar_progress)
+    except archive.ArchiveError as exc:  # the checksum decides which error the operator sees
+        unreadable = exc
+        found = "sha256:" + checksums.sha256_file(images_tar)
+    if found != f"sha256:{expected}":
+        raise VerificationError(
+            f"{tar_name}: SHA-256 expected {expected} (from {SUMS_FILE}), "
+            f"found {found.removeprefix('sha256:')}"
+        )
+    if unreadable is not None:
+        raise unreadable
+    check_images(manifest, archive.read_images_tar(images_tar, entry_digests=entry_digests))
     return VerifiedBundle(directory=directory, manifest=manifest, images_tar=images_tar)

@@ -202,7 +202,16 @@ def test_layers_have_fixed_metadata(built: tuple[Path, list[BuiltImage]]) -> Non
     assert {m.mtime for m in members} == {EPOCH}
     assert {(m.uname, m.gname) for m in members} == {("", "")}
     owned = {m.name: (m.uid, m.gid) for m in members if (m.uid, m.gid) != (0, 0)}
-    assert owned == {"run/modelforge": (10001, 10001), "var/lib/modelforge": (10001, 10001)}
+    # The mount points of the named volumes (agent state, artifact cache, sockets, data).
+    assert owned == dict.fromkeys(
+        (
+            "run/modelforge",
+            "var/lib/modelforge",
+            "var/lib/modelforge/agent",
+            "var/cache/modelforge/artifacts",
+        ),
+        (10001, 10001),
+    )
     assert not [m.name for m in members if {"atime", "ctime"} & set(m.pax_headers)]
     assert not [m.name for m in members if m.isdev() or m.isfifo()]
 

@@ -90,6 +90,13 @@ def _flip_byte(bundle: Path) -> None:
     tar.write_bytes(bytes(data))
 
 
+def _flip_header_byte(bundle: Path) -> None:
+    tar = bundle / TAR
+    data = bytearray(tar.read_bytes())
+    data[3] ^= 0x20  # inside the first entry's name: the tar itself still parses, or not
+    tar.write_bytes(bytes(data))
+
+
 def _edit_sums(bundle: Path) -> None:
     sums = (bundle / "SHA256SUMS").read_text()
     (bundle / "SHA256SUMS").write_text(sums.replace(sums[0], "f" if sums[0] != "f" else "e", 1))
@@ -103,6 +110,7 @@ def _wrong_signature(bundle: Path) -> None:
 # (alteration, re-sign with the real key afterwards?, words the error must contain)
 TAMPERS: dict[str, tuple[Callable[[Path], None], bool, list[str]]] = {
     "flipped byte in the images tar": (_flip_byte, False, [TAR, "expected", "found"]),
+    "flipped byte in a tar header": (_flip_header_byte, False, [TAR, "expected", "found"]),
     "edited SHA256SUMS": (_edit_sums, False, ["SHA256SUMS.sig", "does not verify"]),
     "wrong signature": (_wrong_signature, False, ["SHA256SUMS.sig"]),
     "changed label": (
