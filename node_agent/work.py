@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from modelforge_ipc import UnixHTTPConnection
 from node_agent import client as api
 
 log = logging.getLogger("modelforge.node_agent.work")
@@ -28,21 +29,6 @@ log = logging.getLogger("modelforge.node_agent.work")
 _HOLD = 8.0
 _BATCH = 200
 _REPORT_EVERY = 0.5
-
-
-class _WorkerConnection(http.client.HTTPConnection):
-    def __init__(self, path: Path) -> None:
-        super().__init__("runtime-worker", timeout=None)
-        self._path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect(str(self._path))
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
 
 
 @dataclass
@@ -169,7 +155,7 @@ class WorkRunner:
     def _run(self, assignment: dict[str, Any]) -> None:
         job_id = str(assignment["job_id"])
         log.info("running job %s", job_id)
-        connection = _WorkerConnection(self.worker_socket)
+        connection = UnixHTTPConnection(self.worker_socket)
         running = _Running(job_id)
         with self._lock:
             self._active[job_id] = running

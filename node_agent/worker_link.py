@@ -10,34 +10,19 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import socket
 from pathlib import Path
 from typing import Any
 
+from modelforge_ipc import UnixHTTPConnection
+
 log = logging.getLogger(__name__)
-
-
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: Path, timeout: float) -> None:
-        super().__init__("runtime-worker", timeout=timeout)
-        self._path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(self.timeout)
-            sock.connect(str(self._path))
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
 
 
 def query_runtime_worker(socket_path: Path, *, timeout: float = 2.0) -> dict[str, Any] | None:
     """The worker's version, protocol and health, or None when it does not answer."""
     if not socket_path.exists():
         return None
-    connection = _UnixConnection(socket_path, timeout)
+    connection = UnixHTTPConnection(socket_path, timeout)
     try:
         connection.request("GET", "/v1/health")
         response = connection.getresponse()

@@ -13,13 +13,13 @@ local unix socket; neither needs (or sees) a credential.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import socket
 import threading
 from pathlib import Path
 from typing import Any
+
+from modelforge_ipc import UnixHTTPConnection
 
 _lock = threading.Lock()
 _CHUNK = 1024 * 1024
@@ -41,26 +41,10 @@ def inputs() -> dict[str, str]:
     return dict(json.loads(os.environ.get("MODELFORGE_JOB_INPUTS", "{}")))
 
 
-class _AgentConnection(http.client.HTTPConnection):
-    def __init__(self) -> None:
-        super().__init__("node-agent", timeout=600)
-        self._path = os.environ["MODELFORGE_AGENT_SOCKET"]
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(self.timeout)
-            sock.connect(self._path)
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
-
-
 def _agent(
     method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    connection = _AgentConnection()
+    connection = UnixHTTPConnection(os.environ["MODELFORGE_AGENT_SOCKET"], timeout=600)
     try:
         connection.request(method, path, body=body, headers=headers or {})
         response = connection.getresponse()

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socketserver
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
+from modelforge_ipc import JsonHandler, UnixHTTPServer, serve_unix
 from runtime_worker import PROTOCOL_VERSION, WORKER_VERSION
 from runtime_worker.execution import run_job
 
@@ -28,14 +26,14 @@ def health() -> dict[str, Any]:
     }
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     server_version = f"modelforge-runtime-worker/{WORKER_VERSION}"
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         if self.path == "/v1/health":
-            self._send(200, health())
+            self.send_json(200, health())
         else:
-            self._send(
+            self.send_json(
                 404,
                 {
                     "error": {
@@ -48,7 +46,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
         if self.path != "/v1/jobs":
-            self._send(
+            self.send_json(
                 404,
                 {
                     "error": {
@@ -65,7 +63,7 @@ class _Handler(BaseHTTPRequestHandler):
             agent_socket = str(spec.pop("agent_socket"))
             str(spec["job_id"])
         except (ValueError, KeyError, TypeError) as exc:
-            self._send(
+            self.send_json(
                 400,
                 {
                     "error": {
@@ -93,31 +91,6 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             records.close()
 
-    def _send(self, status: int, body: dict[str, Any]) -> None:
-        payload = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def address_string(self) -> str:
-        return "local-agent"
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
-        log.debug("%s " + format, self.address_string(), *args)
-
-
-class UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
-
 
 def serve(socket_path: Path) -> UnixHTTPServer:
-    socket_path.parent.mkdir(parents=True, exist_ok=True)
-    socket_path.unlink(missing_ok=True)
-    old_umask = os.umask(0o177)  # the socket is created 0600: the local agent only
-    try:
-        server = UnixHTTPServer(str(socket_path), _Handler)
-    finally:
-        os.umask(old_umask)
-    return server
+    return serve_unix(socket_path, _Handler, UnixHTTPServer)
