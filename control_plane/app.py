@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from control_plane import RELEASE_VERSION
 from control_plane.admin_token import resolve_admin_token
 from control_plane.api import admin, agent, agent_work, jobs, public
+from control_plane.api.heartbeat_fast import HeartbeatFastPath
 from control_plane.background.loops import start_loops, stop_loops
 from control_plane.clock import Clock, SystemClock
 from control_plane.context import AppContext
@@ -68,6 +69,7 @@ def create_app(
         openapi_url="/openapi.json",
     )
     app.state.ctx = ctx
+    app.add_middleware(HeartbeatFastPath, ctx=ctx)
     _install_error_handlers(app)
     app.include_router(public.router)
     app.include_router(admin.router)

@@ -73,12 +73,15 @@ def _migrate_or_die(settings: Settings) -> None:
 
 def _serve(settings: Settings) -> None:
     from granian import Granian
-    from granian.constants import Interfaces
+    from granian.constants import HTTPModes, Interfaces, Loops
 
     Granian(
         target="control_plane.app:create_app",
         factory=True,
         interface=Interfaces.ASGI,
+        # Agents and the console speak HTTP/1.1; uvloop for the event loop (HB-4 throughput).
+        http=HTTPModes.http1,
+        loop=Loops.uvloop,
         address=settings.host,
         port=settings.port,
         workers=1,

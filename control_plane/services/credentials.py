@@ -195,6 +195,14 @@ class CredentialAuthority:
             raise _revoked()
         return principal, True
 
+    def cached_active(self, token: str) -> NodePrincipal | None:
+        """The principal only when this exact credential verified before and its `jti` is known
+        active; None otherwise (the caller then takes the full path through `verify`)."""
+        principal = self._verified.get(token)
+        if principal is None or self._jti_active.get(principal.jti) is not True:
+            return None
+        return principal
+
     def load_status(self, session: Session, principal: NodePrincipal) -> None:
         row = session.get(NodeCredential, principal.jti)
         active = row is not None and row.revoked_at is None and row.node_id == principal.node_id
