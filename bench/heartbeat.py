@@ -2,8 +2,8 @@
 
 What is measured
 ----------------
-1. A dedicated PostgreSQL database (``--database``, dropped and recreated) is shared by both
-   halves of the run.
+1. A dedicated PostgreSQL database (``--database``, default ``modelforge_bench_<pid>``; dropped
+   and recreated, dropped again at the end) is shared by both halves of the run.
 2. The control plane (``modelforge-control-plane``: Granian, one worker, PostgreSQL) is started on
    a free port against that database. ``--nodes`` nodes are enrolled through the real API (admin
    mints an enrollment, the "agent" claims it), so every node holds a real EdDSA credential.
@@ -22,14 +22,26 @@ What is measured
    ``--nodes`` rows in the same database (``\\set id random(1, N)`` then
    ``UPDATE bench_nodes SET last_seen = now() WHERE id = :id``). The ratio is
    heartbeats/s / pgbench TPS; the HB-4 target is a ratio of at least 0.5.
+7. CPU accounting (Linux ``/proc``): the share of a core taken during the measured run by the
+   Granian worker, the load generator, PostgreSQL and everything else, to show which side is the
+   bottleneck.
+
+The exit status is 0 when every heartbeat was answered 2xx and every node was written during the
+run; whether the ratio target holds is printed, not turned into a failure (it depends on the
+machine).
 
 Run (PostgreSQL reachable with the given user, ``pgbench`` and ideally ``wrk`` on PATH)::
 
     python bench/heartbeat.py --nodes 2000 --duration 15
 
-``--profile out.txt`` additionally samples the Granian worker with ``py-spy record`` during the
-measured run (``pip install py-spy``; ``.svg`` gives a flame graph, ``.json`` speedscope, anything
-else collapsed stacks). Profiling costs CPU, so figures from such a run are not comparable.
+``--rounds 3`` repeats the measured run and the pgbench baseline three times and reports the
+median of each; every round also says how much CPU *other* processes took, since on a small
+machine anything else running (a test suite, a build) skews both figures.
+
+``--profile out.txt`` additionally samples the Granian worker with ``py-spy record --gil`` (only
+the thread holding the GIL, which is what limits a one-worker server) during the measured run
+(``pip install py-spy``; ``.svg`` gives a flame graph, ``.json`` speedscope, anything else
+collapsed stacks). Profiling costs CPU, so figures from such a run are not comparable.
 """
 
 from __future__ import annotations
@@ -241,6 +253,21 @@ class ControlPlane:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
+
+    def probe(self, credential: str) -> str:
+        """One heartbeat, described: what a failing run's requests were answered."""
+        import httpx
+
+        try:
+            response = httpx.post(
+                self.base + HEARTBEAT_PATH,
+                headers={"Authorization": f"Bearer {credential}"},
+                content=HEARTBEAT_BODY,
+                timeout=10.0,
+            )
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return f"{response.status_code} {response.text[:300]}"
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.proc.poll() is None:
@@ -537,7 +564,7 @@ def start_profiler(pid: int, out: Path, duration: int) -> subprocess.Popen[bytes
     fmt = {".svg": "flamegraph", ".json": "speedscope"}.get(out.suffix, "raw")
     command = [
         py_spy, "record", "--pid", str(pid), "--duration", str(duration), "--rate", "200",
-        "--format", fmt, "--output", str(out), "--nonblocking", "--threads",
+        "--format", fmt, "--output", str(out), "--nonblocking", "--threads", "--gil",
     ]  # fmt: skip
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -556,7 +583,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--pg-host", default=os.environ.get("PGHOST", "127.0.0.1"))
     parser.add_argument("--pg-port", type=int, default=int(os.environ.get("PGPORT", "5432")))
     parser.add_argument("--pg-user", default=os.environ.get("PGUSER", "postgres"))
-    parser.add_argument("--database", default="modelforge_bench", help="dropped and recreated")
+    parser.add_argument(
+        "--database",
+        default=f"modelforge_bench_{os.getpid()}",
+        help="dropped and recreated, dropped again at the end (default: one per run, so that two"
+        " runs at once cannot drop each other's database)",
+    )
     parser.add_argument("--pgbench-clients", type=int, default=8)
     parser.add_argument("--pgbench-jobs", type=int, default=2)
     parser.add_argument("--pgbench-duration", type=int, default=10)
@@ -656,6 +688,9 @@ def main(argv: list[str]) -> int:
                 )
             time.sleep(VERIFY_DELAY_S)
             total, seen, fresh = pg.heartbeat_counts(run_start)
+            if any(r.load.non_2xx or r.load.errors for r in rounds) or fresh != total:
+                print(f"a heartbeat now is answered: {server.probe(credentials[0])}")
+                print(f"control plane log (tail):\n{server.log()}")
             server.stop()
             server = None
 
