@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -120,6 +121,23 @@ class LiveServer:
                 json={"display_name": "node", "expires_in_seconds": 900, **body},
             )
         assert response.status_code == 201, response.text
+        return dict(response.json())
+
+    def enroll(self, hostname: str = "test-host") -> dict[str, Any]:
+        """Mint a token and claim it as an agent would: `node_id`, `credential`, intervals."""
+        token = self.mint()["token"]
+        with self.client() as client:
+            response = client.post(
+                "/api/v1/agent/enroll",
+                json={
+                    "token": token,
+                    "claim_nonce": secrets.token_hex(16),
+                    "hostname": hostname,
+                    "protocol_version": 1,
+                    "agent_version": "0.1.0",
+                },
+            )
+        assert response.status_code == 200, response.text
         return dict(response.json())
 
     def get(self, path: str) -> Any:

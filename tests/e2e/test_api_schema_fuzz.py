@@ -28,23 +28,7 @@ def live(tmp_path_factory: pytest.TempPathFactory, postgres_url: str) -> Iterato
 
 @pytest.fixture(scope="module")
 def credential(live: LiveServer) -> str:
-    with live.client() as client:
-        token = client.post(
-            "/api/v1/admin/node-enrollments",
-            headers=live.admin,
-            json={"display_name": "fuzz", "expires_in_seconds": 3600},
-        ).json()["token"]
-        enrolled = client.post(
-            "/api/v1/agent/enroll",
-            json={
-                "token": token,
-                "claim_nonce": secrets.token_hex(16),
-                "hostname": "fuzz",
-                "protocol_version": 1,
-                "agent_version": "0.1.0",
-            },
-        )
-        return str(enrolled.json()["credential"])
+    return str(live.enroll("fuzz")["credential"])
 
 
 def test_no_server_errors(live: LiveServer, credential: str) -> None:

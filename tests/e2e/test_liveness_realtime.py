@@ -3,7 +3,6 @@ contradictory settings at start-up (CP-2, LV-1, LV-3, HB-4)."""
 
 from __future__ import annotations
 
-import secrets
 import subprocess
 import time
 from pathlib import Path
@@ -26,26 +25,6 @@ SHORT = {
 }
 
 
-def _enroll(client, server: LiveServer) -> dict[str, str]:  # type: ignore[no-untyped-def]
-    token = client.post(
-        "/api/v1/admin/node-enrollments",
-        headers=server.admin,
-        json={"display_name": "rt", "expires_in_seconds": 300},
-    ).json()["token"]
-    response = client.post(
-        "/api/v1/agent/enroll",
-        json={
-            "token": token,
-            "claim_nonce": secrets.token_hex(16),
-            "hostname": "rt-host",
-            "protocol_version": 1,
-            "agent_version": "0.1.0",
-        },
-    )
-    assert response.status_code == 200, response.text
-    return dict(response.json())
-
-
 def _wait_for_state(client, server: LiveServer, node_id: str, state: str, within: float) -> float:  # type: ignore[no-untyped-def]
     start = time.monotonic()
     while time.monotonic() - start < within:
@@ -63,7 +42,7 @@ def test_liveness_with_real_time(tmp_path: Path, database_url: str) -> None:
         LiveServer(tmp_path / "data", database_url, env_overrides=SHORT) as server,
         server.client() as client,
     ):
-        enrolled = _enroll(client, server)
+        enrolled = server.enroll("rt-host")
         node_id = enrolled["node_id"]
         auth = {"Authorization": f"Bearer {enrolled['credential']}"}
         assert (
@@ -92,7 +71,7 @@ def test_heartbeat_survives_graceful_stop(tmp_path: Path, database_url: str) -> 
     env = {"MODELFORGE_HEARTBEAT_FLUSH_INTERVAL_SECONDS": "1.0"}
     server = LiveServer(tmp_path / "data", database_url, env_overrides=env).start()
     with server.client() as client:
-        enrolled = _enroll(client, server)
+        enrolled = server.enroll("rt-host")
         auth = {"Authorization": f"Bearer {enrolled['credential']}"}
         assert (
             client.post("/api/v1/agent/heartbeat", headers=auth, json=heartbeat_body()).status_code

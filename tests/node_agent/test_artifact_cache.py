@@ -24,17 +24,7 @@ def test_fetch_resume_upload_and_evict(tmp_path: Path) -> None:
         LiveServer(tmp_path / "cp", f"sqlite:///{tmp_path / 'cp.db'}") as server,
         server.client() as http,
     ):
-        enrolled = http.post(
-            "/api/v1/agent/enroll",
-            json={
-                "token": server.mint()["token"],
-                "claim_nonce": "n" * 32,
-                "hostname": "h",
-                "protocol_version": 1,
-                "agent_version": "0.1.0",
-            },
-        )
-        credential = enrolled.json()["credential"]
+        credential = server.enroll()["credential"]
 
         def upload(data: bytes) -> str:
             response = http.post("/api/v1/artifacts", headers=server.admin, content=data)
