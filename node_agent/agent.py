@@ -107,6 +107,8 @@ class Agent:
         self._last_success: float | None = None
         self._last_inventory: dict[str, Any] | None = None
         self._health_message: str | None = None
+        self._last_worker: dict[str, Any] | None = None
+        self._worker_misses = 0
 
     # -- publishing with retries ----------------------------------------------------------------
 
@@ -310,7 +312,7 @@ class Agent:
             mode=self.preflight.mode,
             gpus=self.preflight.gpus,
             overrides=self.overrides,
-            runtime_worker=query_runtime_worker(self.settings.worker_socket),
+            runtime_worker=self._runtime_worker(),
         )
         if inventory == self._last_inventory:
             return
@@ -330,6 +332,16 @@ class Agent:
                 len(inventory["gpus"]),
                 (inventory.get("runtime_worker") or {}).get("version", "absent"),
             )
+
+    def _runtime_worker(self) -> dict[str, Any] | None:
+        """The worker's report; one missed answer (a busy moment) keeps the last one."""
+        report = query_runtime_worker(self.settings.worker_socket)
+        if report is None and self._worker_misses == 0 and self._last_worker is not None:
+            self._worker_misses = 1
+            return self._last_worker
+        self._worker_misses = 0 if report is not None else self._worker_misses + 1
+        self._last_worker = report
+        return report
 
     def _telemetry(self, identity: Identity, nvml: Nvml | None) -> None:
         telemetry = collect_telemetry(nvml, self.preflight.gpus)

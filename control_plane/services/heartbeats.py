@@ -44,6 +44,9 @@ class HeartbeatBuffer:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: dict[str, PendingHeartbeat] = {}
+        #: The batch being written: still visible to readers until its transaction commits, so
+        #: a read during a flush never sees a node as less alive than it is.
+        self._flushing: dict[str, PendingHeartbeat] = {}
         # Serialises flushes so a shutdown flush never races the loop's last one.
         self._flush_lock = threading.Lock()
 
@@ -53,11 +56,12 @@ class HeartbeatBuffer:
 
     def peek(self, node_id: str) -> PendingHeartbeat | None:
         with self._lock:
-            return self._pending.get(node_id)
+            return self._pending.get(node_id) or self._flushing.get(node_id)
 
     def discard(self, node_id: str) -> None:
         with self._lock:
             self._pending.pop(node_id, None)
+            self._flushing.pop(node_id, None)
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -66,6 +70,7 @@ class HeartbeatBuffer:
         with self._flush_lock:
             with self._lock:
                 batch, self._pending = self._pending, {}
+                self._flushing = batch
             if not batch:
                 return 0
             try:
@@ -75,7 +80,10 @@ class HeartbeatBuffer:
                 # Put the batch back (newer heartbeats win) so nothing answered 2xx is lost.
                 with self._lock:
                     self._pending = batch | self._pending
+                    self._flushing = {}
                 raise
+            with self._lock:
+                self._flushing = {}
             return len(batch)
 
 

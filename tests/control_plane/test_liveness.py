@@ -127,3 +127,23 @@ def test_readiness_in_cpu_mode_and_failed_preflight(tmp_path: Path, database_url
         checks = {c["name"]: c for c in cp.readiness(node_id)["checks"]}
         assert checks["agent_health"]["status"] == "fail"
         assert "--preflight" in checks["agent_health"]["next_step"]
+
+
+def test_a_read_during_a_flush_still_sees_the_heartbeat(tmp_path: Path, database_url: str) -> None:
+    """Between taking the batch and committing it, readers must not lose the heartbeat."""
+    with control_plane(tmp_path, database_url) as cp:
+        enrolled = cp.enroll()
+        cp.heartbeat(enrolled["credential"])
+        seen: list[Any] = []
+        buffer = cp.ctx.heartbeats
+        original = cp.ctx.session_factory
+
+        class Spy:
+            def begin(self) -> Any:
+                seen.append(buffer.peek(enrolled["node_id"]))  # mid-flush, before the commit
+                return original.begin()
+
+        assert buffer.flush(session_factory=Spy()) == 1  # type: ignore[arg-type]
+        assert seen and seen[0] is not None
+        assert buffer.peek(enrolled["node_id"]) is None  # written: the database has it now
+        assert cp.node(enrolled["node_id"])["state"] == "online"
