@@ -330,7 +330,9 @@ def _busy_s() -> float | None:
         ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     except OSError:
         return None
-    return (sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)) / _CLK_TCK
+    # user nice system idle iowait irq softirq steal: busy is all but idle and iowait; steal (time
+    # the hypervisor gave to other guests) counts as busy, so it shows up as "other processes".
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / _CLK_TCK
 
 
 def _children_s() -> float:
