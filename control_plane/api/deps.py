@@ -14,7 +14,7 @@ from control_plane.errors import AdminAuthError, CredentialError
 from control_plane.services.credentials import NodePrincipal
 
 
-def get_context(request: Request) -> AppContext:
+async def get_context(request: Request) -> AppContext:
     ctx: AppContext = request.app.state.ctx
     return ctx
 
