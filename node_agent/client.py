@@ -42,6 +42,16 @@ def make_client(
     )
 
 
+def error_from(response: httpx.Response, method: str, path: str) -> ControlPlaneError:
+    """The refusal as an exception: status and the machine-readable code, never the body."""
+    code = "HTTP_ERROR"
+    try:
+        code = str(response.json()["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        pass
+    return ControlPlaneError(response.status_code, code, method, path)
+
+
 def _call(
     client: httpx.Client,
     method: str,
@@ -52,12 +62,7 @@ def _call(
     headers = {"Authorization": f"Bearer {credential}"} if credential else {}
     response = client.request(method, path, json=body, headers=headers)
     if response.status_code >= 400:
-        code = "HTTP_ERROR"
-        try:
-            code = str(response.json()["error"]["code"])
-        except (ValueError, KeyError, TypeError):
-            pass
-        raise ControlPlaneError(response.status_code, code, method, path)
+        raise error_from(response, method, path)
     data = response.json()
     return data if isinstance(data, dict) else {}
 

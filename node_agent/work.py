@@ -114,7 +114,7 @@ class WorkRunner:
         if response.status_code == 204:
             return None
         if response.status_code >= 400:
-            raise _error(response, "POST", "/api/v1/agent/work/claim")
+            raise api.error_from(response, "POST", "/api/v1/agent/work/claim")
         data: dict[str, Any] = response.json()
         return data
 
@@ -146,7 +146,7 @@ class WorkRunner:
             timeout=httpx.Timeout(20.0, connect=10.0),
         )
         if response.status_code >= 400:
-            raise _error(response, "POST", "/api/v1/agent/jobs/watch")
+            raise api.error_from(response, "POST", "/api/v1/agent/jobs/watch")
         data: dict[str, Any] = response.json()
         return data
 
@@ -228,7 +228,7 @@ class WorkRunner:
             if response.status_code in (404, 409):
                 return {"cancel": True}  # not ours or not running any more: stop it
             if response.status_code >= 400:
-                raise _error(response, "POST", path)
+                raise api.error_from(response, "POST", path)
             data: dict[str, Any] = response.json()
             return data
 
@@ -249,7 +249,7 @@ class WorkRunner:
             if response.status_code in (404, 409):
                 return  # already ended by the control plane (cancelled, contact lost)
             if response.status_code >= 400:
-                raise _error(response, "POST", path)
+                raise api.error_from(response, "POST", path)
 
         self.publish("POST", path, call)
         log.info("job %s ended: %s", job_id, body["state"])
@@ -257,12 +257,3 @@ class WorkRunner:
 
 def _failed(code: str, message: str) -> dict[str, Any]:
     return {"kind": "exit", "state": "failed", "error": {"code": code, "message": message}}
-
-
-def _error(response: httpx.Response, method: str, path: str) -> api.ControlPlaneError:
-    code = "HTTP_ERROR"
-    try:
-        code = str(response.json()["error"]["code"])
-    except (ValueError, KeyError, TypeError):
-        pass
-    return api.ControlPlaneError(response.status_code, code, method, path)
