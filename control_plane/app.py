@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane import RELEASE_VERSION
 from control_plane.admin_token import resolve_admin_token
-from control_plane.api import admin, agent, agent_work, jobs, public
+from control_plane.api import admin, agent, agent_work, console, jobs, public
 from control_plane.api.heartbeat_fast import HeartbeatFastPath
 from control_plane.background.loops import start_loops, stop_loops
 from control_plane.clock import Clock, SystemClock
@@ -76,6 +76,8 @@ def create_app(
     app.include_router(agent.router)
     app.include_router(agent_work.router)
     app.include_router(jobs.router)
+    app.include_router(console.router)
+    console.mount_console(app)
     return app
 
 

@@ -47,6 +47,13 @@ class AdminAuthError(ModelForgeError):
     code = "ADMIN_TOKEN_INVALID"
 
 
+class CsrfError(ModelForgeError):
+    """A console session made a change without its CSRF token (UI-1)."""
+
+    http_status = 403
+    code = "CSRF_TOKEN_INVALID"
+
+
 class CredentialError(ModelForgeError):
     """The node credential is missing, malformed, forged or revoked."""
 

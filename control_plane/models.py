@@ -209,3 +209,14 @@ class Artifact(Base):
     digest: Mapped[str] = mapped_column(String(71), primary_key=True)
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime]
+
+
+class ConsoleSession(Base):
+    """A signed-in console (UI-1). Only the SHA-256 of the cookie value is stored; the CSRF token
+    is derived from the cookie value, so neither can be recovered from the database."""
+
+    __tablename__ = "console_sessions"
+
+    id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime] = mapped_column(index=True)

@@ -44,6 +44,11 @@ class Settings(BaseSettings):
     #: report fails it (heartbeats do not count).
     job_progress_interval_seconds: float = Field(default=10.0, gt=0)
     job_contact_timeout_seconds: float = Field(default=90.0, gt=0)
+    #: UI-1: a console session lasts this long from sign-in, then the admin token is asked again.
+    console_session_seconds: float = Field(default=3600.0, ge=60, le=86400)
+    #: UI-3: the verified release manifest; when set, a node-agent entry pasted into the Enroll
+    #: node wizard must match its node-agent image exactly.
+    release_manifest: Path | None = None
 
     @model_validator(mode="after")
     def _check_liveness(self) -> Self:

@@ -23,6 +23,7 @@ POSTGRES_ADMIN_URL = os.environ.get(
     "MODELFORGE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
 _TABLES = [
+    "console_sessions",
     "job_events",
     "jobs",
     "artifacts",

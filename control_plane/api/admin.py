@@ -1,12 +1,20 @@
-"""Admin API (`X-ModelForge-Admin-Token`): enrollments, nodes, events, credentials, signing key."""
+"""Admin API (`X-ModelForge-Admin-Token`, or a console session with its CSRF token): enrollments,
+the wizard's node setup, nodes, events, telemetry history, credentials, signing key."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, status
 
 from control_plane.api.deps import AdminDep, ContextDep, SessionDep
+from control_plane.console_schemas import (
+    GpuPoint,
+    NodeSetup,
+    NodeSetupRequest,
+    TelemetryPoint,
+)
 from control_plane.context import AppContext
 from control_plane.models import Node, NodeEnrollment
 from control_plane.schemas import (
@@ -20,8 +28,9 @@ from control_plane.schemas import (
     Readiness,
     ResourceId,
 )
-from control_plane.services import enrollments, nodes
+from control_plane.services import enrollments, node_setup, nodes
 from control_plane.services.readiness import assess_readiness
+from control_plane.services.reports import telemetry_history
 
 router = APIRouter(prefix="/api/v1/admin", tags=["admin"], dependencies=[AdminDep])
 
@@ -102,6 +111,41 @@ def revoke_enrollment(
     return _enrollment_public(ctx, row)
 
 
+@router.post("/node-enrollments/{enrollment_id}/node-setup", response_model=NodeSetup)
+def generate_node_setup(
+    enrollment_id: ResourceId,
+    body: NodeSetupRequest,
+    request: Request,
+    ctx: ContextDep,
+    session: SessionDep,
+) -> NodeSetup:
+    """The wizard's `.env` and commands for this enrollment (UI-2..UI-4); changes nothing."""
+    row = enrollments.get_enrollment(session=session, enrollment_id=enrollment_id)
+    origin = node_setup.check_api_origin(body.api_origin, request.headers.get("origin"))
+    image = node_setup.choose_image(
+        image_source=body.image_source,
+        manifest_entry=body.manifest_entry,
+        registry_image=body.registry_image,
+        release_manifest=ctx.settings.release_manifest,
+    )
+    env_file, start, recreate = node_setup.render(
+        enrollment_id=row.id,
+        display_name=row.display_name,
+        api_origin=origin,
+        accelerator_mode=body.accelerator_mode,
+        image=image,
+    )
+    return NodeSetup(
+        enrollment_id=row.id,
+        node_id=row.node_id,
+        image=image.reference,
+        checked_against=image.checked_against,
+        env_file=env_file,
+        start_command=start,
+        recreate_command=recreate,
+    )
+
+
 @router.get("/nodes", response_model=list[NodePublic])
 def list_nodes(ctx: ContextDep, session: SessionDep) -> list[NodePublic]:
     return _node_views(ctx, session, nodes.list_nodes(session=session))
@@ -138,6 +182,34 @@ def list_node_events(
         )
         for r in rows
     ]
+
+
+@router.get("/nodes/{node_id}/telemetry", response_model=list[TelemetryPoint])
+def node_telemetry(
+    node_id: ResourceId,
+    ctx: ContextDep,
+    session: SessionDep,
+    minutes: Annotated[float, Query(gt=0, le=1440)] = 10,
+) -> list[TelemetryPoint]:
+    """Utilisation and memory per GPU over the last `minutes` (the console's charts)."""
+    nodes.get_node(session=session, node_id=node_id)
+    since = ctx.clock.now() - timedelta(minutes=minutes)
+    points = []
+    for row in telemetry_history(session=session, node_id=node_id, since=since):
+        sample = row.sample or {}
+        gpus = [
+            GpuPoint(
+                index=gpu.get("index", 0),
+                uuid=gpu.get("uuid", ""),
+                utilization_percent=gpu.get("utilization_percent"),
+                memory_used_mb=gpu.get("memory_used_mb"),
+                memory_total_mb=gpu.get("memory_total_mb"),
+            )
+            for gpu in sample.get("gpus") or []
+        ]
+        cpu = (sample.get("host") or {}).get("cpu_percent")
+        points.append(TelemetryPoint(at=row.at, cpu_percent=cpu, gpus=gpus))
+    return points
 
 
 @router.get("/nodes/{node_id}/readiness", response_model=Readiness)

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.context import AppContext
 from control_plane.errors import AdminAuthError, CredentialError
+from control_plane.services import console_sessions
 from control_plane.services.credentials import NodePrincipal
 
 
@@ -31,18 +32,39 @@ def get_session(ctx: ContextDep) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
+SESSION_COOKIE = "modelforge_session"
+CSRF_HEADER = "X-ModelForge-CSRF"
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
 def require_admin(
+    request: Request,
     ctx: ContextDep,
     token: Annotated[
         str | None, Header(alias="X-ModelForge-Admin-Token", include_in_schema=True)
     ] = None,
 ) -> None:
-    if not token:
+    """The admin token header (scripts), or a console session cookie plus, for any change, the
+    session's CSRF token (UI-1). A cookie alone never authorises a change."""
+    if token:
+        check_admin_token(ctx, token)
+        return
+    session_id = request.cookies.get(SESSION_COOKIE)
+    if not session_id:
         raise AdminAuthError(
-            "This endpoint needs the admin token.",
-            "Send it in the X-ModelForge-Admin-Token header.",
+            "This endpoint needs the admin token or a console session.",
+            "Send the X-ModelForge-Admin-Token header, or sign in to the console.",
             code="ADMIN_TOKEN_MISSING",
         )
+    with ctx.session_factory() as session:
+        signed_in = console_sessions.find_session(
+            session=session, clock=ctx.clock, session_id=session_id
+        )
+    if request.method not in _SAFE_METHODS:
+        console_sessions.check_csrf(signed_in, request.headers.get(CSRF_HEADER))
+
+
+def check_admin_token(ctx: AppContext, token: str) -> None:
     if not ctx.admin_token.matches(token):
         raise AdminAuthError(
             "The admin token is not valid.",

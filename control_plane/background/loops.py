@@ -1,5 +1,5 @@
 """The periodic work of a control plane process: heartbeat flush, liveness sweep, credential
-refresh and telemetry retention."""
+refresh, telemetry and console-session retention, job sweep."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from anyio import to_thread
 from control_plane.context import AppContext
 from control_plane.dispatch import Dispatcher
 from control_plane.services import jobs
+from control_plane.services.console_sessions import prune_sessions
 from control_plane.services.nodes import sweep_liveness
 from control_plane.services.reports import prune_telemetry
 
@@ -49,9 +50,11 @@ def sweep(ctx: AppContext) -> int:
 
 
 def prune(ctx: AppContext) -> int:
+    """Telemetry past its retention, and console sessions past their expiry."""
     with ctx.session_factory.begin() as session:
         retention = timedelta(seconds=ctx.settings.telemetry_retention_seconds)
-        return prune_telemetry(session=session, clock=ctx.clock, retention=retention)
+        pruned = prune_telemetry(session=session, clock=ctx.clock, retention=retention)
+        return pruned + prune_sessions(session=session, clock=ctx.clock)
 
 
 def sweep_jobs(ctx: AppContext) -> int:
@@ -78,7 +81,7 @@ def start_loops(ctx: AppContext) -> list[asyncio.Task[None]]:
             s.credential_refresh_interval_seconds,
             lambda: ctx.authority.refresh(ctx.session_factory),
         ),
-        ("telemetry retention", 60.0, lambda: prune(ctx)),
+        ("retention", 60.0, lambda: prune(ctx)),
         ("job sweep", s.liveness_sweep_interval_seconds, lambda: sweep_jobs(ctx)),
     ]
     return [asyncio.create_task(_every(name, i, fn), name=name) for name, i, fn in specs]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
@@ -66,6 +66,19 @@ def store_telemetry(
     )
     session.add(TelemetrySample(node_id=node_id, at=now, sample=telemetry))
     return now
+
+
+def telemetry_history(
+    *, session: Session, node_id: str, since: datetime, limit: int = 2000
+) -> list[TelemetrySample]:
+    """A node's samples since `since`, oldest first (the console's GPU charts)."""
+    rows = session.scalars(
+        select(TelemetrySample)
+        .where(TelemetrySample.node_id == node_id, TelemetrySample.at >= since)
+        .order_by(TelemetrySample.at.desc())
+        .limit(limit)
+    )
+    return list(reversed(list(rows)))
 
 
 def prune_telemetry(*, session: Session, clock: Clock, retention: timedelta) -> int:

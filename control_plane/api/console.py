@@ -1,0 +1,133 @@
+"""The web console (UI-1..UI-5): its sign-in session endpoints, and its built single-page app
+served at `/`.
+
+Signing in exchanges the admin token for an HttpOnly, SameSite=Strict cookie (Secure over TLS);
+the console keeps the CSRF token in memory and sends it with every change. The admin token
+itself is never stored by the browser.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+from fastapi import APIRouter, FastAPI, Request, Response, status
+from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.staticfiles import StaticFiles
+
+from control_plane.api.deps import (
+    CSRF_HEADER,
+    SESSION_COOKIE,
+    ContextDep,
+    SessionDep,
+    check_admin_token,
+)
+from control_plane.console_schemas import ConsoleSessionInfo, SignInRequest
+from control_plane.errors import AdminAuthError
+from control_plane.services import console_sessions
+
+CONSOLE_DIST = Path(__file__).resolve().parent.parent / "console" / "dist"
+#: The console's routes (client-side); each serves index.html.
+CONSOLE_ROUTES = ("/", "/hardware", "/nodes")
+_SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'; "
+        "form-action 'self'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+router = APIRouter(prefix="/api/v1/console", tags=["console"])
+
+
+def _is_tls(request: Request, public_url: str | None) -> bool:
+    return request.url.scheme == "https" or (public_url or "").startswith("https://")
+
+
+@router.post("/session", status_code=status.HTTP_201_CREATED, response_model=ConsoleSessionInfo)
+def sign_in(
+    body: SignInRequest, request: Request, response: Response, ctx: ContextDep, session: SessionDep
+) -> ConsoleSessionInfo:
+    check_admin_token(ctx, body.admin_token.get_secret_value())
+    lifetime = ctx.settings.console_session_seconds
+    signed_in = console_sessions.start_session(
+        session=session, clock=ctx.clock, lifetime=timedelta(seconds=lifetime)
+    )
+    response.set_cookie(
+        SESSION_COOKIE,
+        signed_in.session_id,
+        max_age=int(lifetime),
+        path="/",
+        httponly=True,
+        samesite="strict",
+        secure=_is_tls(request, ctx.settings.public_url),
+    )
+    response.headers["Cache-Control"] = "no-store"
+    return ConsoleSessionInfo(csrf_token=signed_in.csrf_token, expires_at=signed_in.expires_at)
+
+
+@router.get("/session", response_model=ConsoleSessionInfo)
+def current_session(
+    request: Request, response: Response, ctx: ContextDep, session: SessionDep
+) -> ConsoleSessionInfo:
+    """Lets a reloaded console recover its CSRF token; readable only by the same origin."""
+    signed_in = console_sessions.find_session(
+        session=session, clock=ctx.clock, session_id=_cookie(request)
+    )
+    response.headers["Cache-Control"] = "no-store"
+    return ConsoleSessionInfo(csrf_token=signed_in.csrf_token, expires_at=signed_in.expires_at)
+
+
+@router.delete("/session", status_code=status.HTTP_204_NO_CONTENT)
+def sign_out(request: Request, ctx: ContextDep, session: SessionDep) -> Response:
+    """Ends the session server-side: the cookie stops working everywhere at once."""
+    session_id = _cookie(request)
+    signed_in = console_sessions.find_session(
+        session=session, clock=ctx.clock, session_id=session_id
+    )
+    console_sessions.check_csrf(signed_in, request.headers.get(CSRF_HEADER))
+    console_sessions.end_session(session=session, session_id=session_id)
+    response = Response(status_code=status.HTTP_204_NO_CONTENT)
+    response.delete_cookie(
+        SESSION_COOKIE,
+        path="/",
+        httponly=True,
+        samesite="strict",
+        secure=_is_tls(request, ctx.settings.public_url),
+    )
+    return response
+
+
+def _cookie(request: Request) -> str:
+    session_id = request.cookies.get(SESSION_COOKIE)
+    if not session_id:
+        raise AdminAuthError(
+            "Not signed in to the console.",
+            "Sign in with the admin token.",
+            code="SESSION_MISSING",
+        )
+    return session_id
+
+
+def mount_console(app: FastAPI, dist: Path = CONSOLE_DIST) -> None:
+    """Serve the built console; without a build, `/` says how to make one."""
+    index = dist / "index.html"
+
+    async def page() -> Response:
+        if not index.is_file():
+            return HTMLResponse(
+                "<!doctype html><title>ModelForge</title><p>The console is not built. Run "
+                "<code>make install</code> (it runs <code>npm ci && npm run build</code> in "
+                "control_plane/console); the API is at <a href=/docs>/docs</a>.</p>",
+                status_code=503,
+                headers=_SECURITY_HEADERS,
+            )
+        return FileResponse(index, headers=_SECURITY_HEADERS)
+
+    for path in CONSOLE_ROUTES:
+        app.add_api_route(path, page, methods=["GET"], include_in_schema=False)
+    if (dist / "assets").is_dir():
+        app.mount("/assets", StaticFiles(directory=dist / "assets"), name="console-assets")

@@ -1,0 +1,60 @@
+"""Request and response bodies of the console's own endpoints: sign-in, GPU telemetry history
+and the Enroll node wizard's generated node setup (UI-1..UI-5)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, SecretStr, StringConstraints
+
+from control_plane.schemas import StrictModel
+
+
+class SignInRequest(StrictModel):
+    # SecretStr: a validation error or a repr() never shows it.
+    admin_token: Annotated[SecretStr, StringConstraints(min_length=1, max_length=512)]
+
+
+class ConsoleSessionInfo(BaseModel):
+    """Held by the console in memory only; the session itself is the HttpOnly cookie."""
+
+    csrf_token: str
+    expires_at: datetime
+
+
+class GpuPoint(BaseModel):
+    index: int
+    uuid: str
+    utilization_percent: float | None
+    memory_used_mb: float | None
+    memory_total_mb: float | None
+
+
+class TelemetryPoint(BaseModel):
+    at: datetime
+    cpu_percent: float | None
+    gpus: list[GpuPoint]
+
+
+class NodeSetupRequest(StrictModel):
+    #: The console's own origin; the node agent is pointed at exactly this (UI-2).
+    api_origin: Annotated[str, StringConstraints(min_length=1, max_length=300)]
+    accelerator_mode: Literal["nvidia", "cpu"] = "nvidia"
+    image_source: Literal["bundle", "registry"] = "bundle"
+    #: Bundle mode: the pasted `images.modelforge-node-agent` entry of the release manifest.
+    manifest_entry: Annotated[str, StringConstraints(max_length=65536)] | None = None
+    #: Registry mode: an image reference pinned by digest, `name@sha256:<64 hex>`.
+    registry_image: Annotated[str, StringConstraints(max_length=400)] | None = None
+
+
+class NodeSetup(BaseModel):
+    enrollment_id: str
+    node_id: str
+    image: str
+    #: What the pasted entry was checked against: the configured release manifest, or only
+    #: what this control plane knows of its own release.
+    checked_against: str
+    env_file: str
+    start_command: str
+    recreate_command: str

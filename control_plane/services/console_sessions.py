@@ -1,0 +1,90 @@
+"""Console sessions (UI-1): the admin token is exchanged once for a short-lived session.
+
+The cookie carries a random session id; the database keeps only its SHA-256. The CSRF token is
+an HMAC of the session id, so it is bound to exactly one session and never stored. Ending a
+session deletes its row: a copied cookie stops working at once, in every replica.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from sqlalchemy import delete
+from sqlalchemy.orm import Session
+
+from control_plane.clock import Clock
+from control_plane.db import rowcount
+from control_plane.errors import AdminAuthError, CsrfError
+from control_plane.models import ConsoleSession
+from control_plane.security import sha256_hex
+
+_SIGN_IN_AGAIN = "Sign in to the console again with the admin token."
+
+
+@dataclass(frozen=True)
+class SignedIn:
+    session_id: str = field(repr=False)
+    expires_at: datetime
+
+    @property
+    def csrf_token(self) -> str:
+        return csrf_token_for(self.session_id)
+
+
+def csrf_token_for(session_id: str) -> str:
+    return hmac.new(session_id.encode(), b"modelforge-console-csrf", hashlib.sha256).hexdigest()
+
+
+def start_session(*, session: Session, clock: Clock, lifetime: timedelta) -> SignedIn:
+    session_id = secrets.token_urlsafe(32)
+    now = clock.now()
+    session.add(
+        ConsoleSession(id_hash=sha256_hex(session_id), created_at=now, expires_at=now + lifetime)
+    )
+    return SignedIn(session_id=session_id, expires_at=now + lifetime)
+
+
+def find_session(*, session: Session, clock: Clock, session_id: str) -> SignedIn:
+    row = session.get(ConsoleSession, sha256_hex(session_id))
+    if row is None:
+        raise AdminAuthError(
+            "This console session has ended (signed out, or the control plane forgot it).",
+            _SIGN_IN_AGAIN,
+            code="SESSION_INVALID",
+        )
+    if row.expires_at <= clock.now():
+        raise AdminAuthError(
+            "This console session has expired.", _SIGN_IN_AGAIN, code="SESSION_EXPIRED"
+        )
+    return SignedIn(session_id=session_id, expires_at=row.expires_at)
+
+
+def check_csrf(signed_in: SignedIn, presented: str | None) -> None:
+    if not presented:
+        raise CsrfError(
+            "This change needs the console's CSRF token and the request carried none.",
+            "Use the console; scripts should send X-ModelForge-Admin-Token instead of a cookie.",
+            code="CSRF_TOKEN_MISSING",
+        )
+    if not hmac.compare_digest(presented, signed_in.csrf_token):
+        raise CsrfError(
+            "The CSRF token does not belong to this console session.",
+            "Reload the console page; if it persists, sign out and sign in again.",
+            code="CSRF_TOKEN_INVALID",
+        )
+
+
+def end_session(*, session: Session, session_id: str) -> bool:
+    result = session.execute(
+        delete(ConsoleSession).where(ConsoleSession.id_hash == sha256_hex(session_id))
+    )
+    return rowcount(result) > 0
+
+
+def prune_sessions(*, session: Session, clock: Clock) -> int:
+    result = session.execute(delete(ConsoleSession).where(ConsoleSession.expires_at <= clock.now()))
+    return rowcount(result)

@@ -1,0 +1,222 @@
+"""What the Enroll node wizard hands the operator (UI-2..UI-4): the image to run, checked against
+the release, a `.env` of non-secret settings, and the Bash commands that start the agent and later
+recreate it without the one-time token.
+
+Nothing here ever sees the token: the start command reads it at a hidden prompt on the node.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from control_plane import PROTOCOL_VERSION, RELEASE_VERSION
+from control_plane.errors import InvalidRequest
+from control_plane.services import start_script
+from release.manifest import ImageEntry, ManifestError, load_manifest, mismatches, parse_image_entry
+
+NODE_AGENT = "modelforge-node-agent"
+_REGISTRY_REF = re.compile(
+    r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+)?(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)+"
+    r"@sha256:[0-9a-f]{64}$"
+)
+_PASTE_STEP = (
+    f"Paste `images.{NODE_AGENT}` from the release-manifest.json of the bundle you loaded on "
+    "the node (`jq '.images.\"modelforge-node-agent\"' release-manifest.json`)."
+)
+
+
+@dataclass(frozen=True)
+class ImageChoice:
+    reference: str
+    #: Bundle mode: the entry the start command checks the loaded image against.
+    entry: ImageEntry | None
+    checked_against: str
+
+
+@dataclass(frozen=True)
+class _Facts:
+    """A pasted entry seen as image facts, to compare with `release.manifest.mismatches`."""
+
+    tag: str
+    diff_ids: tuple[str, ...]
+    architecture: str
+    os: str
+    labels: dict[str, str]
+
+
+def check_api_origin(api_origin: str, request_origin: str | None) -> str:
+    """UI-2: the node talks to the console's own origin, nothing else."""
+    parts = urlsplit(api_origin)
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or parts.username
+        or parts.password
+    ):
+        raise InvalidRequest(
+            "api_origin must be an origin like https://modelforge.example:8000 (no path).",
+            "Open the wizard from the console served by this control plane.",
+            code="API_ORIGIN_INVALID",
+        )
+    origin = f"{parts.scheme}://{parts.netloc}"
+    if request_origin is not None and request_origin.rstrip("/") != origin:
+        raise InvalidRequest(
+            "api_origin differs from the origin this request came from; the node's API origin "
+            "is locked to the console's own origin.",
+            "Open the wizard from the console at the address the nodes will use.",
+            code="API_ORIGIN_MISMATCH",
+        )
+    return origin
+
+
+def choose_image(
+    *,
+    image_source: str,
+    manifest_entry: str | None,
+    registry_image: str | None,
+    release_manifest: Path | None,
+) -> ImageChoice:
+    if image_source == "registry":
+        return _registry_image(registry_image)
+    if not manifest_entry or not manifest_entry.strip():
+        raise InvalidRequest(
+            "manifest_entry is required for the local release bundle.",
+            _PASTE_STEP,
+            code="MANIFEST_ENTRY_MISSING",
+        )
+    entry = _parse_pasted(manifest_entry)
+    if release_manifest is not None:
+        problems = mismatches(_trusted_entry(release_manifest), _facts(entry))
+        against = f"the release manifest {release_manifest}"
+    else:
+        problems = _own_release_mismatches(entry)
+        against = (
+            f"this control plane's release {RELEASE_VERSION} (tag, version, component and "
+            "protocol labels); set MODELFORGE_RELEASE_MANIFEST to also check every layer and label"
+        )
+    if problems:
+        raise InvalidRequest(
+            "The pasted node-agent entry does not match this release: " + "; ".join(problems),
+            _PASTE_STEP,
+            code="MANIFEST_ENTRY_MISMATCH",
+        )
+    return ImageChoice(reference=entry.tag, entry=entry, checked_against=against)
+
+
+def _registry_image(reference: str | None) -> ImageChoice:
+    if not reference or not _REGISTRY_REF.match(reference.strip()):
+        raise InvalidRequest(
+            "registry_image must be a registry image pinned by digest, "
+            "like registry.example:5000/modelforge-node-agent@sha256:<64 hex digits>; "
+            "a tag alone can move.",
+            "Copy the digest from your registry (`docker buildx imagetools inspect`).",
+            code="REGISTRY_IMAGE_NOT_PINNED",
+        )
+    return ImageChoice(
+        reference=reference.strip(), entry=None, checked_against="the registry digest"
+    )
+
+
+def _parse_pasted(text: str) -> ImageEntry:
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequest(
+            f"manifest_entry is not valid JSON (line {getattr(exc, 'lineno', '?')}, "
+            f"column {getattr(exc, 'colno', '?')}).",
+            _PASTE_STEP,
+            code="MANIFEST_ENTRY_INVALID",
+        ) from None
+    # Forgiving about how much was copied: the whole manifest, or `{"modelforge-node-agent": …}`.
+    if isinstance(data, dict) and isinstance(data.get("images"), dict):
+        data = data["images"].get(NODE_AGENT, data)
+    if isinstance(data, dict) and set(data) == {NODE_AGENT}:
+        data = data[NODE_AGENT]
+    try:
+        return parse_image_entry(NODE_AGENT, data)
+    except ManifestError as exc:
+        raise InvalidRequest(str(exc), _PASTE_STEP, code="MANIFEST_ENTRY_INVALID") from None
+
+
+def _trusted_entry(path: Path) -> ImageEntry:
+    try:
+        manifest = load_manifest(path)
+    except ManifestError as exc:
+        raise InvalidRequest(
+            f"The configured release manifest cannot be used: {exc}.",
+            "Point MODELFORGE_RELEASE_MANIFEST at the verified release-manifest.json.",
+            code="RELEASE_MANIFEST_UNREADABLE",
+        ) from None
+    if NODE_AGENT not in manifest.images:
+        raise InvalidRequest(
+            f"The configured release manifest has no {NODE_AGENT} image.",
+            "Point MODELFORGE_RELEASE_MANIFEST at the verified release-manifest.json.",
+            code="RELEASE_MANIFEST_UNREADABLE",
+        )
+    return manifest.images[NODE_AGENT]
+
+
+def _facts(entry: ImageEntry) -> _Facts:
+    return _Facts(entry.tag, entry.rootfs_layers, entry.architecture, entry.os, entry.labels)
+
+
+def _own_release_mismatches(entry: ImageEntry) -> list[str]:
+    """Without a configured manifest: what this control plane knows of its own release."""
+    expected = {
+        "tag": f"{NODE_AGENT}:{RELEASE_VERSION}",
+        "label org.opencontainers.image.version": RELEASE_VERSION,
+        "label org.opencontainers.image.title": NODE_AGENT,
+        "label io.modelforge.component": "node-agent",
+        "label io.modelforge.protocol": str(PROTOCOL_VERSION),
+        "os": "linux",
+    }
+    found = {
+        "tag": entry.tag,
+        "os": entry.os,
+        **{f"label {key}": value for key, value in entry.labels.items()},
+    }
+    out = [
+        f"{NODE_AGENT}: {name} expected {want!r}, found {found.get(name)!r}"
+        for name, want in expected.items()
+        if found.get(name) != want
+    ]
+    if entry.architecture not in ("amd64", "arm64"):
+        out.append(
+            f"{NODE_AGENT}: architecture expected 'amd64' or 'arm64', found {entry.architecture!r}"
+        )
+    return out
+
+
+def render(
+    *,
+    enrollment_id: str,
+    display_name: str,
+    api_origin: str,
+    accelerator_mode: str,
+    image: ImageChoice,
+) -> tuple[str, str, str]:
+    """The `.env` (non-secret), the start command and the token-removing recreation command."""
+    env_file = start_script.env_file(
+        enrollment_id=enrollment_id,
+        display_name=display_name,
+        api_origin=api_origin,
+        accelerator_mode=accelerator_mode,
+        image=image.reference,
+    )
+    start = start_script.start_command(
+        env_file=env_file,
+        image=image.reference,
+        entry=image.entry,
+        accelerator_mode=accelerator_mode,
+    )
+    recreate = start_script.recreate_command(
+        image=image.reference, accelerator_mode=accelerator_mode
+    )
+    return env_file, start, recreate

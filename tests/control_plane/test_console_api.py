@@ -1,0 +1,254 @@
+"""The console's API (UI-1..UI-5) on SQLite and PostgreSQL: the session cookie and CSRF rules,
+the wizard's node setup with its manifest-entry checks, and GPU telemetry history."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from control_plane import RELEASE_VERSION
+from tests.factories import ADMIN_TOKEN, ControlPlane, control_plane, telemetry_body
+
+SESSION = "/api/v1/console/session"
+ORIGIN = "http://testserver"
+
+
+def sign_in(cp: ControlPlane) -> str:
+    response = cp.client.post(SESSION, json={"admin_token": ADMIN_TOKEN})
+    assert response.status_code == 201, response.text
+    return str(response.json()["csrf_token"])
+
+
+def test_sign_in_sets_a_strict_httponly_cookie_and_never_returns_the_token(
+    tmp_path: Path, database_url: str
+) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        response = cp.client.post(SESSION, json={"admin_token": ADMIN_TOKEN})
+        assert response.status_code == 201
+        cookie = response.headers["set-cookie"]
+        assert cookie.startswith("modelforge_session=")
+        assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/" in cookie
+        assert "Max-Age=3600" in cookie
+        assert "Secure" not in cookie  # plain http here; Secure is set when served over TLS
+        assert ADMIN_TOKEN not in response.text + cookie
+        assert response.headers["cache-control"] == "no-store"
+        # The session (not the admin token) now reads the admin API ...
+        assert cp.client.get("/api/v1/admin/nodes").status_code == 200
+        # ... and a reloaded console recovers its CSRF token from the cookie alone.
+        again = cp.client.get(SESSION)
+        assert again.json()["csrf_token"] == response.json()["csrf_token"]
+
+
+def test_secure_cookie_when_the_public_url_is_https(tmp_path: Path, database_url: str) -> None:
+    with control_plane(tmp_path, database_url, public_url="https://cp.example:8443") as cp:
+        cookie = cp.client.post(SESSION, json={"admin_token": ADMIN_TOKEN}).headers["set-cookie"]
+        assert "Secure" in cookie
+
+
+def test_wrong_token_is_refused_and_creates_no_session(
+    tmp_path: Path, database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    wrong = "mfa_wrong_" + "x" * 30
+    with control_plane(tmp_path, database_url) as cp:
+        response = cp.client.post(SESSION, json={"admin_token": wrong})
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "ADMIN_TOKEN_INVALID"
+        assert "set-cookie" not in response.headers
+        assert wrong not in response.text and wrong not in caplog.text
+        refused = cp.client.post(SESSION, json={"admin_token": wrong, "extra": wrong})
+        assert refused.status_code == 422 and wrong not in refused.text
+
+
+def test_changes_through_a_session_need_the_csrf_token(tmp_path: Path, database_url: str) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        csrf = sign_in(cp)
+        body = {"display_name": "gpu-9", "expires_in_seconds": 300}
+        url = "/api/v1/admin/node-enrollments"
+        missing = cp.client.post(url, json=body)
+        assert missing.status_code == 403
+        assert missing.json()["error"]["code"] == "CSRF_TOKEN_MISSING"
+        wrong = cp.client.post(url, json=body, headers={"X-ModelForge-CSRF": "0" * 64})
+        assert wrong.json()["error"]["code"] == "CSRF_TOKEN_INVALID"
+        assert cp.client.get(url).json() == []  # neither refusal created anything
+        ok = cp.client.post(url, json=body, headers={"X-ModelForge-CSRF": csrf})
+        assert ok.status_code == 201
+
+
+def test_sign_out_ends_the_session_server_side(tmp_path: Path, database_url: str) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        csrf = sign_in(cp)
+        stolen = cp.client.cookies.get("modelforge_session")
+        assert cp.client.delete(SESSION).status_code == 403  # sign-out is a change: CSRF too
+        out = cp.client.delete(SESSION, headers={"X-ModelForge-CSRF": csrf})
+        assert out.status_code == 204
+        assert 'modelforge_session=""' in out.headers["set-cookie"]
+        # A copy of the cookie taken before sign-out is dead too.
+        cp.client.cookies.set("modelforge_session", str(stolen))
+        again = cp.client.get("/api/v1/admin/nodes")
+        assert again.status_code == 401
+        assert again.json()["error"]["code"] == "SESSION_INVALID"
+
+
+def test_session_expires(tmp_path: Path, database_url: str) -> None:
+    with control_plane(tmp_path, database_url, console_session_seconds=600) as cp:
+        sign_in(cp)
+        cp.clock.advance(601)
+        expired = cp.client.get("/api/v1/admin/nodes")
+        assert expired.status_code == 401
+        assert expired.json()["error"]["code"] == "SESSION_EXPIRED"
+        from control_plane.background.loops import prune
+
+        assert prune(cp.ctx) >= 1  # the expired row is swept
+
+
+def node_agent_entry(**changes: Any) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "tag": f"modelforge-node-agent:{RELEASE_VERSION}",
+        "architecture": "amd64",
+        "os": "linux",
+        "rootfs_layers": ["sha256:" + "1" * 64, "sha256:" + "2" * 64],
+        "labels": {
+            "io.modelforge.component": "node-agent",
+            "io.modelforge.protocol": "1",
+            "org.opencontainers.image.title": "modelforge-node-agent",
+            "org.opencontainers.image.version": RELEASE_VERSION,
+            "org.opencontainers.image.revision": "abc123",
+        },
+        "config_digest": "sha256:" + "9" * 64,
+    }
+    entry.update(changes)
+    return entry
+
+
+def setup_request(cp: ControlPlane, enrollment_id: str, **body: Any) -> Any:
+    payload = {"api_origin": ORIGIN, "accelerator_mode": "cpu", **body}
+    return cp.client.post(
+        f"/api/v1/admin/node-enrollments/{enrollment_id}/node-setup",
+        headers={**cp.admin, "Origin": ORIGIN},
+        json=payload,
+    )
+
+
+def test_node_setup_renders_env_and_commands_without_secrets(
+    tmp_path: Path, database_url: str
+) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        minted = cp.mint(expires_in_seconds=300)
+        entry = json.dumps({"images": {"modelforge-node-agent": node_agent_entry()}})
+        response = setup_request(cp, minted["enrollment_id"], manifest_entry=entry)
+        assert response.status_code == 200, response.text
+        setup = response.json()
+        assert setup["node_id"] == minted["node_id"]
+        assert setup["image"] == f"modelforge-node-agent:{RELEASE_VERSION}"
+        assert f"MODELFORGE_AGENT_CONTROL_PLANE_URL={ORIGIN}\n" in setup["env_file"]
+        assert "TOKEN" not in setup["env_file"].replace("token at a", "")
+        for text in (setup["env_file"], setup["start_command"], setup["recreate_command"]):
+            assert minted["token"] not in text
+        assert "--no-build" in setup["start_command"] and "--pull never" in setup["start_command"]
+        assert "set +x" in setup["start_command"] and "read -rs" in setup["start_command"]
+
+
+def trusted_manifest(tmp_path: Path) -> Path:
+    path = tmp_path / "release-manifest.json"
+    manifest = {
+        "version": RELEASE_VERSION,
+        "protocol": 1,
+        "images": {"modelforge-node-agent": node_agent_entry()},
+    }
+    path.write_text(json.dumps(manifest))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"tag": "modelforge-node-agent:9.9.9"}, "tag expected"),
+        ({"rootfs_layers": ["sha256:" + "1" * 64, "sha256:" + "3" * 64]}, "rootfs_layers[1]"),
+        ({"rootfs_layers": ["sha256:" + "1" * 64]}, "rootfs_layers (count)"),
+        ({"architecture": "arm64"}, "architecture expected 'amd64'"),
+        (
+            {"labels": {**node_agent_entry()["labels"], "org.opencontainers.image.revision": "x"}},
+            "label org.opencontainers.image.revision",
+        ),
+        ({"labels": {**node_agent_entry()["labels"], "extra": "1"}}, "label extra"),
+    ],
+)
+def test_a_pasted_entry_that_differs_is_rejected_naming_the_field(
+    tmp_path: Path, database_url: str, change: dict[str, Any], field: str
+) -> None:
+    manifest = trusted_manifest(tmp_path)
+    with control_plane(tmp_path, database_url, release_manifest=manifest) as cp:
+        enrollment_id = cp.mint()["enrollment_id"]
+        good = setup_request(
+            cp, enrollment_id, manifest_entry=json.dumps(node_agent_entry(config_digest=None))
+        )
+        assert good.status_code == 200, good.text  # the build host's image ID is ignored
+        assert "release-manifest.json" in good.json()["checked_against"]
+        bad = setup_request(
+            cp, enrollment_id, manifest_entry=json.dumps(node_agent_entry(**change))
+        )
+        assert bad.status_code == 422
+        error = bad.json()["error"]
+        assert error["code"] == "MANIFEST_ENTRY_MISMATCH"
+        assert field in error["message"]
+        assert "images.modelforge-node-agent" in error["next_step"]
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ({"manifest_entry": "{not json"}, "MANIFEST_ENTRY_INVALID"),
+        ({"manifest_entry": json.dumps({"tag": "x"})}, "MANIFEST_ENTRY_INVALID"),
+        ({"manifest_entry": ""}, "MANIFEST_ENTRY_MISSING"),
+        (
+            {"manifest_entry": json.dumps(node_agent_entry(tag="modelforge-node-agent:0.0.1"))},
+            "MANIFEST_ENTRY_MISMATCH",
+        ),
+        ({"image_source": "registry", "registry_image": "reg.example/agent:1.0"}, None),
+        ({"api_origin": "http://testserver/console"}, "API_ORIGIN_INVALID"),
+        ({"api_origin": "http://elsewhere.example"}, "API_ORIGIN_MISMATCH"),
+    ],
+)
+def test_bad_node_setup_input_gets_a_specific_code(
+    tmp_path: Path, database_url: str, body: dict[str, Any], code: str | None
+) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        enrollment_id = cp.mint()["enrollment_id"]
+        payload = {"manifest_entry": json.dumps(node_agent_entry()), **body}
+        response = setup_request(cp, enrollment_id, **payload)
+        assert response.status_code == 422
+        assert response.json()["error"]["code"] == (code or "REGISTRY_IMAGE_NOT_PINNED")
+
+
+def test_registry_image_pinned_by_digest(tmp_path: Path, database_url: str) -> None:
+    image = "registry.example:5000/modelforge/node-agent@sha256:" + "f" * 64
+    with control_plane(tmp_path, database_url) as cp:
+        enrollment_id = cp.mint()["enrollment_id"]
+        response = setup_request(cp, enrollment_id, image_source="registry", registry_image=image)
+        assert response.status_code == 200, response.text
+        assert response.json()["image"] == image
+        assert 'docker pull "$image"' in response.json()["start_command"]
+
+
+def test_telemetry_history_for_the_charts(tmp_path: Path, database_url: str) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        enrolled = cp.enroll()
+        headers = cp.agent(enrolled["credential"])
+        for _ in range(3):
+            sent = cp.client.post("/api/v1/agent/telemetry", headers=headers, json=telemetry_body())
+            assert sent.status_code == 200, sent.text
+            cp.clock.advance(30)
+        url = f"/api/v1/admin/nodes/{enrolled['node_id']}/telemetry"
+        points = cp.client.get(url, headers=cp.admin, params={"minutes": 10}).json()
+        assert len(points) == 3
+        assert points[0]["at"] < points[-1]["at"]
+        assert points[0]["gpus"][0]["utilization_percent"] == 37.0
+        assert points[0]["cpu_percent"] == 12.5
+        cp.clock.advance(60)  # now t0+150: the window from t0+30 holds two samples
+        recent = cp.client.get(url, headers=cp.admin, params={"minutes": 2}).json()
+        assert len(recent) == 2

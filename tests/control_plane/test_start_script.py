@@ -1,0 +1,281 @@
+"""The wizard's generated start and recreation commands, run under real Bash with a `docker`
+substitute on PATH (UI-2..UI-4): the token is never an argument, never traced, never in history;
+its env file is mode 0600 while Compose reads it and is gone after success, failure and signals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from control_plane.services import node_setup
+
+TOKEN = "mfe_Wizard-Token-Never-In-Args-0123456789"
+LAYERS = ["sha256:" + "1" * 64, "sha256:" + "2" * 64]
+LABELS = {
+    "io.modelforge.component": "node-agent",
+    "io.modelforge.protocol": "1",
+    "org.opencontainers.image.title": "modelforge-node-agent",
+    "org.opencontainers.image.version": "0.1.0",
+    "org.opencontainers.image.source": "https://example.invalid/a&b",
+}
+SUBSTITUTE = Path(__file__).with_name("docker_substitute.py")
+
+
+def manifest_entry(**changes: object) -> dict[str, object]:
+    from control_plane import RELEASE_VERSION
+
+    labels = dict(LABELS, **{"org.opencontainers.image.version": RELEASE_VERSION})
+    entry: dict[str, object] = {
+        "tag": f"modelforge-node-agent:{RELEASE_VERSION}",
+        "architecture": "amd64",
+        "os": "linux",
+        "rootfs_layers": LAYERS,
+        "labels": labels,
+        "config_digest": "sha256:" + "9" * 64,
+    }
+    entry.update(changes)
+    return entry
+
+
+def go_json(value: object) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).replace("&", "\\u0026")
+
+
+@dataclass
+class Node:
+    """A node's compose folder, a `docker` substitute and what it recorded."""
+
+    workdir: Path
+    env: dict[str, str]
+    log: Path
+    facts: dict[str, object]
+
+    def write_facts(self) -> None:
+        Path(self.env["MF_DOCKER_FACTS"]).write_text(json.dumps(self.facts))
+
+    def calls(self) -> list[dict[str, object]]:
+        if not self.log.exists():
+            return []
+        return [json.loads(line) for line in self.log.read_text().splitlines()]
+
+    def up_call(self) -> dict[str, object]:
+        (call,) = [c for c in self.calls() if "up" in c["argv"]]  # type: ignore[operator]
+        return call
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Node:
+    entry = manifest_entry()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    docker = bin_dir / "docker"
+    docker.write_text(f'#!/bin/sh\nexec {sys.executable} {SUBSTITUTE} "$@"\n')
+    docker.chmod(0o755)
+    workdir = tmp_path / "compose"
+    workdir.mkdir()
+    (workdir / "docker-compose.node-agent.yml").write_text("services: {}\n")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "TMPDIR": str(tmp),
+        "MF_DOCKER_LOG": str(tmp_path / "docker.log"),
+        "MF_DOCKER_FACTS": str(tmp_path / "facts.json"),
+    }
+    facts: dict[str, object] = {
+        "tag": entry["tag"],
+        "layers": LAYERS,
+        "architecture": "amd64",
+        "os": "linux",
+        "labels_json": go_json(entry["labels"]),
+        "image_id": "sha256:" + "a" * 64,
+        "container_image_id": "sha256:" + "a" * 64,
+        "container_env": ["MODELFORGE_AGENT_ENROLLMENT_TOKEN=", "PATH=/usr/bin"],
+    }
+    result = Node(workdir=workdir, env=env, log=tmp_path / "docker.log", facts=facts)
+    result.write_facts()
+    return result
+
+
+def commands(entry: dict[str, object] | None = None) -> tuple[str, str, str]:
+    image = node_setup.choose_image(
+        image_source="bundle",
+        manifest_entry=json.dumps(entry or manifest_entry()),
+        registry_image=None,
+        release_manifest=None,
+    )
+    return node_setup.render(
+        enrollment_id="enr_test",
+        display_name="GPU node 7",
+        api_origin="http://127.0.0.1:8000",
+        accelerator_mode="cpu",
+        image=image,
+    )
+
+
+def run_bash(
+    node: Node, script: str, *, stdin: str, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", "--norc", "--noprofile", "-c", script],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        cwd=node.workdir,
+        env={**node.env, **(extra_env or {})},
+        timeout=60,
+        check=False,
+    )
+
+
+def assert_token_never_leaked(node: Node, *outputs: str) -> None:
+    for call in node.calls():
+        assert TOKEN not in " ".join(call["argv"])  # type: ignore[arg-type]
+    for output in outputs:
+        assert TOKEN not in output
+    assert TOKEN not in (node.workdir / "modelforge-node.env").read_text()
+    assert list(Path(node.env["TMPDIR"]).iterdir()) == []
+
+
+def test_start_command_passes_the_token_only_through_a_private_env_file(node: Node) -> None:
+    _, start, _ = commands()
+    # `set -x` first, as an operator's shell might have it: the command must switch it off.
+    result = run_bash(node, "set -x\n" + start, stdin=TOKEN + "\n")
+
+    assert result.returncode == 0, result.stderr
+    assert "node agent started" in result.stdout
+    up = node.up_call()
+    argv = up["argv"]
+    assert "--no-build" in argv and argv[argv.index("--pull") + 1] == "never"  # type: ignore[union-attr,index]
+    assert up["env_file_mode"] == 0o600
+    assert f"MODELFORGE_AGENT_ENROLLMENT_TOKEN={TOKEN}\n" in up["env_file_content"]  # type: ignore[operator]
+    assert not Path(up["env_file"]).exists()  # type: ignore[arg-type]
+    assert_token_never_leaked(node, result.stdout, result.stderr)
+    env_file = (node.workdir / "modelforge-node.env").read_text()
+    assert "MODELFORGE_AGENT_CONTROL_PLANE_URL=http://127.0.0.1:8000" in env_file
+    assert "MODELFORGE_NODE_AGENT_IMAGE=modelforge-node-agent:" in env_file
+    # The image ID was captured before Compose ran, and the container was checked against it.
+    argvs = [c["argv"] for c in node.calls()]
+    id_at = argvs.index(["image", "inspect", "--format", "{{.Id}}", str(manifest_entry()["tag"])])
+    up_at = argvs.index(argv)
+    assert id_at < up_at
+    assert ["inspect", "--format", "{{.Image}}", "c0ffee"] in argvs[up_at:]
+
+
+def test_token_stays_out_of_an_interactive_shells_history(node: Node) -> None:
+    _, start, _ = commands()
+    history = Path(node.env["HOME"]) / "history"
+    result = subprocess.run(
+        ["bash", "--norc", "--noprofile", "-i"],
+        input=start + TOKEN + "\necho pasted-and-done\nexit\n",
+        capture_output=True,
+        text=True,
+        cwd=node.workdir,
+        env={**node.env, "HISTFILE": str(history), "HISTSIZE": "1000"},
+        timeout=60,
+        check=False,
+    )
+    assert "node agent started" in result.stdout, result.stderr
+    recorded = history.read_text()
+    assert "echo pasted-and-done" in recorded  # history was written ...
+    assert TOKEN not in recorded  # ... and the token, read at the prompt, is not in it
+    assert_token_never_leaked(node, result.stdout, result.stderr)
+
+
+def test_env_file_is_removed_when_compose_fails(node: Node) -> None:
+    _, start, _ = commands()
+    result = run_bash(node, start, stdin=TOKEN + "\n", extra_env={"MF_DOCKER_UP": "fail"})
+
+    assert result.returncode != 0
+    up = node.up_call()
+    assert up["env_file_mode"] == 0o600
+    assert not Path(up["env_file"]).exists()  # type: ignore[arg-type]
+    assert_token_never_leaked(node, result.stdout, result.stderr)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_env_file_is_removed_on_a_signal(node: Node, signum: signal.Signals) -> None:
+    _, start, _ = commands()
+    process = subprocess.Popen(
+        ["bash", "--norc", "--noprofile", "-c", start],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=node.workdir,
+        env={**node.env, "MF_DOCKER_UP": "hang"},
+        start_new_session=True,  # its own process group, like a terminal's foreground job
+    )
+    assert process.stdin is not None
+    process.stdin.write(TOKEN + "\n")
+    process.stdin.flush()
+    deadline = time.monotonic() + 30
+    while not any("up" in c["argv"] for c in node.calls()):  # type: ignore[operator]
+        assert time.monotonic() < deadline, "compose up was never called"
+        time.sleep(0.05)
+    env_path = Path(node.up_call()["env_file"])  # type: ignore[arg-type]
+    assert env_path.exists() and stat.S_IMODE(env_path.stat().st_mode) == 0o600
+
+    os.killpg(process.pid, signum)  # Ctrl-C (or a kill) reaches the whole foreground job
+    stdout, stderr = process.communicate(timeout=30)
+
+    assert process.returncode != 0
+    assert not env_path.exists()
+    assert_token_never_leaked(node, stdout, stderr)
+
+
+def test_a_loaded_image_that_differs_from_the_entry_stops_before_the_token_is_read(
+    node: Node,
+) -> None:
+    node.facts["layers"] = [LAYERS[0], "sha256:" + "3" * 64]
+    node.write_facts()
+    _, start, _ = commands()
+    result = run_bash(node, start, stdin=TOKEN + "\n")
+
+    assert result.returncode != 0
+    assert "rootfs_layers differs from the release manifest entry" in result.stderr
+    assert not any("up" in c["argv"] for c in node.calls())  # type: ignore[operator]
+    assert_token_never_leaked(node, result.stdout, result.stderr)
+
+
+def test_a_container_on_another_image_is_stopped(node: Node) -> None:
+    node.facts["container_image_id"] = "sha256:" + "b" * 64
+    node.write_facts()
+    _, start, _ = commands()
+    result = run_bash(node, start, stdin=TOKEN + "\n")
+
+    assert result.returncode != 0
+    assert "not the checked" in result.stderr
+    assert any("stop" in c["argv"] for c in node.calls())  # type: ignore[operator]
+
+
+def test_recreate_command_drops_the_token_and_keeps_the_image(node: Node) -> None:
+    _, start, recreate = commands()
+    assert run_bash(node, start, stdin=TOKEN + "\n").returncode == 0
+    node.log.unlink()
+
+    result = run_bash(node, recreate, stdin="")
+
+    assert result.returncode == 0, result.stderr
+    up = node.up_call()
+    assert "--force-recreate" in up["argv"]  # type: ignore[operator]
+    assert up["env_file"] == "modelforge-node.env"
+    assert "ENROLLMENT_TOKEN" not in up["env_file_content"]  # type: ignore[operator]
+
+    node.facts["container_env"] = [f"MODELFORGE_AGENT_ENROLLMENT_TOKEN={TOKEN}"]
+    node.write_facts()
+    still = run_bash(node, recreate, stdin="")
+    assert still.returncode != 0
+    assert "still has the enrollment token" in still.stderr
+    assert TOKEN not in still.stdout + still.stderr
