@@ -4,7 +4,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint e2e
+CONSOLE := control_plane/console
+CONSOLE_BUILD := $(CONSOLE)/dist/index.html
+CONSOLE_SOURCES := $(wildcard $(CONSOLE)/src/*) $(CONSOLE)/index.html $(CONSOLE)/package-lock.json \
+	$(CONSOLE)/vite.config.ts $(CONSOLE)/tsconfig.json
+
+.PHONY: install run test lint e2e console browser
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -12,7 +17,15 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $(STAMP)
 
-install: $(STAMP)
+## The web console: a TypeScript single-page app built with Vite (Node.js 20+, installed if
+## missing), served by the control plane at /.
+$(CONSOLE_BUILD): $(CONSOLE_SOURCES)
+	./scripts/ensure-node
+	cd $(CONSOLE) && npm ci --no-audit --no-fund && npm run build
+
+console: $(CONSOLE_BUILD)
+
+install: $(STAMP) $(CONSOLE_BUILD)
 
 ## Run the control plane on its embedded SQLite default (data in ./modelforge-data).
 run: install
@@ -26,6 +39,7 @@ lint: install
 ## The whole suite: lint, types, then every test on SQLite and PostgreSQL (started if needed).
 test: lint
 	./scripts/ensure-postgres
+	./scripts/ensure-chromium
 	$(VENV)/bin/pytest --ignore=tests/e2e_docker
 
 ## The heavier end-to-end suite against a real Docker engine (installed and started if needed):

@@ -37,10 +37,7 @@ class TelemetryPoint(BaseModel):
     gpus: list[GpuPoint]
 
 
-class NodeSetupRequest(StrictModel):
-    #: The console's own origin; the node agent is pointed at exactly this (UI-2).
-    api_origin: Annotated[str, StringConstraints(min_length=1, max_length=300)]
-    accelerator_mode: Literal["nvidia", "cpu"] = "nvidia"
+class NodeImageRequest(StrictModel):
     image_source: Literal["bundle", "registry"] = "bundle"
     #: Bundle mode: the pasted `images.modelforge-node-agent` entry of the release manifest.
     manifest_entry: Annotated[str, StringConstraints(max_length=65536)] | None = None
@@ -48,13 +45,22 @@ class NodeSetupRequest(StrictModel):
     registry_image: Annotated[str, StringConstraints(max_length=400)] | None = None
 
 
-class NodeSetup(BaseModel):
-    enrollment_id: str
-    node_id: str
+class NodeImage(BaseModel):
     image: str
     #: What the pasted entry was checked against: the configured release manifest, or only
     #: what this control plane knows of its own release.
     checked_against: str
+
+
+class NodeSetupRequest(NodeImageRequest):
+    #: The console's own origin; the node agent is pointed at exactly this (UI-2).
+    api_origin: Annotated[str, StringConstraints(min_length=1, max_length=300)]
+    accelerator_mode: Literal["nvidia", "cpu"] = "nvidia"
+
+
+class NodeSetup(NodeImage):
+    enrollment_id: str
+    node_id: str
     env_file: str
     start_command: str
     recreate_command: str

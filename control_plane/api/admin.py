@@ -11,6 +11,8 @@ from fastapi import APIRouter, Query, Request, status
 from control_plane.api.deps import AdminDep, ContextDep, SessionDep
 from control_plane.console_schemas import (
     GpuPoint,
+    NodeImage,
+    NodeImageRequest,
     NodeSetup,
     NodeSetupRequest,
     TelemetryPoint,
@@ -111,6 +113,22 @@ def revoke_enrollment(
     return _enrollment_public(ctx, row)
 
 
+@router.post("/node-images/check", response_model=NodeImage)
+def check_node_image(body: NodeImageRequest, ctx: ContextDep) -> NodeImage:
+    """The wizard checks the image before any token is minted; changes nothing."""
+    image = _choose_image(ctx, body)
+    return NodeImage(image=image.reference, checked_against=image.checked_against)
+
+
+def _choose_image(ctx: AppContext, body: NodeImageRequest) -> node_setup.ImageChoice:
+    return node_setup.choose_image(
+        image_source=body.image_source,
+        manifest_entry=body.manifest_entry,
+        registry_image=body.registry_image,
+        release_manifest=ctx.settings.release_manifest,
+    )
+
+
 @router.post("/node-enrollments/{enrollment_id}/node-setup", response_model=NodeSetup)
 def generate_node_setup(
     enrollment_id: ResourceId,
@@ -122,12 +140,7 @@ def generate_node_setup(
     """The wizard's `.env` and commands for this enrollment (UI-2..UI-4); changes nothing."""
     row = enrollments.get_enrollment(session=session, enrollment_id=enrollment_id)
     origin = node_setup.check_api_origin(body.api_origin, request.headers.get("origin"))
-    image = node_setup.choose_image(
-        image_source=body.image_source,
-        manifest_entry=body.manifest_entry,
-        registry_image=body.registry_image,
-        release_manifest=ctx.settings.release_manifest,
-    )
+    image = _choose_image(ctx, body)
     env_file, start, recreate = node_setup.render(
         enrollment_id=row.id,
         display_name=row.display_name,

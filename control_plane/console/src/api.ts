@@ -1,0 +1,185 @@
+// The console's only door to the control plane. The session is an HttpOnly cookie the browser
+// sends by itself; the CSRF token lives in this module's memory (never in storage) and goes with
+// every change. The admin token is sent exactly once, to sign in, and is not kept.
+
+export class ApiError extends Error {
+  constructor(
+    readonly status: number,
+    readonly code: string,
+    message: string,
+    readonly nextStep: string,
+  ) {
+    super(message);
+  }
+}
+
+let csrfToken: string | null = null;
+let onSignedOut: () => void = () => {};
+
+export function whenSignedOut(callback: () => void): void {
+  onSignedOut = callback;
+}
+
+export interface SessionInfo {
+  csrf_token: string;
+  expires_at: string;
+}
+
+async function request<T>(method: string, path: string, body?: unknown): Promise<T> {
+  const headers: Record<string, string> = { Accept: "application/json" };
+  if (body !== undefined) headers["Content-Type"] = "application/json";
+  if (method !== "GET" && csrfToken) headers["X-ModelForge-CSRF"] = csrfToken;
+  let response: Response;
+  try {
+    response = await fetch(path, {
+      method,
+      headers,
+      body: body === undefined ? undefined : JSON.stringify(body),
+      credentials: "same-origin",
+      cache: "no-store",
+    });
+  } catch {
+    throw new ApiError(0, "NETWORK", "The control plane did not answer.", "Check that it is running, then retry.");
+  }
+  if (response.status === 204) return undefined as T;
+  const data: unknown = await response.json().catch(() => null);
+  if (!response.ok) {
+    const error = (data as { error?: { code?: string; message?: string; next_step?: string } } | null)?.error;
+    const failure = new ApiError(
+      response.status,
+      error?.code ?? "HTTP_" + response.status,
+      error?.message ?? `The control plane answered ${response.status}.`,
+      error?.next_step ?? "Retry; if it persists, read the control plane log.",
+    );
+    if (response.status === 401 && !path.endsWith("/console/session")) {
+      csrfToken = null;
+      onSignedOut();
+    }
+    throw failure;
+  }
+  return data as T;
+}
+
+export const api = {
+  get: <T>(path: string) => request<T>("GET", path),
+  post: <T>(path: string, body?: unknown) => request<T>("POST", path, body ?? {}),
+  del: <T>(path: string) => request<T>("DELETE", path),
+};
+
+export async function resumeSession(): Promise<boolean> {
+  try {
+    const info = await api.get<SessionInfo>("/api/v1/console/session");
+    csrfToken = info.csrf_token;
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+export async function signIn(adminToken: string): Promise<void> {
+  const info = await api.post<SessionInfo>("/api/v1/console/session", { admin_token: adminToken });
+  csrfToken = info.csrf_token;
+}
+
+export async function signOut(): Promise<void> {
+  try {
+    await api.del<void>("/api/v1/console/session");
+  } finally {
+    csrfToken = null;
+  }
+}
+
+// -- the shapes the console reads ---------------------------------------------------------------
+
+export type EnrollmentState = "pending" | "claimed" | "revoked" | "expired";
+
+export interface Enrollment {
+  enrollment_id: string;
+  node_id: string;
+  display_name: string;
+  labels: Record<string, string>;
+  state: EnrollmentState;
+  created_at: string;
+  expires_at: string;
+  claimed_at: string | null;
+  revoked_at: string | null;
+  production_eligible: boolean;
+}
+
+export interface MintedEnrollment extends Enrollment {
+  token: string;
+  api_origin: string;
+}
+
+export interface NodeImage {
+  image: string;
+  checked_against: string;
+}
+
+export interface NodeSetup extends NodeImage {
+  enrollment_id: string;
+  node_id: string;
+  env_file: string;
+  start_command: string;
+  recreate_command: string;
+}
+
+export interface ReadinessCheck {
+  name: string;
+  status: "pass" | "fail" | "unknown";
+  detail: string;
+  next_step: string;
+}
+
+export interface Readiness {
+  node_id: string;
+  ready: boolean;
+  checks: ReadinessCheck[];
+}
+
+export interface Gpu {
+  index: number;
+  uuid: string;
+  name: string;
+  memory_total_mb?: number | null;
+}
+
+export interface NodeView {
+  node_id: string;
+  enrollment_id: string;
+  display_name: string;
+  hostname: string;
+  labels: Record<string, string>;
+  state: "online" | "stale" | "offline";
+  created_at: string;
+  last_heartbeat_at: string | null;
+  agent_version: string | null;
+  protocol_version: number | null;
+  health: { status?: string; message?: string | null } | null;
+  needs_upgrade: { code: string; component: string; detail: string } | null;
+  duplicate_identity: { other_node_ids: string[]; message: string; next_step: string } | null;
+  inventory: { gpus?: Gpu[]; accelerator_mode?: string; cpu_count?: number; memory_mb?: number } | null;
+  inventory_at: string | null;
+  telemetry_at: string | null;
+}
+
+export interface NodeEvent {
+  id: number;
+  at: string;
+  kind: string;
+  from_state: string | null;
+  to_state: string | null;
+  reason: string;
+}
+
+export interface TelemetryPoint {
+  at: string;
+  cpu_percent: number | null;
+  gpus: {
+    index: number;
+    uuid: string;
+    utilization_percent: number | null;
+    memory_used_mb: number | null;
+    memory_total_mb: number | null;
+  }[];
+}

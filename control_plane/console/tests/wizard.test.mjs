@@ -1,0 +1,192 @@
+// UI-2..UI-4: Hardware → Enroll node. The one-time token is revealed once, lives only in the
+// open wizard, and is cleared by closing, revoking, checking readiness and expiry.
+import assert from "node:assert/strict";
+import { after, before, test } from "node:test";
+import {
+  NODE_AGENT_ENTRY,
+  admin,
+  assertNowhere,
+  browserState,
+  claim,
+  entryText,
+  launch,
+  newPage,
+  openWizardToToken,
+  screenshot,
+  signIn,
+} from "./helpers.mjs";
+
+let browser;
+before(async () => (browser = await launch()));
+after(async () => browser?.close());
+
+const EXPIRIES = [
+  ["5 min", 300],
+  ["15 min", 900],
+  ["1 h", 3600],
+  ["24 h", 86400],
+];
+
+test("the expiry options are exactly 5 min, 15 min, 1 h and 24 h", async () => {
+  const page = await newPage(browser);
+  await signIn(page);
+  await page.getByRole("button", { name: "Enroll node" }).click();
+  const wizard = page.getByRole("dialog", { name: "Enroll node" });
+  const group = wizard.getByRole("group", { name: "Token expiry" });
+  const labels = await group.getByRole("radio").evaluateAll((radios) => radios.map((r) => r.labels[0].textContent));
+  assert.deepEqual(labels, ["5 min", "15 min", "1 h", "24 h"]);
+  const origin = wizard.getByLabel("API origin (locked to this console)");
+  assert.equal(await origin.inputValue(), new URL(page.url()).origin);
+  assert.equal(await origin.getAttribute("readonly"), "");
+  assert.equal(await wizard.getByRole("status", { name: "Production eligible" }).textContent(), "false");
+  await screenshot(page, "wizard-node");
+  await page.context().close();
+});
+
+for (const [label, seconds] of EXPIRIES) {
+  test(`expiry ${label}: the token is shown once, then gone from every browser store`, async () => {
+    const page = await newPage(browser);
+    await signIn(page);
+    const wizard = await openWizardToToken(page, { name: `node-${seconds}`, expiry: label });
+    const token = await wizard.getByTestId("enrollment-token").textContent();
+    assert.match(token, /^mfe_/);
+    assert.equal(await page.getByText(token, { exact: true }).count(), 1, "revealed exactly once");
+    const shown = (await wizard.getByTestId("countdown").textContent()).replace("Token expires in ", "");
+    const left = shown.split(":").map(Number).reduce((total, part) => total * 60 + part, 0);
+    assert.ok(seconds - left >= 0 && seconds - left <= 3, `countdown ${shown} for ${seconds}s`);
+    const nodeId = await wizard.getByTestId("node-id").textContent();
+    const listed = (await admin("GET", "/api/v1/admin/node-enrollments")).body.find((e) => e.node_id === nodeId);
+    assert.equal((Date.parse(listed.expires_at) - Date.parse(listed.created_at)) / 1000, seconds);
+    assert.equal(listed.production_eligible, false);
+    const env = await wizard.getByLabel(/Generated/).inputValue();
+    assert.ok(!env.includes(token) && env.includes(`MODELFORGE_AGENT_CONTROL_PLANE_URL=${new URL(page.url()).origin}`));
+    assert.ok(!(await wizard.getByLabel(/Start command/).inputValue()).includes(token));
+    if (seconds === 900) await screenshot(page, "wizard-token");
+
+    await wizard.getByRole("button", { name: "Close" }).click();
+    await wizard.waitFor({ state: "detached" });
+    assertNowhere(await browserState(page), token);
+    // Reopening the wizard starts over: nothing of the old reveal comes back.
+    await page.getByRole("button", { name: "Enroll node" }).click();
+    assertNowhere(await browserState(page), token);
+    assert.deepEqual(page.problems, []);
+    await page.context().close();
+  });
+}
+
+test("revoking the unused token clears the reveal and the token can no longer be claimed", async () => {
+  const page = await newPage(browser);
+  await signIn(page);
+  const wizard = await openWizardToToken(page, { name: "to-revoke", expiry: "15 min" });
+  const token = await wizard.getByTestId("enrollment-token").textContent();
+  await wizard.getByRole("button", { name: "Revoke unused token" }).click();
+  await wizard.getByTestId("token-hidden").waitFor();
+  assert.match(await wizard.getByTestId("token-hidden").textContent(), /revoked/);
+  await wizard.locator(".badge.revoked").first().waitFor();
+  assertNowhere(await browserState(page), token);
+  const attempt = await claim(token);
+  assert.equal(attempt.status, 410);
+  assert.equal(attempt.body.error.code, "ENROLLMENT_TOKEN_REVOKED");
+  await page.context().close();
+});
+
+test("reaching expiry (controlled clock) clears the reveal", async () => {
+  const page = await newPage(browser, { clock: new Date() });
+  await signIn(page);
+  const wizard = await openWizardToToken(page, { name: "to-expire", expiry: "5 min" });
+  const token = await wizard.getByTestId("enrollment-token").textContent();
+  await page.clock.fastForward("04:50");
+  assert.match(await wizard.getByTestId("countdown").textContent(), /0:(0\d|1\d)$/);
+  assert.equal(await wizard.getByTestId("enrollment-token").count(), 1, "still shown before expiry");
+  await page.clock.fastForward("00:15");
+  await wizard.getByTestId("token-hidden").waitFor();
+  assert.match(await wizard.getByTestId("token-hidden").textContent(), /expired/);
+  assertNowhere(await browserState(page), token);
+  await page.context().close();
+});
+
+test("a pasted entry that differs from the release is rejected, naming the field", async () => {
+  const page = await newPage(browser);
+  await signIn(page);
+  await page.getByRole("button", { name: "Enroll node" }).click();
+  const wizard = page.getByRole("dialog", { name: "Enroll node" });
+  await wizard.getByLabel("Display name").fill("bad-image");
+  await wizard.getByRole("button", { name: "Next: image" }).click();
+  const otherLayer = "sha256:" + "e".repeat(64);
+  const cases = [
+    [{ tag: "modelforge-node-agent:9.9.9" }, "tag expected"],
+    [{ rootfs_layers: [...NODE_AGENT_ENTRY.rootfs_layers.slice(0, -1), otherLayer] }, "rootfs_layers["],
+    [{ architecture: NODE_AGENT_ENTRY.architecture === "amd64" ? "arm64" : "amd64" }, "architecture expected"],
+    [{ labels: { ...NODE_AGENT_ENTRY.labels, "org.opencontainers.image.revision": "forged" } }, "label org.opencontainers.image.revision"],
+    [{ labels: { ...NODE_AGENT_ENTRY.labels, "com.example.extra": "1" } }, "label com.example.extra"],
+  ];
+  for (const [changes, field] of cases) {
+    await wizard.getByLabel("Node-agent entry of the release manifest").fill(entryText(changes));
+    await wizard.getByRole("button", { name: "Check image" }).click();
+    const alert = wizard.getByRole("alert");
+    await alert.waitFor();
+    const text = await alert.textContent();
+    assert.ok(text.includes("MANIFEST_ENTRY_MISMATCH") && text.includes(field), `${field} in: ${text}`);
+    if (field === "tag expected") await screenshot(page, "wizard-image-rejected");
+  }
+  // The build host's image ID is not compared: a different config_digest is accepted.
+  await wizard.getByLabel("Node-agent entry of the release manifest").fill(entryText({ config_digest: "sha256:" + "0".repeat(64) }));
+  await wizard.getByRole("button", { name: "Check image" }).click();
+  await wizard.getByRole("button", { name: "Create enrollment token" }).waitFor();
+  const enrollments = (await admin("GET", "/api/v1/admin/node-enrollments")).body;
+  assert.ok(!enrollments.some((e) => e.display_name === "bad-image"), "nothing minted while the image was refused");
+  await page.context().close();
+});
+
+test("the wizard works with the keyboard alone, and every control has a label", async () => {
+  const page = await newPage(browser);
+  await signIn(page);
+  const press = (key, times = 1) => [...Array(times)].reduce((p) => p.then(() => page.keyboard.press(key)), Promise.resolve());
+  const focused = () => page.evaluate(() => {
+    const el = document.activeElement;
+    return { tag: el?.tagName, id: el?.id, text: el?.textContent?.trim(), label: el?.labels?.[0]?.textContent };
+  });
+  async function tabTo(predicate, limit = 30) {
+    for (let i = 0; i < limit; i += 1) {
+      if (predicate(await focused())) return;
+      await press("Tab");
+    }
+    assert.fail(`focus never reached the control (last: ${JSON.stringify(await focused())})`);
+  }
+
+  await tabTo((f) => f.text === "Enroll node");
+  await press("Enter");
+  await page.getByRole("dialog", { name: "Enroll node" }).waitFor();
+  await tabTo((f) => f.id === "display-name");
+  await page.keyboard.type("keyboard-node");
+  await tabTo((f) => f.label === "15 min");
+  await press("ArrowLeft"); // radios: arrows move the choice
+  assert.equal((await focused()).label, "5 min");
+  await tabTo((f) => f.label === "NVIDIA GPUs");
+  await press("ArrowRight");
+  assert.equal((await focused()).label, "CPU only");
+  await press("Enter"); // submits step 1
+  await page.getByLabel("Node-agent entry of the release manifest").waitFor();
+  await tabTo((f) => f.id === "manifest-entry");
+  await page.keyboard.insertText(entryText());
+  await tabTo((f) => f.text === "Check image");
+  await press("Enter");
+  await page.getByRole("button", { name: "Create enrollment token" }).waitFor();
+  await tabTo((f) => f.text === "Create enrollment token");
+  await press("Enter");
+  await page.getByTestId("enrollment-token").waitFor();
+
+  const unlabeled = await page.evaluate(() =>
+    [...document.querySelectorAll("input, select, textarea, button")]
+      .filter((el) => {
+        if (el.tagName === "BUTTON") return !(el.textContent.trim() || el.getAttribute("aria-label"));
+        return !(el.labels?.length || el.getAttribute("aria-label") || el.getAttribute("aria-labelledby"));
+      })
+      .map((el) => el.outerHTML.slice(0, 80)),
+  );
+  assert.deepEqual(unlabeled, []);
+  await tabTo((f) => f.text === "Close");
+  await press("Enter");
+  await page.getByRole("dialog").waitFor({ state: "detached" });
+  await page.context().close();
+});

@@ -1,0 +1,110 @@
+"""The console in real headless Chromium (UI-1..UI-5).
+
+The browser tests themselves are JavaScript (`control_plane/console/tests/*.test.mjs`, Playwright
+through playwright-core driving Debian's /usr/bin/chromium). This module gives them what they
+drive: the real control plane on Granian with a verified-release manifest configured, the
+substitute NVML library for the GPU node, and a work directory for the node processes. Set
+MODELFORGE_CONSOLE_SCREENSHOTS=docs/img/console to refresh the screenshots in docs/console.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from control_plane import PROTOCOL_VERSION, RELEASE_VERSION
+from tests.e2e.server import LiveServer
+from tests.factories import ADMIN_TOKEN
+from tests.nvml_substitute import build_fake_nvml
+
+pytestmark = pytest.mark.e2e
+
+CONSOLE = Path(__file__).resolve().parents[2] / "control_plane" / "console"
+CHROMIUM = Path("/usr/bin/chromium")
+FAST = {
+    "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS": "0.5",
+    "MODELFORGE_TELEMETRY_INTERVAL_SECONDS": "1",
+    "MODELFORGE_NODE_STALE_AFTER_SECONDS": "4",
+    "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS": "8",
+    "MODELFORGE_HEARTBEAT_FLUSH_INTERVAL_SECONDS": "0.2",
+    "MODELFORGE_LIVENESS_SWEEP_INTERVAL_SECONDS": "0.2",
+}
+
+
+def release_manifest(path: Path) -> Path:
+    """A release manifest as `modelforge-release bundle` writes it (RL-2a), node-agent entry."""
+    labels = {
+        "io.modelforge.component": "node-agent",
+        "io.modelforge.protocol": str(PROTOCOL_VERSION),
+        "org.opencontainers.image.created": "2026-11-30T00:00:00Z",
+        "org.opencontainers.image.licenses": "Apache-2.0",
+        "org.opencontainers.image.revision": "0123456789abcdef0123456789abcdef01234567",
+        "org.opencontainers.image.source": "https://example.invalid/modelforge",
+        "org.opencontainers.image.title": "modelforge-node-agent",
+        "org.opencontainers.image.version": RELEASE_VERSION,
+    }
+    entry = {
+        "tag": f"modelforge-node-agent:{RELEASE_VERSION}",
+        "architecture": "amd64",
+        "os": "linux",
+        "rootfs_layers": ["sha256:" + c * 64 for c in "123"],
+        "labels": labels,
+        "config_digest": "sha256:" + "c" * 64,
+    }
+    manifest = {
+        "version": RELEASE_VERSION,
+        "protocol": PROTOCOL_VERSION,
+        "images": {"modelforge-node-agent": entry},
+    }
+    path.write_text(json.dumps(manifest, indent=2))
+    return path
+
+
+def test_console_in_headless_chromium(tmp_path: Path) -> None:
+    assert (CONSOLE / "dist" / "index.html").is_file(), "the console is not built: run make console"
+    assert (CONSOLE / "node_modules" / "playwright-core").is_dir(), "run make console (npm ci)"
+    assert CHROMIUM.exists(), "Debian's chromium is missing: run scripts/ensure-chromium"
+    node = shutil.which("node")
+    assert node, "Node.js is missing: run scripts/ensure-node"
+    manifest = release_manifest(tmp_path / "release-manifest.json")
+    overrides = {**FAST, "MODELFORGE_RELEASE_MANIFEST": str(manifest)}
+    workdir = tmp_path / "nodes"
+    workdir.mkdir()
+    screenshots = os.environ.get("MODELFORGE_CONSOLE_SCREENSHOTS", str(tmp_path / "screenshots"))
+
+    with LiveServer(tmp_path / "cp", f"sqlite:///{tmp_path / 'cp.db'}", overrides) as server:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+        env.update(
+            MODELFORGE_CONSOLE_URL=server.url,
+            MODELFORGE_TEST_ADMIN_TOKEN=ADMIN_TOKEN,
+            MODELFORGE_TEST_PYTHON=sys.executable,
+            MODELFORGE_TEST_WORKDIR=str(workdir),
+            MODELFORGE_TEST_MANIFEST=str(manifest),
+            MODELFORGE_TEST_NVML_DIR=str(build_fake_nvml(tmp_path / "nvml")),
+            MODELFORGE_CONSOLE_SCREENSHOTS=str(Path(screenshots).resolve()),
+            PYTHONPATH=str(CONSOLE.parents[1]),
+        )
+        result = subprocess.run(
+            [node, "--test", "--test-concurrency=1", "--test-reporter=spec", "tests/"],
+            cwd=CONSOLE,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
+        log = server.log()
+
+    report = result.stdout + result.stderr
+    print(report)
+    assert result.returncode == 0, report
+    assert "# fail 0" in report or "ℹ fail 0" in report, report
+    # The control plane never logged the admin token or a revealed enrollment token.
+    assert ADMIN_TOKEN not in log
+    assert "mfe_" not in log
