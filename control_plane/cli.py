@@ -44,7 +44,7 @@ def main() -> None:
         log.info("generated an admin token; it is in %s (mode 0600)", source.file)
     else:
         log.info("admin token from %s", source.origin)
-    log.info("ModelForge control plane on %s (API docs at %s/docs)", url, url)
+    log.info("ModelForge control plane on %s (console at %s/, API docs at %s/docs)", url, url, url)
     log.info(
         "data dir %s, database %s",
         settings.data_dir.resolve(),

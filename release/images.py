@@ -89,6 +89,10 @@ _PLATFORMS = (
 )
 
 
+#: The built web console, shipped in the project wheel (package data of control_plane).
+CONSOLE_BUILD = Path("control_plane/console/dist/index.html")
+
+
 class ImageBuildError(Exception):
     """A build step failed; the message names the step and, for a command, its log."""
 
@@ -347,6 +351,11 @@ class _Steps:
         return _Layer(base, "sha256:" + sha256_file(base), created_by), debian
 
     def application(self, project_dir: Path) -> tuple[_Layer, list[sbom.PythonDistribution]]:
+        if not (project_dir / CONSOLE_BUILD).is_file():
+            raise ImageBuildError(
+                f"{CONSOLE_BUILD} is missing: the control plane serves the built console; "
+                "run `make console` first"
+            )
         self.progress("application: building the project wheel ...")
         backend = self.scratch / "build-backend"
         build_lock = project_dir / "locks" / "build.lock"

@@ -19,6 +19,7 @@ from control_plane.services import start_script
 from release.manifest import ImageEntry, ManifestError, load_manifest, mismatches, parse_image_entry
 
 NODE_AGENT = "modelforge-node-agent"
+RUNTIME_WORKER = "modelforge-runtime-worker"
 _REGISTRY_REF = re.compile(
     r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+)?(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)+"
     r"@sha256:[0-9a-f]{64}$"
@@ -35,6 +36,8 @@ class ImageChoice:
     #: Bundle mode: the entry the start command checks the loaded image against.
     entry: ImageEntry | None
     checked_against: str
+    #: Bundle mode: the same release's runtime worker (`release load` verified it on the node).
+    worker_image: str | None = None
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,13 @@ def choose_image(
             _PASTE_STEP,
             code="MANIFEST_ENTRY_MISMATCH",
         )
-    return ImageChoice(reference=entry.tag, entry=entry, checked_against=against)
+    version = entry.tag.rsplit(":", 1)[1]
+    return ImageChoice(
+        reference=entry.tag,
+        entry=entry,
+        checked_against=against,
+        worker_image=f"{RUNTIME_WORKER}:{version}",
+    )
 
 
 def _registry_image(reference: str | None) -> ImageChoice:
@@ -203,20 +212,17 @@ def render(
     image: ImageChoice,
 ) -> tuple[str, str, str]:
     """The `.env` (non-secret), the start command and the token-removing recreation command."""
-    env_file = start_script.env_file(
+    start = start_script.NodeStart(
         enrollment_id=enrollment_id,
         display_name=display_name,
         api_origin=api_origin,
         accelerator_mode=accelerator_mode,
         image=image.reference,
-    )
-    start = start_script.start_command(
-        env_file=env_file,
-        image=image.reference,
         entry=image.entry,
-        accelerator_mode=accelerator_mode,
+        worker_image=image.worker_image,
     )
-    recreate = start_script.recreate_command(
-        image=image.reference, accelerator_mode=accelerator_mode
+    return (
+        start_script.env_file(start),
+        start_script.start_command(start),
+        start_script.recreate_command(start),
     )
-    return env_file, start, recreate

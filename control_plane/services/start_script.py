@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import dataclass
 
 from release.manifest import ImageEntry
 
@@ -35,23 +36,69 @@ done
 if docker compose version >/dev/null 2>&1; then
   compose=(docker compose) no_pull=(--pull never)
 elif command -v docker-compose >/dev/null 2>&1; then
-  # Compose v1 has no --pull; the image is proven present before Compose runs, so none is.
+  # Compose v1 has no --pull; every image is proven present before Compose runs.
   compose=(docker-compose) no_pull=()
 else
   fail "neither 'docker compose' nor 'docker-compose' is installed"
 fi
 files=(); for file in "${compose_files[@]}"; do files+=(-f "$file"); done
 dc() { local env="$1"; shift; "${compose[@]}" -p "$project" --env-file "$env" "${files[@]}" "$@"; }
+image_id() {
+  docker image inspect --format '{{.Id}}' "$1" 2>/dev/null \
+    || fail "image $1 is not on this host: verify the release bundle, then modelforge-release load"
+}
+verify_container() {  # service, expected image ID
+  local container running
+  container="$(dc "$env_file" ps -q "$1")"
+  [ -n "$container" ] || fail "Compose created no $1 container"
+  running="$(docker inspect --format '{{.Image}}' "$container")"
+  if [ "$running" != "$2" ]; then
+    dc "$env_file" stop "${services[@]}" >/dev/null 2>&1 || true
+    fail "$1 runs image $running, not the checked $2; stopped the node services"
+  fi
+}
 """
 
-_VERIFY_CONTAINER = r"""container="$(dc "$env_file" ps -q node-agent)"
-[ -n "$container" ] || fail "Compose created no node-agent container"
-running="$(docker inspect --format '{{.Image}}' "$container")"
-if [ "$running" != "$image_id" ]; then
-  dc "$env_file" stop node-agent >/dev/null 2>&1 || true
-  fail "node-agent runs image $running, not the checked $image_id; stopped it"
-fi
+_CLEANUP = r"""token_file=''
+cleanup() { if [ -n "$token_file" ]; then rm -f -- "$token_file"; fi; }
+trap cleanup EXIT
+trap 'cleanup; trap - INT; kill -INT "$BASHPID"' INT
+trap 'cleanup; trap - TERM; kill -TERM "$BASHPID"' TERM
+token_file="$(mktemp "${TMPDIR:-/tmp}/modelforge-node.XXXXXXXX")"
+IFS= read -rs -p 'One-time enrollment token (input hidden): ' token || fail "no token was entered"
+printf '\n' >&2
+[ -n "$token" ] || fail "no token was entered"
 """
+
+
+@dataclass(frozen=True)
+class NodeStart:
+    """Everything a generated command needs; none of it secret."""
+
+    enrollment_id: str
+    display_name: str
+    api_origin: str
+    accelerator_mode: str
+    #: The node-agent image: a release tag (bundle) or a digest-pinned registry reference.
+    image: str
+    #: Bundle mode: the pasted manifest entry the loaded image must match.
+    entry: ImageEntry | None
+    #: Bundle mode: the release's runtime worker, started alongside (readiness needs it).
+    worker_image: str | None
+
+    @property
+    def services(self) -> list[str]:
+        return ["node-agent"] + (["runtime-worker"] if self.worker_image else [])
+
+    @property
+    def compose_files(self) -> list[str]:
+        files = ["docker-compose.node-agent.yml"]
+        if self.worker_image or self.accelerator_mode == "nvidia":
+            # The GPU reservations name the runtime worker too, so its file must be in the set.
+            files.append("docker-compose.runtime-worker.yml")
+        if self.accelerator_mode == "nvidia":
+            files.append("docker-compose.gpu.yml")
+        return files
 
 
 def _quote(value: str) -> str:
@@ -76,47 +123,37 @@ def _one_line(text: str) -> str:
     return "".join(ch if ch.isprintable() else " " for ch in text)
 
 
-def compose_files(accelerator_mode: str) -> list[str]:
-    files = ["docker-compose.node-agent.yml"]
-    if accelerator_mode == "nvidia":
-        # The GPU reservations name the runtime worker too, so its file must be in the set.
-        files += ["docker-compose.runtime-worker.yml", "docker-compose.gpu.yml"]
-    return files
+def env_file(start: NodeStart) -> str:
+    lines = [
+        f"# ModelForge node: enrollment {start.enrollment_id} ({_one_line(start.display_name)}).",
+        "# Non-secret settings only: the start command asks for the one-time token at a",
+        "# hidden prompt and passes it to Compose through a temporary mode-0600 file.",
+        f"COMPOSE_PROJECT_NAME={PROJECT}",
+        f"MODELFORGE_NODE_AGENT_IMAGE={start.image}",
+    ]
+    if start.worker_image:
+        lines.append(f"MODELFORGE_RUNTIME_WORKER_IMAGE={start.worker_image}")
+    lines += [
+        f"MODELFORGE_AGENT_CONTROL_PLANE_URL={start.api_origin}",
+        f"MODELFORGE_AGENT_ACCELERATOR_MODE={start.accelerator_mode}",
+        "MODELFORGE_AGENT_TLS_VERIFY=true",
+        "",
+    ]
+    return "\n".join(lines)
 
 
-def env_file(
-    *,
-    enrollment_id: str,
-    display_name: str,
-    api_origin: str,
-    accelerator_mode: str,
-    image: str,
-) -> str:
-    return "\n".join(
-        [
-            f"# ModelForge node agent for enrollment {enrollment_id} ({_one_line(display_name)}).",
-            "# Non-secret settings only: the start command asks for the one-time token at a",
-            "# hidden prompt and passes it to Compose through a temporary mode-0600 file.",
-            f"COMPOSE_PROJECT_NAME={PROJECT}",
-            f"MODELFORGE_NODE_AGENT_IMAGE={image}",
-            f"MODELFORGE_AGENT_CONTROL_PLANE_URL={api_origin}",
-            f"MODELFORGE_AGENT_ACCELERATOR_MODE={accelerator_mode}",
-            "MODELFORGE_AGENT_TLS_VERIFY=true",
-            "",
-        ]
-    )
-
-
-def _common(*, image: str, env_text: str | None, accelerator_mode: str) -> str:
+def _header(start: NodeStart, *, write_env: bool) -> str:
     lines = [
         f"project={PROJECT}",
-        f"image={_quote(image)}",
+        f"image={_quote(start.image)}",
+        f"worker_image={_quote(start.worker_image or '')}",
         f"env_file={ENV_FILE}",
-        "compose_files=(" + " ".join(_quote(f) for f in compose_files(accelerator_mode)) + ")",
+        "compose_files=(" + " ".join(_quote(f) for f in start.compose_files) + ")",
+        "services=(" + " ".join(start.services) + ")",
     ]
     script = _PRELUDE + "\n".join(lines) + "\n" + _COMPOSE
-    if env_text is not None:
-        script += f"cat > \"$env_file\" <<'{_ENV_END}'\n{env_text}{_ENV_END}\n"
+    if write_env:
+        script += f"cat > \"$env_file\" <<'{_ENV_END}'\n{env_file(start)}{_ENV_END}\n"
     else:
         script += (
             '[ -f "$env_file" ] || fail "$env_file not found: run this where the start command '
@@ -125,68 +162,73 @@ def _common(*, image: str, env_text: str | None, accelerator_mode: str) -> str:
     return script
 
 
-def _image_checks(image: str, entry: ImageEntry | None) -> str:
+def _image_checks(entry: ImageEntry | None) -> str:
     if entry is None:  # registry mode: the digest pins the content; fetch it now, explicitly
         return 'docker pull "$image" >/dev/null || fail "cannot pull $image"\n'
-    checks = [
-        'docker image inspect "$image" >/dev/null 2>&1 \\\n'
-        '  || fail "$image is not loaded: verify the bundle, then docker image load -i '
-        'the images tar"\n',
-        "check() {\n"
-        '  found="$(docker image inspect --format "$2" "$image")"\n'
-        '  [ "$found" = "$3" ] || fail "$image: $1 differs from the release manifest entry '
-        '(expected $3, found $found)"\n'
-        "}\n",
-        f"check rootfs_layers '{{{{json .RootFS.Layers}}}}' "
-        f"{_quote(_go_json(list(entry.rootfs_layers)))}\n",
-        f"check architecture '{{{{.Architecture}}}}' {_quote(entry.architecture)}\n",
-        f"check os '{{{{.Os}}}}' {_quote(entry.os)}\n",
-        f"check labels '{{{{json .Config.Labels}}}}' {_quote(_go_json(entry.labels))}\n",
-    ]
-    return "".join(checks)
+    return "".join(
+        [
+            "check() {\n"
+            '  found="$(docker image inspect --format "$2" "$image")"\n'
+            '  [ "$found" = "$3" ] || fail "$image: $1 differs from the release manifest entry '
+            '(expected $3, found $found)"\n'
+            "}\n",
+            'image_id "$image" >/dev/null\n',
+            f"check rootfs_layers '{{{{json .RootFS.Layers}}}}' "
+            f"{_quote(_go_json(list(entry.rootfs_layers)))}\n",
+            f"check architecture '{{{{.Architecture}}}}' {_quote(entry.architecture)}\n",
+            f"check os '{{{{.Os}}}}' {_quote(entry.os)}\n",
+            f"check labels '{{{{json .Config.Labels}}}}' {_quote(_go_json(entry.labels))}\n",
+        ]
+    )
 
 
-def start_command(
-    *, env_file: str, image: str, entry: ImageEntry | None, accelerator_mode: str
-) -> str:
+_VERIFY = (
+    'verify_container node-agent "$agent_id"\n'
+    'if [ -n "$worker_image" ]; then verify_container runtime-worker "$worker_id"; fi\n'
+)
+
+
+def start_command(start: NodeStart) -> str:
     return (
-        _common(image=image, env_text=env_file, accelerator_mode=accelerator_mode)
-        + "# 1. The image, checked against the release before anything starts.\n"
-        + _image_checks(image, entry)
-        + 'image_id="$(docker image inspect --format \'{{.Id}}\' "$image")"\n'
+        _header(start, write_env=True)
+        + "# 1. The images, checked before anything starts; their local IDs captured.\n"
+        + _image_checks(start.entry)
+        + 'agent_id="$(image_id "$image")"\n'
+        + 'worker_id=""; if [ -n "$worker_image" ]; then worker_id="$(image_id "$worker_image")"; '
+        + "fi\n"
         + "# 2. The one-time token: hidden prompt, then a mode-0600 file removed on any exit.\n"
-        + "token_file=''\n"
-        + 'cleanup() { if [ -n "$token_file" ]; then rm -f -- "$token_file"; fi; }\n'
-        + "trap cleanup EXIT\n"
-        + "trap 'cleanup; trap - INT; kill -INT \"$BASHPID\"' INT\n"
-        + "trap 'cleanup; trap - TERM; kill -TERM \"$BASHPID\"' TERM\n"
-        + 'token_file="$(mktemp "${TMPDIR:-/tmp}/modelforge-node.XXXXXXXX")"\n'
-        + "IFS= read -rs -p 'One-time enrollment token (input hidden): ' token "
-        + '|| fail "no token was entered"\n'
-        + "printf '\\n' >&2\n"
-        + '[ -n "$token" ] || fail "no token was entered"\n'
+        + _CLEANUP
         + f'{{ cat "$env_file"; printf \'{TOKEN_VARIABLE}=%s\\n\' "$token"; }} '
         + '> "$token_file"\n'
         + "unset token\n"
-        + "# 3. Start: never build, never pull, the local tag set explicitly.\n"
+        + "# 3. Start: never build, never pull, the local tags set explicitly.\n"
         + 'MODELFORGE_NODE_AGENT_IMAGE="$image" dc "$token_file" up -d --no-build '
-        + '"${no_pull[@]}" node-agent\n'
-        + _VERIFY_CONTAINER
-        + 'echo "modelforge: node agent started from $image ($image_id)."\n'
+        + '"${no_pull[@]}" "${services[@]}"\n'
+        + _VERIFY
+        + 'echo "modelforge: node agent started from $image ($agent_id)."\n'
+        + (
+            ""
+            if start.worker_image
+            else 'echo "modelforge: start the runtime worker next to it '
+            '(docker-compose.runtime-worker.yml) before checking readiness."\n'
+        )
         + 'echo "modelforge: now use Check node readiness in the console."\n'
         + ")\n"
     )
 
 
-def recreate_command(*, image: str, accelerator_mode: str) -> str:
-    """After the claim: recreate the container from the `.env` alone, so the token leaves its
-    environment; identity and credential stay in the state volume."""
+def recreate_command(start: NodeStart) -> str:
+    """After the claim: recreate the agent's container from the `.env` alone, so the token leaves
+    its environment; identity and credential stay in the state volume."""
     return (
-        _common(image=image, env_text=None, accelerator_mode=accelerator_mode)
-        + 'image_id="$(docker image inspect --format \'{{.Id}}\' "$image")"\n'
+        _header(start, write_env=False)
+        + 'agent_id="$(image_id "$image")"\n'
+        + 'worker_id=""; if [ -n "$worker_image" ]; then worker_id="$(image_id "$worker_image")"; '
+        + "fi\n"
         + 'MODELFORGE_NODE_AGENT_IMAGE="$image" dc "$env_file" up -d --force-recreate '
         + '--no-build "${no_pull[@]}" node-agent\n'
-        + _VERIFY_CONTAINER
+        + _VERIFY
+        + 'container="$(dc "$env_file" ps -q node-agent)"\n'
         + "environment=\"$(docker inspect --format '{{range .Config.Env}}{{println .}}{{end}}' "
         + '"$container")"\n'
         + f"if [[ $'\\n'\"$environment\" == *$'\\n'{TOKEN_VARIABLE}=[!$'\\n']* ]]; then\n"

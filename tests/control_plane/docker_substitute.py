@@ -2,7 +2,8 @@
 
 It records every call (argv, and for `--env-file` the file's mode and content at that moment)
 as JSON lines in $MF_DOCKER_LOG, and answers from $MF_DOCKER_FACTS (a JSON file): the loaded
-image's inspect fields, the container's image ID and environment. $MF_DOCKER_UP says what
+images' inspect fields by tag, and per Compose service its container's ID, image ID and
+environment. $MF_DOCKER_UP says what
 `compose up` does: `ok`, `fail` (exit 1) or `hang` (wait to be signalled).
 """
 
@@ -31,18 +32,23 @@ def main(argv: list[str]) -> int:
     if argv[:2] == ["compose", "version"]:
         return 0
     if argv[:2] == ["image", "inspect"]:
+        image = facts["images"].get(argv[-1])
+        if image is None:
+            print(f"Error: No such image: {argv[-1]}", file=sys.stderr)
+            return 1
         if "--format" not in argv:
-            return 0 if argv[-1] == facts["tag"] else 1
+            return 0
         template = argv[argv.index("--format") + 1]
         answers = {
-            "{{json .RootFS.Layers}}": json.dumps(facts["layers"], separators=(",", ":")),
-            "{{.Architecture}}": facts["architecture"],
-            "{{.Os}}": facts["os"],
-            "{{json .Config.Labels}}": facts["labels_json"],
-            "{{.Id}}": facts["image_id"],
+            "{{json .RootFS.Layers}}": json.dumps(image.get("layers"), separators=(",", ":")),
+            "{{.Architecture}}": image.get("architecture"),
+            "{{.Os}}": image.get("os"),
+            "{{json .Config.Labels}}": image.get("labels_json"),
+            "{{.Id}}": image["id"],
         }
         print(answers[template])
         return 0
+    containers = facts["containers"]
     if argv[0] == "compose" and "up" in argv:
         mode = os.environ.get("MF_DOCKER_UP", "ok")
         if mode == "fail":
@@ -55,16 +61,17 @@ def main(argv: list[str]) -> int:
             return 1
         return 0
     if argv[0] == "compose" and "ps" in argv:
-        print("c0ffee")
+        print(containers[argv[-1]]["id"])
         return 0
     if argv[0] == "compose" and "stop" in argv:
         return 0
     if argv[:1] == ["inspect"]:
         template = argv[argv.index("--format") + 1]
+        (container,) = [c for c in containers.values() if c["id"] == argv[-1]]
         if template == "{{.Image}}":
-            print(facts["container_image_id"])
+            print(container["image"])
         else:
-            print("\n".join(facts.get("container_env", [])))
+            print("\n".join(container.get("env", [])))
         return 0
     print(f"docker substitute: unexpected call {argv}", file=sys.stderr)
     return 2

@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,6 +48,10 @@ def manifest_entry(**changes: object) -> dict[str, object]:
     return entry
 
 
+def worker_tag() -> str:
+    return str(manifest_entry()["tag"]).replace("node-agent", "runtime-worker")
+
+
 def go_json(value: object) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":")).replace("&", "\\u0026")
 
@@ -58,7 +63,7 @@ class Node:
     workdir: Path
     env: dict[str, str]
     log: Path
-    facts: dict[str, object]
+    facts: dict[str, Any]
 
     def write_facts(self) -> None:
         Path(self.env["MF_DOCKER_FACTS"]).write_text(json.dumps(self.facts))
@@ -83,7 +88,8 @@ def node(tmp_path: Path) -> Node:
     docker.chmod(0o755)
     workdir = tmp_path / "compose"
     workdir.mkdir()
-    (workdir / "docker-compose.node-agent.yml").write_text("services: {}\n")
+    for name in ("docker-compose.node-agent.yml", "docker-compose.runtime-worker.yml"):
+        (workdir / name).write_text("services: {}\n")
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = {
@@ -93,15 +99,27 @@ def node(tmp_path: Path) -> Node:
         "MF_DOCKER_LOG": str(tmp_path / "docker.log"),
         "MF_DOCKER_FACTS": str(tmp_path / "facts.json"),
     }
-    facts: dict[str, object] = {
-        "tag": entry["tag"],
-        "layers": LAYERS,
-        "architecture": "amd64",
-        "os": "linux",
-        "labels_json": go_json(entry["labels"]),
-        "image_id": "sha256:" + "a" * 64,
-        "container_image_id": "sha256:" + "a" * 64,
-        "container_env": ["MODELFORGE_AGENT_ENROLLMENT_TOKEN=", "PATH=/usr/bin"],
+    agent_id, worker_id = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    worker_tag = str(entry["tag"]).replace("node-agent", "runtime-worker")
+    facts: dict[str, Any] = {
+        "images": {
+            entry["tag"]: {
+                "id": agent_id,
+                "layers": LAYERS,
+                "architecture": "amd64",
+                "os": "linux",
+                "labels_json": go_json(entry["labels"]),
+            },
+            worker_tag: {"id": worker_id},
+        },
+        "containers": {
+            "node-agent": {
+                "id": "c-agent",
+                "image": agent_id,
+                "env": ["MODELFORGE_AGENT_ENROLLMENT_TOKEN=", "PATH=/usr/bin"],
+            },
+            "runtime-worker": {"id": "c-worker", "image": worker_id},
+        },
     }
     result = Node(workdir=workdir, env=env, log=tmp_path / "docker.log", facts=facts)
     result.write_facts()
@@ -170,7 +188,10 @@ def test_start_command_passes_the_token_only_through_a_private_env_file(node: No
     id_at = argvs.index(["image", "inspect", "--format", "{{.Id}}", str(manifest_entry()["tag"])])
     up_at = argvs.index(argv)
     assert id_at < up_at
-    assert ["inspect", "--format", "{{.Image}}", "c0ffee"] in argvs[up_at:]
+    assert argv[-2:] == ["node-agent", "runtime-worker"]
+    assert ["inspect", "--format", "{{.Image}}", "c-agent"] in argvs[up_at:]
+    assert ["inspect", "--format", "{{.Image}}", "c-worker"] in argvs[up_at:]
+    assert f"MODELFORGE_RUNTIME_WORKER_IMAGE={worker_tag()}" in env_file
 
 
 def test_token_stays_out_of_an_interactive_shells_history(node: Node) -> None:
@@ -238,7 +259,8 @@ def test_env_file_is_removed_on_a_signal(node: Node, signum: signal.Signals) -> 
 def test_a_loaded_image_that_differs_from_the_entry_stops_before_the_token_is_read(
     node: Node,
 ) -> None:
-    node.facts["layers"] = [LAYERS[0], "sha256:" + "3" * 64]
+    agent_tag = str(manifest_entry()["tag"])
+    node.facts["images"][agent_tag]["layers"] = [LAYERS[0], "sha256:" + "3" * 64]
     node.write_facts()
     _, start, _ = commands()
     result = run_bash(node, start, stdin=TOKEN + "\n")
@@ -250,13 +272,13 @@ def test_a_loaded_image_that_differs_from_the_entry_stops_before_the_token_is_re
 
 
 def test_a_container_on_another_image_is_stopped(node: Node) -> None:
-    node.facts["container_image_id"] = "sha256:" + "b" * 64
+    node.facts["containers"]["runtime-worker"]["image"] = "sha256:" + "c" * 64
     node.write_facts()
     _, start, _ = commands()
     result = run_bash(node, start, stdin=TOKEN + "\n")
 
     assert result.returncode != 0
-    assert "not the checked" in result.stderr
+    assert "runtime-worker runs image sha256:ccc" in result.stderr
     assert any("stop" in c["argv"] for c in node.calls())  # type: ignore[operator]
 
 
@@ -273,7 +295,7 @@ def test_recreate_command_drops_the_token_and_keeps_the_image(node: Node) -> Non
     assert up["env_file"] == "modelforge-node.env"
     assert "ENROLLMENT_TOKEN" not in up["env_file_content"]  # type: ignore[operator]
 
-    node.facts["container_env"] = [f"MODELFORGE_AGENT_ENROLLMENT_TOKEN={TOKEN}"]
+    node.facts["containers"]["node-agent"]["env"] = [f"MODELFORGE_AGENT_ENROLLMENT_TOKEN={TOKEN}"]
     node.write_facts()
     still = run_bash(node, recreate, stdin="")
     assert still.returncode != 0

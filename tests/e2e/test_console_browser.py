@@ -72,6 +72,8 @@ def test_console_in_headless_chromium(tmp_path: Path) -> None:
     assert CHROMIUM.exists(), "Debian's chromium is missing: run scripts/ensure-chromium"
     node = shutil.which("node")
     assert node, "Node.js is missing: run scripts/ensure-node"
+    major = subprocess.run([node, "-p", "process.versions.node"], capture_output=True, text=True)
+    assert int(major.stdout.split(".")[0]) >= 20, f"playwright-core needs Node.js 20+: {major}"
     manifest = release_manifest(tmp_path / "release-manifest.json")
     overrides = {**FAST, "MODELFORGE_RELEASE_MANIFEST": str(manifest)}
     workdir = tmp_path / "nodes"

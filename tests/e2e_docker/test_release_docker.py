@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose"
-CP_FILES = [COMPOSE / "docker-compose.yml"]
+CP_FILES = [COMPOSE / "docker-compose.yml", COMPOSE / "docker-compose.release-manifest.yml"]
 NODE_FILES = [
     COMPOSE / "docker-compose.node-agent.yml",
     COMPOSE / "docker-compose.runtime-worker.yml",
@@ -67,10 +69,11 @@ def _wait(predicate, timeout: float, what: str) -> None:  # type: ignore[no-unty
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _project_containers(project: str) -> list[str]:
-    return docker(
-        "ps", "-aq", "--filter", f"label=com.docker.compose.project={project}"
-    ).stdout.split()
+def _project_containers(project: str, service: str | None = None) -> list[str]:
+    filters = ["--filter", f"label=com.docker.compose.project={project}"]
+    if service:
+        filters += ["--filter", f"label=com.docker.compose.service={service}"]
+    return docker("ps", "-aq", *filters).stdout.split()
 
 
 def _logs(project: str) -> str:
@@ -139,7 +142,12 @@ def test_release_end_to_end(release_bundle: tuple[Path, Path], tmp_path: Path) -
 
     port = free_port()
     cp_project, node_project = f"mfcp{port}", f"mfnode{port}"
-    os.environ.update(MODELFORGE_PORT=str(port), MODELFORGE_BIND_ADDRESS="127.0.0.1")
+    os.environ.update(
+        MODELFORGE_PORT=str(port),
+        MODELFORGE_BIND_ADDRESS="127.0.0.1",
+        MODELFORGE_RELEASE_MANIFEST_SOURCE=str(bundle / "release-manifest.json"),
+    )
+    wizard_dir = tmp_path / "wizard-compose"
     try:
         assert (
             release(
@@ -153,6 +161,11 @@ def test_release_end_to_end(release_bundle: tuple[Path, Path], tmp_path: Path) -
             90,
             "control plane health",
         )
+        # The image serves the built console at / (and its hashed assets).
+        console = httpx.get(f"{url}/", timeout=5)
+        assert console.status_code == 200 and "<title>ModelForge console</title>" in console.text
+        asset = re.search(r'src="(/assets/[^"]+\.js)"', console.text)
+        assert asset and httpx.get(url + asset.group(1), timeout=5).status_code == 200
         container = _project_containers(cp_project)[0]
         admin_token = docker(
             "exec",
@@ -217,6 +230,8 @@ def test_release_end_to_end(release_bundle: tuple[Path, Path], tmp_path: Path) -
                 assert info["HostConfig"]["CapDrop"] == ["ALL"]
                 assert info["Config"]["User"] == "10001:10001"
 
+        _wizard_start_command(bundle, url, admin, wizard_dir)
+
         # A container from a different image under the same tag: `up` fails and stops the stack.
         worker_tag = f"modelforge-runtime-worker:{VERSION}"
         docker("tag", f"modelforge-control-plane:{VERSION}", worker_tag)
@@ -254,7 +269,14 @@ def test_release_end_to_end(release_bundle: tuple[Path, Path], tmp_path: Path) -
         )
         assert _project_containers(node_project) == []
     finally:
-        for project, files in ((node_project, NODE_FILES), (cp_project, CP_FILES)):
+        wizard_files = [wizard_dir / name for name in WIZARD_FILES]
+        for project, files in (
+            ("modelforge-node", wizard_files),
+            (node_project, NODE_FILES),
+            (cp_project, CP_FILES),
+        ):
+            if not all(f.exists() for f in files):
+                continue
             subprocess.run(
                 [
                     *compose_command(),
@@ -278,5 +300,93 @@ def test_release_end_to_end(release_bundle: tuple[Path, Path], tmp_path: Path) -
             "MODELFORGE_AGENT_ACCELERATOR_MODE",
             "MODELFORGE_PORT",
             "MODELFORGE_BIND_ADDRESS",
+            "MODELFORGE_RELEASE_MANIFEST_SOURCE",
         ):
             os.environ.pop(key, None)
+
+
+WIZARD_FILES = ("docker-compose.node-agent.yml", "docker-compose.runtime-worker.yml")
+
+
+def _wizard_start_command(bundle: Path, url: str, admin: dict[str, str], folder: Path) -> None:
+    """The Enroll node wizard's API, then its generated start and recreation commands run by
+    real Bash against real Docker (Compose v1 here), from a copy of the release's compose/."""
+    entry = json.loads((bundle / "release-manifest.json").read_text())["images"][
+        "modelforge-node-agent"
+    ]
+    checked = httpx.post(
+        f"{url}/api/v1/admin/node-images/check",
+        headers=admin,
+        json={"manifest_entry": json.dumps(entry)},
+    )
+    assert checked.status_code == 200, checked.text
+    assert "release manifest" in checked.json()["checked_against"]
+    forged = {**entry, "labels": {**entry["labels"], "org.opencontainers.image.revision": "x"}}
+    refused = httpx.post(
+        f"{url}/api/v1/admin/node-images/check",
+        headers=admin,
+        json={"manifest_entry": json.dumps(forged)},
+    )
+    assert refused.status_code == 422
+    assert "label org.opencontainers.image.revision" in refused.json()["error"]["message"]
+
+    minted = httpx.post(
+        f"{url}/api/v1/admin/node-enrollments",
+        headers=admin,
+        json={"display_name": "wizard-node", "expires_in_seconds": 900},
+    ).json()
+    setup = httpx.post(
+        f"{url}/api/v1/admin/node-enrollments/{minted['enrollment_id']}/node-setup",
+        headers={**admin, "Origin": url},
+        json={"api_origin": url, "accelerator_mode": "cpu", "manifest_entry": json.dumps(entry)},
+    ).json()
+    folder.mkdir()
+    for name in WIZARD_FILES:
+        text = (COMPOSE / name).read_text()
+        if name == "docker-compose.node-agent.yml":  # this control plane is on host loopback
+            text = text.replace("    restart:", "    network_mode: host\n    restart:", 1)
+        (folder / name).write_text(text)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+
+    def bash(script: str, stdin: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", "-c", script],
+            input=stdin,
+            cwd=folder,
+            env=clean,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+
+    started = bash(setup["start_command"], minted["token"] + "\n")
+    assert started.returncode == 0, started.stdout + started.stderr
+    assert minted["token"] not in started.stdout + started.stderr
+    assert minted["token"] not in (folder / "modelforge-node.env").read_text()
+
+    def ready() -> bool:
+        answer = httpx.get(f"{url}/api/v1/admin/nodes/{minted['node_id']}/readiness", headers=admin)
+        return answer.status_code == 200 and answer.json()["ready"] is True
+
+    def agent_environment() -> list[str]:
+        (container,) = _project_containers("modelforge-node", service="node-agent")
+        info = json.loads(docker("container", "inspect", container).stdout)[0]
+        return list(info["Config"]["Env"])
+
+    _wait(ready, 120, "readiness of the node started by the wizard's command")
+    assert f"MODELFORGE_AGENT_ENROLLMENT_TOKEN={minted['token']}" in agent_environment()
+
+    recreated = bash(setup["recreate_command"], "")
+    assert recreated.returncode == 0, recreated.stdout + recreated.stderr
+    after = time.time()
+    assert "MODELFORGE_AGENT_ENROLLMENT_TOKEN=" in agent_environment()  # present, but empty
+    assert not any(minted["token"] in line for line in agent_environment())
+
+    def heard_since_recreation() -> bool:
+        node = httpx.get(f"{url}/api/v1/admin/nodes/{minted['node_id']}", headers=admin).json()
+        seen = node["last_heartbeat_at"]
+        return seen is not None and datetime.fromisoformat(seen).timestamp() > after and ready()
+
+    # The same node (persisted identity and credential), heard from after the recreation.
+    _wait(heard_since_recreation, 120, "readiness after recreation")

@@ -148,10 +148,12 @@ function NodeDetails({ node, onChanged }: { node: NodeView; onChanged: () => Pro
     }
   }
 
-  const to = Date.now();
-  const from = to - CHART_MINUTES * 60_000;
   const gpus = node.inventory?.gpus ?? [];
   const times = telemetry.map((p) => Date.parse(p.at));
+  // The x axis spans the samples there are (at least a minute, at most CHART_MINUTES), so a
+  // node that just arrived does not draw a sliver at the right edge.
+  const to = Math.max(Date.now(), ...times);
+  const from = Math.max(to - CHART_MINUTES * 60_000, Math.min(times[0] ?? to, to - 60_000));
 
   return (
     <section className="details" aria-labelledby="details-heading">
