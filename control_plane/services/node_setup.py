@@ -53,10 +53,14 @@ class _Facts:
 
 def check_api_origin(api_origin: str, request_origin: str | None) -> str:
     """UI-2: the node talks to the console's own origin, nothing else."""
-    parts = urlsplit(api_origin)
+    try:
+        parts = urlsplit(api_origin)
+        hostname = parts.hostname
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        hostname = None
     if (
-        parts.scheme not in ("http", "https")
-        or not parts.hostname
+        hostname is None
+        or parts.scheme not in ("http", "https")
         or parts.path not in ("", "/")
         or parts.query
         or parts.fragment
@@ -136,6 +140,8 @@ def _registry_image(reference: str | None) -> ImageChoice:
 def _parse_pasted(text: str) -> ImageEntry:
     try:
         data = json.loads(text)
+    except RecursionError:
+        data = None  # absurdly nested: not an entry, refused below
     except ValueError as exc:
         raise InvalidRequest(
             f"manifest_entry is not valid JSON (line {getattr(exc, 'lineno', '?')}, "

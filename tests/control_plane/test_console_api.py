@@ -252,3 +252,31 @@ def test_telemetry_history_for_the_charts(tmp_path: Path, database_url: str) -> 
         cp.clock.advance(60)  # now t0+150: the window from t0+30 holds two samples
         recent = cp.client.get(url, headers=cp.admin, params={"minutes": 2}).json()
         assert len(recent) == 2
+
+
+def test_console_pages_and_assets_are_served_with_security_headers(tmp_path: Path) -> None:
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from control_plane.api.console import mount_console
+
+    dist = tmp_path / "dist"
+    (dist / "assets").mkdir(parents=True)
+    (dist / "index.html").write_text("<!doctype html><title>ModelForge console</title>")
+    (dist / "assets" / "index-abc.js").write_text("console.log(1)")
+    app = FastAPI()
+    mount_console(app, dist)
+    client = TestClient(app)
+    for path in ("/", "/hardware", "/nodes"):
+        page = client.get(path)
+        assert page.status_code == 200 and "ModelForge console" in page.text
+        csp = page.headers["content-security-policy"]
+        assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
+        assert page.headers["x-content-type-options"] == "nosniff"
+        assert page.headers["cache-control"] == "no-store"
+    assert client.get("/assets/index-abc.js").text == "console.log(1)"
+
+    unbuilt = FastAPI()
+    mount_console(unbuilt, tmp_path / "missing")
+    page = TestClient(unbuilt).get("/")
+    assert page.status_code == 503 and "make install" in page.text
