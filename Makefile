@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $(STAMP)
 
-## The web console: a TypeScript single-page app built with Vite (Node.js 20+, installed if
-## missing), served by the control plane at /.
+## The web console: a TypeScript single-page app built with Vite (Node.js 18+, installed if
+## missing; its browser tests need 20+), served by the control plane at /.
 $(CONSOLE_BUILD): $(CONSOLE_SOURCES)
 	./scripts/ensure-node
 	cd $(CONSOLE) && npm ci --no-audit --no-fund && npm run build

@@ -70,7 +70,8 @@ def check_csrf(signed_in: SignedIn, presented: str | None) -> None:
             "Use the console; scripts should send X-ModelForge-Admin-Token instead of a cookie.",
             code="CSRF_TOKEN_MISSING",
         )
-    if not hmac.compare_digest(presented, signed_in.csrf_token):
+    # Bytes: compare_digest refuses non-ASCII str, and a header may carry anything.
+    if not hmac.compare_digest(presented.encode(), signed_in.csrf_token.encode()):
         raise CsrfError(
             "The CSRF token does not belong to this console session.",
             "Reload the console page; if it persists, sign out and sign in again.",

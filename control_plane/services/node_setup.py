@@ -24,6 +24,11 @@ _REGISTRY_REF = re.compile(
     r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+)?(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)+"
     r"@sha256:[0-9a-f]{64}$"
 )
+#: A DNS name, an IPv4 address or (unbracketed by urlsplit) an IPv6 address: nothing else can
+#: reach a `.env` line.
+_HOST = re.compile(
+    r"^(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9-]+)*|[0-9a-fA-F:.]+)$"
+)
 _PASTE_STEP = (
     f"Paste `images.{NODE_AGENT}` from the release-manifest.json of the bundle you loaded on "
     "the node (`jq '.images.\"modelforge-node-agent\"' release-manifest.json`)."
@@ -60,6 +65,7 @@ def check_api_origin(api_origin: str, request_origin: str | None) -> str:
         hostname = None
     if (
         hostname is None
+        or not _HOST.match(hostname)
         or parts.scheme not in ("http", "https")
         or parts.path not in ("", "/")
         or parts.query

@@ -49,7 +49,7 @@ image_id() {
 }
 verify_container() {  # service, expected image ID
   local container running
-  container="$(dc "$env_file" ps -q "$1")"
+  container="$(dc "$env_file" ps -a -q "$1")"
   [ -n "$container" ] || fail "Compose created no $1 container"
   running="$(docker inspect --format '{{.Image}}' "$container")"
   if [ "$running" != "$2" ]; then
@@ -203,7 +203,7 @@ def start_command(start: NodeStart) -> str:
         + "unset token\n"
         + "# 3. Start: never build, never pull, the local tags set explicitly.\n"
         + 'MODELFORGE_NODE_AGENT_IMAGE="$image" dc "$token_file" up -d --no-build '
-        + '"${no_pull[@]}" "${services[@]}"\n'
+        + '${no_pull[@]+"${no_pull[@]}"} "${services[@]}"\n'
         + _VERIFY
         + 'echo "modelforge: node agent started from $image ($agent_id)."\n'
         + (
@@ -226,9 +226,9 @@ def recreate_command(start: NodeStart) -> str:
         + 'worker_id=""; if [ -n "$worker_image" ]; then worker_id="$(image_id "$worker_image")"; '
         + "fi\n"
         + 'MODELFORGE_NODE_AGENT_IMAGE="$image" dc "$env_file" up -d --force-recreate '
-        + '--no-build "${no_pull[@]}" node-agent\n'
+        + '--no-build ${no_pull[@]+"${no_pull[@]}"} node-agent\n'
         + _VERIFY
-        + 'container="$(dc "$env_file" ps -q node-agent)"\n'
+        + 'container="$(dc "$env_file" ps -a -q node-agent)"\n'
         + "environment=\"$(docker inspect --format '{{range .Config.Env}}{{println .}}{{end}}' "
         + '"$container")"\n'
         + f"if [[ $'\\n'\"$environment\" == *$'\\n'{TOKEN_VARIABLE}=[!$'\\n']* ]]; then\n"

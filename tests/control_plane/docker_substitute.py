@@ -30,7 +30,8 @@ def main(argv: list[str]) -> int:
         log.write(json.dumps(record) + "\n")
 
     if argv[:2] == ["compose", "version"]:
-        return 0
+        # MF_DOCKER_COMPOSE=v1: only the separate `docker-compose` (v1) program exists.
+        return 1 if os.environ.get("MF_DOCKER_COMPOSE") == "v1" else 0
     if argv[:2] == ["image", "inspect"]:
         image = facts["images"].get(argv[-1])
         if image is None:

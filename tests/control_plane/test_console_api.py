@@ -74,6 +74,9 @@ def test_changes_through_a_session_need_the_csrf_token(tmp_path: Path, database_
         assert missing.json()["error"]["code"] == "CSRF_TOKEN_MISSING"
         wrong = cp.client.post(url, json=body, headers={"X-ModelForge-CSRF": "0" * 64})
         assert wrong.json()["error"]["code"] == "CSRF_TOKEN_INVALID"
+        odd = cp.client.post(url, json=body, headers={"X-ModelForge-CSRF": "é".encode()})
+        assert odd.status_code == 403  # not a 500: any header value is just wrong
+        assert odd.json()["error"]["code"] == "CSRF_TOKEN_INVALID"
         assert cp.client.get(url).json() == []  # neither refusal created anything
         ok = cp.client.post(url, json=body, headers={"X-ModelForge-CSRF": csrf})
         assert ok.status_code == 201
@@ -211,6 +214,7 @@ def test_a_pasted_entry_that_differs_is_rejected_naming_the_field(
         ),
         ({"image_source": "registry", "registry_image": "reg.example/agent:1.0"}, None),
         ({"api_origin": "http://testserver/console"}, "API_ORIGIN_INVALID"),
+        ({"api_origin": "http://test$(id)server"}, "API_ORIGIN_INVALID"),
         ({"api_origin": "http://elsewhere.example"}, "API_ORIGIN_MISMATCH"),
     ],
 )

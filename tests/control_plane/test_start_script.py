@@ -86,6 +86,10 @@ def node(tmp_path: Path) -> Node:
     docker = bin_dir / "docker"
     docker.write_text(f'#!/bin/sh\nexec {sys.executable} {SUBSTITUTE} "$@"\n')
     docker.chmod(0o755)
+    # Compose v1 is its own program; the substitute answers it as `docker compose …`.
+    compose_v1 = bin_dir / "docker-compose"
+    compose_v1.write_text(f'#!/bin/sh\nexec {sys.executable} {SUBSTITUTE} compose "$@"\n')
+    compose_v1.chmod(0o755)
     workdir = tmp_path / "compose"
     workdir.mkdir()
     for name in ("docker-compose.node-agent.yml", "docker-compose.runtime-worker.yml"):
@@ -301,3 +305,17 @@ def test_recreate_command_drops_the_token_and_keeps_the_image(node: Node) -> Non
     assert still.returncode != 0
     assert "still has the enrollment token" in still.stderr
     assert TOKEN not in still.stdout + still.stderr
+
+
+def test_compose_v1_gets_no_pull_flag_and_the_empty_array_survives_set_u(node: Node) -> None:
+    _, start, recreate = commands()
+    v1 = {"MF_DOCKER_COMPOSE": "v1"}
+    result = run_bash(node, start, stdin=TOKEN + "\n", extra_env=v1)
+
+    assert result.returncode == 0, result.stderr
+    argv = node.up_call()["argv"]
+    assert "--no-build" in argv and "--pull" not in argv
+    assert node.up_call()["env_file_mode"] == 0o600
+    assert_token_never_leaked(node, result.stdout, result.stderr)
+    node.log.unlink()
+    assert run_bash(node, recreate, stdin="", extra_env=v1).returncode == 0

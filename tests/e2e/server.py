@@ -19,6 +19,17 @@ import httpx
 
 from tests.factories import ADMIN_TOKEN
 
+#: Liveness settings that let end-to-end tests see stale and offline within seconds.
+FAST = {
+    "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS": "0.5",
+    "MODELFORGE_TELEMETRY_INTERVAL_SECONDS": "1",
+    # Generous against a loaded 2-core machine; the tests' timing assertions are relative to these.
+    "MODELFORGE_NODE_STALE_AFTER_SECONDS": "4",
+    "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS": "8",
+    "MODELFORGE_HEARTBEAT_FLUSH_INTERVAL_SECONDS": "0.2",
+    "MODELFORGE_LIVENESS_SWEEP_INTERVAL_SECONDS": "0.2",
+}
+
 
 def control_plane_executable() -> str:
     """The console script of the environment running the tests (PATH need not include it)."""

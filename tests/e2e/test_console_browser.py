@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from control_plane import PROTOCOL_VERSION, RELEASE_VERSION
-from tests.e2e.server import LiveServer
+from tests.e2e.server import FAST, LiveServer
 from tests.factories import ADMIN_TOKEN
 from tests.nvml_substitute import build_fake_nvml
 
@@ -27,14 +27,6 @@ pytestmark = pytest.mark.e2e
 
 CONSOLE = Path(__file__).resolve().parents[2] / "control_plane" / "console"
 CHROMIUM = Path("/usr/bin/chromium")
-FAST = {
-    "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS": "0.5",
-    "MODELFORGE_TELEMETRY_INTERVAL_SECONDS": "1",
-    "MODELFORGE_NODE_STALE_AFTER_SECONDS": "4",
-    "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS": "8",
-    "MODELFORGE_HEARTBEAT_FLUSH_INTERVAL_SECONDS": "0.2",
-    "MODELFORGE_LIVENESS_SWEEP_INTERVAL_SECONDS": "0.2",
-}
 
 
 def release_manifest(path: Path) -> Path:

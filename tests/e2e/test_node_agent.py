@@ -12,20 +12,10 @@ from typing import Any
 import pytest
 
 from tests.e2e.node import Node, wait_until
-from tests.e2e.server import LiveServer
+from tests.e2e.server import FAST, LiveServer
 from tests.nvml_substitute import EXPECTED_GPUS, build_fake_nvml
 
 pytestmark = pytest.mark.e2e
-
-FAST = {
-    "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS": "0.5",
-    "MODELFORGE_TELEMETRY_INTERVAL_SECONDS": "1",
-    # Generous against a loaded 2-core machine; the assertions below are relative to these.
-    "MODELFORGE_NODE_STALE_AFTER_SECONDS": "4",
-    "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS": "8",
-    "MODELFORGE_HEARTBEAT_FLUSH_INTERVAL_SECONDS": "0.2",
-    "MODELFORGE_LIVENESS_SWEEP_INTERVAL_SECONDS": "0.2",
-}
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 import { useCallback, useEffect, useState } from "react";
-import { resumeSession, signOut, whenSignedOut } from "./api";
+import { ApiError, resumeSession, signOut, whenSignedOut } from "./api";
+import { ErrorNote } from "./ErrorNote";
 import { Hardware } from "./Hardware";
 import { Nodes } from "./Nodes";
 import { SignIn } from "./SignIn";
@@ -14,6 +15,7 @@ export function App() {
   const [signedIn, setSignedIn] = useState<boolean | null>(null);
   const [screen, setScreen] = useState<Screen>(screenFromPath);
   const [notice, setNotice] = useState<string | null>(null);
+  const [signOutError, setSignOutError] = useState<ApiError | null>(null);
 
   useEffect(() => {
     whenSignedOut(() => {
@@ -66,16 +68,22 @@ export function App() {
           type="button"
           className="secondary"
           onClick={() => {
-            void signOut().finally(() => {
-              setNotice("Signed out.");
-              setSignedIn(false);
-            });
+            signOut().then(
+              () => {
+                setNotice("Signed out.");
+                setSignedIn(false);
+              },
+              (caught: unknown) => setSignOutError(caught instanceof ApiError ? caught : null),
+            );
           }}
         >
           Sign out
         </button>
       </header>
-      <main>{screen === "hardware" ? <Hardware /> : <Nodes />}</main>
+      <main>
+        <ErrorNote error={signOutError} />
+        {screen === "hardware" ? <Hardware /> : <Nodes />}
+      </main>
     </div>
   );
 }

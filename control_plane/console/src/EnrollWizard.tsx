@@ -1,4 +1,4 @@
-import { type FormEvent, useEffect, useRef, useState } from "react";
+import { type FormEvent, type ReactNode, useEffect, useRef, useState } from "react";
 import {
   ApiError,
   api,
@@ -37,7 +37,7 @@ function asApiError(caught: unknown): ApiError {
   return caught instanceof ApiError ? caught : new ApiError(0, "UNEXPECTED", String(caught), "Retry.");
 }
 
-function CopyButton({ text, label }: { text: string; label: string }) {
+function CopyButton({ text, label, onCopied }: { text: string; label: string; onCopied?: () => void }) {
   const [copied, setCopied] = useState(false);
   return (
     <button
@@ -45,13 +45,27 @@ function CopyButton({ text, label }: { text: string; label: string }) {
       className="secondary"
       onClick={() => {
         void navigator.clipboard?.writeText(text).then(
-          () => setCopied(true),
+          () => {
+            setCopied(true);
+            onCopied?.();
+          },
           () => setCopied(false),
         );
       }}
     >
-      {copied ? "Copied" : label}
+      <span aria-live="polite">{copied ? "Copied" : label}</span>
     </button>
+  );
+}
+
+// A generated command: labelled, read-only, selectable, with a copy button.
+function CommandBox(props: { id: string; text: string; rows: number; copyLabel: string; children: ReactNode }) {
+  return (
+    <>
+      <label htmlFor={props.id}>{props.children}</label>
+      <textarea id={props.id} readOnly rows={props.rows} value={props.text} spellCheck={false} />
+      <CopyButton text={props.text} label={props.copyLabel} />
+    </>
   );
 }
 
@@ -78,10 +92,23 @@ export function EnrollWizard({ onClose }: { onClose: () => void }) {
   const [error, setError] = useState<ApiError | null>(null);
   const [busy, setBusy] = useState(false);
 
+  // If the token was copied with the button, the clipboard is emptied when the reveal clears
+  // (best effort: the browser may refuse, and clipboard-history tools are out of reach).
+  const tokenCopied = useRef(false);
+  useEffect(() => {
+    if (token === null && tokenCopied.current) {
+      tokenCopied.current = false;
+      void navigator.clipboard?.writeText("").catch(() => undefined);
+    }
+  }, [token]);
+
   useEffect(() => {
     const element = dialog.current;
     if (element && !element.open) element.showModal();
-    return () => setToken(null);
+    return () => {
+      setToken(null);
+      if (tokenCopied.current) void navigator.clipboard?.writeText("").catch(() => undefined);
+    };
   }, []);
 
   // The countdown; at expiry the reveal is cleared.
@@ -151,21 +178,25 @@ export function EnrollWizard({ onClose }: { onClose: () => void }) {
       setEnrollment(row);
       setToken(oneTime);
       setHidden(null);
-      const generated = await api.post<NodeSetup>(
-        `/api/v1/admin/node-enrollments/${row.enrollment_id}/node-setup`,
-        { ...imageBody(), api_origin: origin, accelerator_mode: accelerator },
-      );
-      setSetup(generated);
+      await generateSetup(row.enrollment_id);
     });
+  }
+
+  async function generateSetup(enrollmentId: string) {
+    const generated = await api.post<NodeSetup>(
+      `/api/v1/admin/node-enrollments/${enrollmentId}/node-setup`,
+      { ...imageBody(), api_origin: origin, accelerator_mode: accelerator },
+    );
+    setSetup(generated);
   }
 
   function revoke() {
     if (!enrollment) return;
-    hideToken("revoked");
     void run(async () => {
       const row = await api.post<Enrollment>(
         `/api/v1/admin/node-enrollments/${enrollment.enrollment_id}/revoke`,
       );
+      hideToken("revoked"); // only once the server confirms: a failed revoke leaves it usable
       setEnrollment(row);
     });
   }
@@ -381,7 +412,7 @@ export function EnrollWizard({ onClose }: { onClose: () => void }) {
                     <output className="secret" data-testid="enrollment-token" aria-label="Enrollment token">
                       {token}
                     </output>
-                    <CopyButton text={token} label="Copy token" />
+                    <CopyButton text={token} label="Copy token" onCopied={() => (tokenCopied.current = true)} />
                   </>
                 ) : (
                   <p data-testid="token-hidden">{hidden ? HIDDEN_REASON[hidden] : "Hidden."}</p>
@@ -403,21 +434,23 @@ export function EnrollWizard({ onClose }: { onClose: () => void }) {
                     <code>modelforge-node.env</code>)
                   </label>
                   <textarea id="env-file" readOnly rows={8} value={setup.env_file} spellCheck={false} />
-                  <label htmlFor="start-command">
+                  <CommandBox id="start-command" text={setup.start_command} rows={12} copyLabel="Copy start command">
                     Start command (paste into Bash in the release's <code>compose/</code> folder)
-                  </label>
-                  <textarea
-                    id="start-command"
-                    readOnly
-                    rows={12}
-                    value={setup.start_command}
-                    spellCheck={false}
-                  />
-                  <CopyButton text={setup.start_command} label="Copy start command" />
+                  </CommandBox>
                 </>
               )}
               <ErrorNote error={error} />
               <div className="actions">
+                {!setup && enrollment.state === "pending" && (
+                  <button
+                    type="button"
+                    className="secondary"
+                    onClick={() => void run(() => generateSetup(enrollment.enrollment_id))}
+                    disabled={busy}
+                  >
+                    Generate the start command again
+                  </button>
+                )}
                 {enrollment.state === "pending" && (
                   <button type="button" className="danger" onClick={revoke} disabled={busy}>
                     Revoke unused token
@@ -470,20 +503,15 @@ export function EnrollWizard({ onClose }: { onClose: () => void }) {
           )}
           <ErrorNote error={error} />
           {enrollment.state === "claimed" && setup && (
-            <>
-              <label htmlFor="recreate-command">
-                Container recreation command (removes the one-time token from the running container's
-                environment; identity and credential are kept)
-              </label>
-              <textarea
-                id="recreate-command"
-                readOnly
-                rows={10}
-                value={setup.recreate_command}
-                spellCheck={false}
-              />
-              <CopyButton text={setup.recreate_command} label="Copy recreation command" />
-            </>
+            <CommandBox
+              id="recreate-command"
+              text={setup.recreate_command}
+              rows={10}
+              copyLabel="Copy recreation command"
+            >
+              Container recreation command (removes the one-time token from the running container's
+              environment; identity and credential are kept)
+            </CommandBox>
           )}
           <div className="actions">
             <button type="button" className="secondary" onClick={() => setStep("start")}>

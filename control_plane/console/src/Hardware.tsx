@@ -1,27 +1,14 @@
-import { useCallback, useEffect, useState } from "react";
-import { ApiError, api, type Enrollment } from "./api";
+import { useState } from "react";
+import type { Enrollment } from "./api";
 import { EnrollWizard } from "./EnrollWizard";
 import { ErrorNote } from "./ErrorNote";
 import { ago } from "./format";
+import { usePolled } from "./usePolled";
 
 // Hardware: the enrollments this control plane has minted, and the Enroll node wizard.
 export function Hardware() {
-  const [enrollments, setEnrollments] = useState<Enrollment[]>([]);
-  const [error, setError] = useState<ApiError | null>(null);
+  const { data: enrollments, error, reload } = usePolled<Enrollment[]>("/api/v1/admin/node-enrollments", []);
   const [wizardOpen, setWizardOpen] = useState(false);
-
-  const load = useCallback(async () => {
-    try {
-      setEnrollments(await api.get<Enrollment[]>("/api/v1/admin/node-enrollments"));
-      setError(null);
-    } catch (caught) {
-      if (caught instanceof ApiError) setError(caught);
-    }
-  }, []);
-
-  useEffect(() => {
-    void load();
-  }, [load]);
 
   return (
     <section aria-labelledby="hardware-heading">
@@ -70,7 +57,7 @@ export function Hardware() {
         <EnrollWizard
           onClose={() => {
             setWizardOpen(false);
-            void load();
+            void reload();
           }}
         />
       )}

@@ -1,8 +1,9 @@
-import { useCallback, useEffect, useRef, useState } from "react";
+import { useEffect, useRef, useState } from "react";
 import { ApiError, api, type NodeEvent, type NodeView, type TelemetryPoint } from "./api";
 import { Chart, type Series } from "./Chart";
 import { ErrorNote } from "./ErrorNote";
 import { ago } from "./format";
+import { usePolled } from "./usePolled";
 
 const REFRESH_MS = 5000;
 const CHART_MINUTES = 10;
@@ -10,24 +11,8 @@ const CHART_MINUTES = 10;
 // Nodes (UI-5): state, Needs upgrade, duplicate identity, labels, GPUs with live telemetry,
 // events, and revoking a node's credential.
 export function Nodes() {
-  const [nodes, setNodes] = useState<NodeView[]>([]);
-  const [error, setError] = useState<ApiError | null>(null);
+  const { data: nodes, error, reload } = usePolled<NodeView[]>("/api/v1/admin/nodes", [], REFRESH_MS);
   const [selected, setSelected] = useState<string | null>(null);
-
-  const load = useCallback(async () => {
-    try {
-      setNodes(await api.get<NodeView[]>("/api/v1/admin/nodes"));
-      setError(null);
-    } catch (caught) {
-      if (caught instanceof ApiError) setError(caught);
-    }
-  }, []);
-
-  useEffect(() => {
-    void load();
-    const timer = window.setInterval(() => void load(), REFRESH_MS);
-    return () => window.clearInterval(timer);
-  }, [load]);
 
   const current = nodes.find((node) => node.node_id === selected) ?? null;
 
@@ -105,46 +90,30 @@ export function Nodes() {
           ))}
         </tbody>
       </table>
-      {current && <NodeDetails node={current} onChanged={load} />}
+      {current && <NodeDetails key={current.node_id} node={current} onChanged={reload} />}
     </section>
   );
 }
 
 function NodeDetails({ node, onChanged }: { node: NodeView; onChanged: () => Promise<void> }) {
-  const [telemetry, setTelemetry] = useState<TelemetryPoint[]>([]);
-  const [events, setEvents] = useState<NodeEvent[]>([]);
-  const [error, setError] = useState<ApiError | null>(null);
+  const base = `/api/v1/admin/nodes/${node.node_id}`;
+  const samples = usePolled<TelemetryPoint[]>(`${base}/telemetry?minutes=${CHART_MINUTES}`, [], REFRESH_MS);
+  const history = usePolled<NodeEvent[]>(`${base}/events?limit=50`, [], REFRESH_MS);
+  const telemetry = samples.data;
+  const events = history.data;
+  const [failure, setFailure] = useState<ApiError | null>(null);
+  const error = failure ?? samples.error ?? history.error;
   const [confirming, setConfirming] = useState(false);
   const [revoked, setRevoked] = useState<string | null>(null);
-
-  const load = useCallback(async () => {
-    try {
-      const base = `/api/v1/admin/nodes/${node.node_id}`;
-      const [points, history] = await Promise.all([
-        api.get<TelemetryPoint[]>(`${base}/telemetry?minutes=${CHART_MINUTES}`),
-        api.get<NodeEvent[]>(`${base}/events?limit=50`),
-      ]);
-      setTelemetry(points);
-      setEvents(history);
-    } catch (caught) {
-      if (caught instanceof ApiError) setError(caught);
-    }
-  }, [node.node_id]);
-
-  useEffect(() => {
-    void load();
-    const timer = window.setInterval(() => void load(), REFRESH_MS);
-    return () => window.clearInterval(timer);
-  }, [load]);
 
   async function revoke() {
     setConfirming(false);
     try {
       const result = await api.post<{ revoked: number }>(`/api/v1/admin/nodes/${node.node_id}/credential/revoke`);
       setRevoked(`${result.revoked} credential(s) revoked. The agent stops at its next request (exit code 4).`);
-      await Promise.all([onChanged(), load()]);
+      await Promise.all([onChanged(), history.reload()]);
     } catch (caught) {
-      if (caught instanceof ApiError) setError(caught);
+      if (caught instanceof ApiError) setFailure(caught);
     }
   }
 

@@ -81,12 +81,16 @@ export async function signIn(adminToken: string): Promise<void> {
   csrfToken = info.csrf_token;
 }
 
+// Only a confirmed sign-out forgets the CSRF token: if the server did not end the session, the
+// console says so and stays signed in rather than pretend.
 export async function signOut(): Promise<void> {
   try {
     await api.del<void>("/api/v1/console/session");
-  } finally {
-    csrfToken = null;
+  } catch (caught) {
+    // 401: the session had already ended (expired, or signed out elsewhere).
+    if (!(caught instanceof ApiError && caught.status === 401)) throw caught;
   }
+  csrfToken = null;
 }
 
 // -- the shapes the console reads ---------------------------------------------------------------

@@ -3,6 +3,7 @@
 import assert from "node:assert/strict";
 import { after, before, test } from "node:test";
 import {
+  BASE_URL,
   NODE_AGENT_ENTRY,
   admin,
   assertNowhere,
@@ -73,6 +74,26 @@ for (const [label, seconds] of EXPIRIES) {
     await page.context().close();
   });
 }
+
+test("a token copied with the button is emptied from the clipboard when the reveal clears", async () => {
+  const page = await newPage(browser);
+  await page.context().grantPermissions(["clipboard-read", "clipboard-write"], { origin: BASE_URL });
+  await signIn(page);
+  const wizard = await openWizardToToken(page, { name: "copy-node", expiry: "5 min" });
+  const token = await wizard.getByTestId("enrollment-token").textContent();
+  const clipboard = () => page.evaluate(() => navigator.clipboard.readText());
+  await wizard.getByRole("button", { name: "Copy token" }).click();
+  await wizard.getByRole("button", { name: "Copied" }).waitFor();
+  assert.equal(await clipboard(), token);
+  await wizard.getByRole("button", { name: "Close" }).click();
+  await wizard.waitFor({ state: "detached" });
+  const deadline = Date.now() + 5000;
+  while ((await clipboard()) !== "") {
+    assert.ok(Date.now() < deadline, "the clipboard still holds the token after close");
+    await page.waitForTimeout(100);
+  }
+  await page.context().close();
+});
 
 test("revoking the unused token clears the reveal and the token can no longer be claimed", async () => {
   const page = await newPage(browser);
