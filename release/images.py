@@ -89,8 +89,8 @@ _PLATFORMS = (
 )
 
 
-#: The built web console, shipped in the project wheel (package data of control_plane).
-CONSOLE_BUILD = Path("control_plane/console/dist/index.html")
+#: The web console's sources; built into `dist/`, shipped in the project wheel (package data).
+CONSOLE = Path("control_plane/console")
 
 
 class ImageBuildError(Exception):
@@ -275,13 +275,15 @@ class _Steps:
         self.work_dir, self.epoch, self.progress = work_dir, epoch, progress
         self.scratch = work_dir / "build"
 
-    def run(self, argv: Sequence[str], *, log: str, **env: str) -> None:
+    def run(self, argv: Sequence[str], *, log: str, cwd: Path | None = None, **env: str) -> None:
         started = time.monotonic()
         log_path = self.work_dir / "logs" / f"{log}.log"
         full_env = {**os.environ, "SOURCE_DATE_EPOCH": str(self.epoch), **env}
         with log_path.open("wb") as out:
             # The argv is assembled in this module from fixed options and local paths.
-            done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env)  # noqa: S603
+            done = subprocess.run(  # noqa: S603
+                argv, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=cwd
+            )
         if done.returncode != 0:
             tail = log_path.read_text(errors="replace").splitlines()[-15:]
             raise ImageBuildError(
@@ -351,11 +353,6 @@ class _Steps:
         return _Layer(base, "sha256:" + sha256_file(base), created_by), debian
 
     def application(self, project_dir: Path) -> tuple[_Layer, list[sbom.PythonDistribution]]:
-        if not (project_dir / CONSOLE_BUILD).is_file():
-            raise ImageBuildError(
-                f"{CONSOLE_BUILD} is missing: the control plane serves the built console; "
-                "run `make console` first"
-            )
         self.progress("application: building the project wheel ...")
         backend = self.scratch / "build-backend"
         build_lock = project_dir / "locks" / "build.lock"
@@ -366,6 +363,7 @@ class _Steps:
         )
         source = self.scratch / "source"
         _copy_project(project_dir, source)
+        self.console(project_dir, source / CONSOLE)
         wheels = self.scratch / "wheels"
         # The pinned backend from build.lock, not whatever a build-isolation download finds.
         options = "--no-deps --no-build-isolation --disable-pip-version-check".split()
@@ -379,6 +377,22 @@ class _Steps:
         self.pip([str(wheel)], root / SITE_DIR, log="application")
         dists = sbom.python_distributions(root / SITE_DIR)
         return self.layer(root, f"pip install --no-deps {wheel.name}", normalize_modes=True), dists
+
+    def console(self, project_dir: Path, console: Path) -> None:
+        """Build the web console from its sources in the copy (never a stale `dist/` from the
+        checkout), with the checkout's locked node_modules or a fresh `npm ci`."""
+        npm = shutil.which("npm")
+        if npm is None:
+            raise ImageBuildError(
+                "npm is not installed: the control plane serves the console built from "
+                f"{CONSOLE}; run scripts/ensure-node"
+            )
+        installed = project_dir / CONSOLE / "node_modules"
+        if installed.is_dir():
+            (console / "node_modules").symlink_to(installed.resolve(), target_is_directory=True)
+        else:
+            self.run([npm, "ci", "--no-audit", "--no-fund"], log="console-npm-ci", cwd=console)
+        self.run([npm, "run", "build"], log="console-build", cwd=console)
 
     def dependencies(self, lock: Path) -> tuple[_Layer, list[sbom.PythonDistribution]]:
         self.progress(f"dependencies: {lock.name} ...")
@@ -409,7 +423,8 @@ def _copy_project(project_dir: Path, destination: Path) -> None:
     pyproject = tomllib.loads((project_dir / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
     packages = sorted({pattern.split(".")[0].rstrip("*") for pattern in patterns})
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "node_modules")
+    # The console is built afresh in the copy: never its node_modules or a stale dist/.
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "node_modules", "dist")
     shutil.rmtree(destination, ignore_errors=True)
     destination.mkdir(parents=True)
     for name in ("pyproject.toml", "README.md"):
