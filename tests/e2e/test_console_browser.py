@@ -70,6 +70,8 @@ def test_console_in_headless_chromium(tmp_path: Path) -> None:
     overrides = {**FAST, "MODELFORGE_RELEASE_MANIFEST": str(manifest)}
     workdir = tmp_path / "nodes"
     workdir.mkdir()
+    # MODELFORGE_CONSOLE_TESTS=tests/flags.test.mjs runs a subset while working on the console.
+    selected = os.environ.get("MODELFORGE_CONSOLE_TESTS", "tests/").split()
     screenshots = os.environ.get("MODELFORGE_CONSOLE_SCREENSHOTS", str(tmp_path / "screenshots"))
 
     with LiveServer(tmp_path / "cp", f"sqlite:///{tmp_path / 'cp.db'}", overrides) as server:
@@ -85,7 +87,7 @@ def test_console_in_headless_chromium(tmp_path: Path) -> None:
             PYTHONPATH=str(CONSOLE.parents[1]),
         )
         result = subprocess.run(
-            [node, "--test", "--test-concurrency=1", "--test-reporter=spec", "tests/"],
+            [node, "--test", "--test-concurrency=1", "--test-reporter=spec", *selected],
             cwd=CONSOLE,
             env=env,
             capture_output=True,

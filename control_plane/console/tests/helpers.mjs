@@ -115,7 +115,7 @@ export async function admin(method, path, body) {
 }
 
 // What a node would do with the token: try to claim it.
-export async function claim(token) {
+export async function claim(token, extra = {}) {
   const response = await fetch(BASE_URL + "/api/v1/agent/enroll", {
     method: "POST",
     headers: { "Content-Type": "application/json" },
@@ -125,6 +125,7 @@ export async function claim(token) {
       hostname: "claim-probe",
       protocol_version: 1,
       agent_version: "0.1.0",
+      ...extra,
     }),
   });
   return { status: response.status, body: await response.json() };
