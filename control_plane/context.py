@@ -13,6 +13,7 @@ from control_plane.clock import Clock
 from control_plane.dispatch import Dispatcher
 from control_plane.models import Node
 from control_plane.services.artifacts import ArtifactStore
+from control_plane.services.console_sessions import SignInThrottle
 from control_plane.services.credentials import CredentialAuthority
 from control_plane.services.heartbeats import HeartbeatBuffer
 from control_plane.services.nodes import LivenessThresholds
@@ -29,6 +30,7 @@ class AppContext:
     authority: CredentialAuthority
     heartbeats: HeartbeatBuffer = field(default_factory=HeartbeatBuffer)
     dispatcher: Dispatcher = field(default_factory=Dispatcher)
+    sign_in_throttle: SignInThrottle = field(default_factory=SignInThrottle)
 
     @property
     def artifacts(self) -> ArtifactStore:

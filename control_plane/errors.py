@@ -101,6 +101,11 @@ class ProtocolIncompatible(ModelForgeError):
         return body
 
 
+class TooManyRequests(ModelForgeError):
+    http_status = 429
+    code = "TOO_MANY_REQUESTS"
+
+
 class ServiceUnavailable(ModelForgeError):
     http_status = 503
     code = "SERVICE_UNAVAILABLE"

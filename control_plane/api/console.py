@@ -51,7 +51,14 @@ def _is_tls(request: Request, public_url: str | None) -> bool:
 def sign_in(
     body: SignInRequest, request: Request, response: Response, ctx: ContextDep, session: SessionDep
 ) -> ConsoleSessionInfo:
-    check_admin_token(ctx, body.admin_token.get_secret_value())
+    address = request.client.host if request.client else "unknown"
+    ctx.sign_in_throttle.check(address, ctx.clock.now())
+    try:
+        check_admin_token(ctx, body.admin_token.get_secret_value())
+    except AdminAuthError:
+        ctx.sign_in_throttle.failed(address, ctx.clock.now())
+        raise
+    ctx.sign_in_throttle.succeeded(address)
     lifetime = ctx.settings.console_session_seconds
     signed_in = console_sessions.start_session(
         session=session, clock=ctx.clock, lifetime=timedelta(seconds=lifetime)

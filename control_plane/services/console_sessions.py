@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import threading
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -18,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
 from control_plane.db import rowcount
-from control_plane.errors import AdminAuthError, CsrfError
+from control_plane.errors import AdminAuthError, CsrfError, TooManyRequests
 from control_plane.models import ConsoleSession
 from control_plane.security import sha256_hex
 
@@ -33,6 +35,49 @@ class SignedIn:
     @property
     def csrf_token(self) -> str:
         return csrf_token_for(self.session_id)
+
+
+class SignInThrottle:
+    """Slows down guessing the admin token at the console's sign-in: after `limit` wrong tokens
+    from one client address within `window`, that address is refused until the oldest of them
+    leaves the window. In memory, per process; a right token clears the address's record."""
+
+    def __init__(self, *, limit: int = 10, window: timedelta = timedelta(minutes=5)) -> None:
+        self.limit = limit
+        self.window = window
+        self._failures: dict[str, deque[datetime]] = {}
+        self._lock = threading.Lock()
+
+    def check(self, address: str, now: datetime) -> None:
+        with self._lock:
+            failures = self._recent(address, now)
+            if len(failures) < self.limit:
+                return
+            wait = int((failures[0] + self.window - now).total_seconds()) + 1
+        raise TooManyRequests(
+            f"Too many wrong admin tokens from this address ({self.limit} within "
+            f"{int(self.window.total_seconds() // 60)} minutes).",
+            f"Wait {wait} s, then sign in with the token from the control plane's admin-token "
+            "file or MODELFORGE_ADMIN_TOKEN.",
+            code="SIGN_IN_RATE_LIMITED",
+        )
+
+    def failed(self, address: str, now: datetime) -> None:
+        with self._lock:
+            self._recent(address, now).append(now)
+
+    def succeeded(self, address: str) -> None:
+        with self._lock:
+            self._failures.pop(address, None)
+
+    def _recent(self, address: str, now: datetime) -> deque[datetime]:
+        failures = self._failures.setdefault(address, deque())
+        while failures and failures[0] <= now - self.window:
+            failures.popleft()
+        if len(self._failures) > 10_000:  # bounded: forget addresses with nothing recent
+            for key in [k for k, v in self._failures.items() if not v and k != address]:
+                del self._failures[key]
+        return failures
 
 
 def csrf_token_for(session_id: str) -> str:

@@ -64,6 +64,25 @@ def test_wrong_token_is_refused_and_creates_no_session(
         assert refused.status_code == 422 and wrong not in refused.text
 
 
+def test_repeated_wrong_tokens_are_slowed_down(tmp_path: Path, database_url: str) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        for _ in range(10):
+            wrong = cp.client.post(SESSION, json={"admin_token": "mfa_guess_" + "g" * 20})
+            assert wrong.status_code == 401
+        limited = cp.client.post(SESSION, json={"admin_token": ADMIN_TOKEN})
+        assert limited.status_code == 429  # even the right token waits: no oracle
+        error = limited.json()["error"]
+        assert error["code"] == "SIGN_IN_RATE_LIMITED" and "Wait 301 s" in error["next_step"]
+        assert "set-cookie" not in limited.headers
+        cp.clock.advance(301)
+        assert cp.client.post(SESSION, json={"admin_token": ADMIN_TOKEN}).status_code == 201
+        # A success clears the record: one more mistake is not held against the operator.
+        assert (
+            cp.client.post(SESSION, json={"admin_token": "mfa_typo_" + "t" * 20}).status_code == 401
+        )
+        assert cp.client.post(SESSION, json={"admin_token": ADMIN_TOKEN}).status_code == 201
+
+
 def test_changes_through_a_session_need_the_csrf_token(tmp_path: Path, database_url: str) -> None:
     with control_plane(tmp_path, database_url) as cp:
         csrf = sign_in(cp)
