@@ -45,6 +45,11 @@ class ImageEntry:
     labels: dict[str, str]
     config_digest: str | None
 
+    @property
+    def diff_ids(self) -> tuple[str, ...]:
+        """The layers under the name `ImageFacts` uses: an entry can be compared to another."""
+        return self.rootfs_layers
+
     def as_json(self) -> dict[str, Any]:
         entry: dict[str, Any] = {
             "tag": self.tag,

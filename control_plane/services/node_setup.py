@@ -45,17 +45,6 @@ class ImageChoice:
     worker_image: str | None = None
 
 
-@dataclass(frozen=True)
-class _Facts:
-    """A pasted entry seen as image facts, to compare with `release.manifest.mismatches`."""
-
-    tag: str
-    diff_ids: tuple[str, ...]
-    architecture: str
-    os: str
-    labels: dict[str, str]
-
-
 def check_api_origin(api_origin: str, request_origin: str | None) -> str:
     """UI-2: the node talks to the console's own origin, nothing else."""
     try:
@@ -106,7 +95,7 @@ def choose_image(
         )
     entry = _parse_pasted(manifest_entry)
     if release_manifest is not None:
-        problems = mismatches(_trusted_entry(release_manifest), _facts(entry))
+        problems = mismatches(_trusted_entry(release_manifest), entry)
         against = f"the release manifest {release_manifest}"
     else:
         problems = _own_release_mismatches(entry)
@@ -182,10 +171,6 @@ def _trusted_entry(path: Path) -> ImageEntry:
             code="RELEASE_MANIFEST_UNREADABLE",
         )
     return manifest.images[NODE_AGENT]
-
-
-def _facts(entry: ImageEntry) -> _Facts:
-    return _Facts(entry.tag, entry.rootfs_layers, entry.architecture, entry.os, entry.labels)
 
 
 def _own_release_mismatches(entry: ImageEntry) -> list[str]:
