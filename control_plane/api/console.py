@@ -16,11 +16,11 @@ from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from control_plane.api.deps import (
-    CSRF_HEADER,
     SESSION_COOKIE,
     ContextDep,
     SessionDep,
     check_admin_token,
+    console_session,
 )
 from control_plane.console_schemas import ConsoleSessionInfo, SignInRequest
 from control_plane.errors import AdminAuthError
@@ -77,13 +77,9 @@ def sign_in(
 
 
 @router.get("/session", response_model=ConsoleSessionInfo)
-def current_session(
-    request: Request, response: Response, ctx: ContextDep, session: SessionDep
-) -> ConsoleSessionInfo:
+def current_session(request: Request, response: Response, ctx: ContextDep) -> ConsoleSessionInfo:
     """Lets a reloaded console recover its CSRF token; readable only by the same origin."""
-    signed_in = console_sessions.find_session(
-        session=session, clock=ctx.clock, session_id=_cookie(request)
-    )
+    signed_in = console_session(request, ctx, _cookie(request))
     response.headers["Cache-Control"] = "no-store"
     return ConsoleSessionInfo(csrf_token=signed_in.csrf_token, expires_at=signed_in.expires_at)
 
@@ -92,10 +88,7 @@ def current_session(
 def sign_out(request: Request, ctx: ContextDep, session: SessionDep) -> Response:
     """Ends the session server-side: the cookie stops working everywhere at once."""
     session_id = _cookie(request)
-    signed_in = console_sessions.find_session(
-        session=session, clock=ctx.clock, session_id=session_id
-    )
-    console_sessions.check_csrf(signed_in, request.headers.get(CSRF_HEADER))
+    console_session(request, ctx, session_id)  # a DELETE: the CSRF token is required
     console_sessions.end_session(session=session, session_id=session_id)
     response = Response(status_code=status.HTTP_204_NO_CONTENT)
     response.delete_cookie(

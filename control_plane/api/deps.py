@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 from control_plane.context import AppContext
 from control_plane.errors import AdminAuthError, CredentialError
 from control_plane.services import console_sessions
+from control_plane.services.console_sessions import SignedIn
 from control_plane.services.credentials import NodePrincipal
 
 
@@ -56,12 +57,19 @@ def require_admin(
             "Send the X-ModelForge-Admin-Token header, or sign in to the console.",
             code="ADMIN_TOKEN_MISSING",
         )
+    console_session(request, ctx, session_id)
+
+
+def console_session(request: Request, ctx: AppContext, session_id: str) -> SignedIn:
+    """The console session a cookie names; for any change also its CSRF token (UI-1). The one
+    place that rule lives: admin endpoints and the console's own session endpoints use it."""
     with ctx.session_factory() as session:
         signed_in = console_sessions.find_session(
             session=session, clock=ctx.clock, session_id=session_id
         )
     if request.method not in _SAFE_METHODS:
         console_sessions.check_csrf(signed_in, request.headers.get(CSRF_HEADER))
+    return signed_in
 
 
 def check_admin_token(ctx: AppContext, token: str) -> None:
