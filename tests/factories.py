@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,6 +12,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
+from control_plane import PROTOCOL_VERSION, RELEASE_VERSION
 from control_plane.app import create_app
 from control_plane.clock import Clock, ManualClock
 from control_plane.context import AppContext
@@ -70,6 +72,43 @@ def telemetry_body() -> dict[str, Any]:
             }
         ],
     }
+
+
+def node_agent_entry(**changes: Any) -> dict[str, Any]:
+    """The node-agent entry of a release manifest (RL-2a) for this control plane's release, as
+    the Enroll node wizard is given it. The `&` in a label is there on purpose: Docker's
+    `{{json}}` prints it as `\\u0026`, which the generated start command must match."""
+    entry: dict[str, Any] = {
+        "tag": f"modelforge-node-agent:{RELEASE_VERSION}",
+        "architecture": "amd64",
+        "os": "linux",
+        "rootfs_layers": ["sha256:" + "1" * 64, "sha256:" + "2" * 64],
+        "labels": {
+            "io.modelforge.component": "node-agent",
+            "io.modelforge.protocol": str(PROTOCOL_VERSION),
+            "org.opencontainers.image.created": "2026-11-30T00:00:00Z",
+            "org.opencontainers.image.licenses": "Apache-2.0",
+            "org.opencontainers.image.revision": "0123456789abcdef0123456789abcdef01234567",
+            "org.opencontainers.image.source": "https://example.invalid/modelforge?a&b",
+            "org.opencontainers.image.title": "modelforge-node-agent",
+            "org.opencontainers.image.version": RELEASE_VERSION,
+        },
+        "config_digest": "sha256:" + "9" * 64,
+    }
+    entry.update(changes)
+    return entry
+
+
+def write_release_manifest(path: Path) -> Path:
+    """A release manifest as `modelforge-release bundle` writes it, with the node-agent entry
+    above: what MODELFORGE_RELEASE_MANIFEST points at."""
+    manifest = {
+        "version": RELEASE_VERSION,
+        "protocol": PROTOCOL_VERSION,
+        "images": {"modelforge-node-agent": node_agent_entry()},
+    }
+    path.write_text(json.dumps(manifest, indent=2))
+    return path
 
 
 class ControlPlane:

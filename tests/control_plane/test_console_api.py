@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 
 from control_plane import RELEASE_VERSION
-from tests.factories import ADMIN_TOKEN, ControlPlane, control_plane, telemetry_body
+from tests.factories import (
+    ADMIN_TOKEN,
+    ControlPlane,
+    control_plane,
+    node_agent_entry,
+    telemetry_body,
+    write_release_manifest,
+)
 
 SESSION = "/api/v1/console/session"
 ORIGIN = "http://testserver"
@@ -128,25 +135,6 @@ def test_session_expires(tmp_path: Path, database_url: str) -> None:
         assert prune(cp.ctx) >= 1  # the expired row is swept
 
 
-def node_agent_entry(**changes: Any) -> dict[str, Any]:
-    entry: dict[str, Any] = {
-        "tag": f"modelforge-node-agent:{RELEASE_VERSION}",
-        "architecture": "amd64",
-        "os": "linux",
-        "rootfs_layers": ["sha256:" + "1" * 64, "sha256:" + "2" * 64],
-        "labels": {
-            "io.modelforge.component": "node-agent",
-            "io.modelforge.protocol": "1",
-            "org.opencontainers.image.title": "modelforge-node-agent",
-            "org.opencontainers.image.version": RELEASE_VERSION,
-            "org.opencontainers.image.revision": "abc123",
-        },
-        "config_digest": "sha256:" + "9" * 64,
-    }
-    entry.update(changes)
-    return entry
-
-
 def setup_request(cp: ControlPlane, enrollment_id: str, **body: Any) -> Any:
     payload = {"api_origin": ORIGIN, "accelerator_mode": "cpu", **body}
     return cp.client.post(
@@ -175,17 +163,6 @@ def test_node_setup_renders_env_and_commands_without_secrets(
         assert "set +x" in setup["start_command"] and "read -rs" in setup["start_command"]
 
 
-def trusted_manifest(tmp_path: Path) -> Path:
-    path = tmp_path / "release-manifest.json"
-    manifest = {
-        "version": RELEASE_VERSION,
-        "protocol": 1,
-        "images": {"modelforge-node-agent": node_agent_entry()},
-    }
-    path.write_text(json.dumps(manifest))
-    return path
-
-
 @pytest.mark.parametrize(
     ("change", "field"),
     [
@@ -203,7 +180,7 @@ def trusted_manifest(tmp_path: Path) -> Path:
 def test_a_pasted_entry_that_differs_is_rejected_naming_the_field(
     tmp_path: Path, database_url: str, change: dict[str, Any], field: str
 ) -> None:
-    manifest = trusted_manifest(tmp_path)
+    manifest = write_release_manifest(tmp_path / "release-manifest.json")
     with control_plane(tmp_path, database_url, release_manifest=manifest) as cp:
         enrollment_id = cp.mint()["enrollment_id"]
         good = setup_request(

@@ -19,37 +19,15 @@ from typing import Any
 import pytest
 
 from control_plane.services import node_setup
+from tests.factories import node_agent_entry
 
 TOKEN = "mfe_Wizard-Token-Never-In-Args-0123456789"
-LAYERS = ["sha256:" + "1" * 64, "sha256:" + "2" * 64]
-LABELS = {
-    "io.modelforge.component": "node-agent",
-    "io.modelforge.protocol": "1",
-    "org.opencontainers.image.title": "modelforge-node-agent",
-    "org.opencontainers.image.version": "0.1.0",
-    "org.opencontainers.image.source": "https://example.invalid/a&b",
-}
 SUBSTITUTE = Path(__file__).with_name("docker_substitute.py")
-
-
-def manifest_entry(**changes: object) -> dict[str, object]:
-    from control_plane import RELEASE_VERSION
-
-    labels = dict(LABELS, **{"org.opencontainers.image.version": RELEASE_VERSION})
-    entry: dict[str, object] = {
-        "tag": f"modelforge-node-agent:{RELEASE_VERSION}",
-        "architecture": "amd64",
-        "os": "linux",
-        "rootfs_layers": LAYERS,
-        "labels": labels,
-        "config_digest": "sha256:" + "9" * 64,
-    }
-    entry.update(changes)
-    return entry
+LAYERS = node_agent_entry()["rootfs_layers"]
 
 
 def worker_tag() -> str:
-    return str(manifest_entry()["tag"]).replace("node-agent", "runtime-worker")
+    return str(node_agent_entry()["tag"]).replace("node-agent", "runtime-worker")
 
 
 def go_json(value: object) -> str:
@@ -80,7 +58,7 @@ class Node:
 
 @pytest.fixture
 def node(tmp_path: Path) -> Node:
-    entry = manifest_entry()
+    entry = node_agent_entry()
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     docker = bin_dir / "docker"
@@ -133,7 +111,7 @@ def node(tmp_path: Path) -> Node:
 def commands(entry: dict[str, object] | None = None) -> tuple[str, str, str]:
     image = node_setup.choose_image(
         image_source="bundle",
-        manifest_entry=json.dumps(entry or manifest_entry()),
+        manifest_entry=json.dumps(entry or node_agent_entry()),
         registry_image=None,
         release_manifest=None,
     )
@@ -189,7 +167,7 @@ def test_start_command_passes_the_token_only_through_a_private_env_file(node: No
     assert "MODELFORGE_NODE_AGENT_IMAGE=modelforge-node-agent:" in env_file
     # The image ID was captured before Compose ran, and the container was checked against it.
     argvs = [c["argv"] for c in node.calls()]
-    id_at = argvs.index(["image", "inspect", "--format", "{{.Id}}", str(manifest_entry()["tag"])])
+    id_at = argvs.index(["image", "inspect", "--format", "{{.Id}}", str(node_agent_entry()["tag"])])
     up_at = argvs.index(argv)
     assert id_at < up_at
     assert argv[-2:] == ["node-agent", "runtime-worker"]
@@ -263,7 +241,7 @@ def test_env_file_is_removed_on_a_signal(node: Node, signum: signal.Signals) -> 
 def test_a_loaded_image_that_differs_from_the_entry_stops_before_the_token_is_read(
     node: Node,
 ) -> None:
-    agent_tag = str(manifest_entry()["tag"])
+    agent_tag = str(node_agent_entry()["tag"])
     node.facts["images"][agent_tag]["layers"] = [LAYERS[0], "sha256:" + "3" * 64]
     node.write_facts()
     _, start, _ = commands()

@@ -9,7 +9,6 @@ MODELFORGE_CONSOLE_SCREENSHOTS=docs/img/console to refresh the screenshots in do
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -18,44 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from control_plane import PROTOCOL_VERSION, RELEASE_VERSION
 from tests.e2e.server import FAST, LiveServer
-from tests.factories import ADMIN_TOKEN
+from tests.factories import ADMIN_TOKEN, write_release_manifest
 from tests.nvml_substitute import build_fake_nvml
 
 pytestmark = pytest.mark.e2e
 
 CONSOLE = Path(__file__).resolve().parents[2] / "control_plane" / "console"
 CHROMIUM = Path("/usr/bin/chromium")
-
-
-def release_manifest(path: Path) -> Path:
-    """A release manifest as `modelforge-release bundle` writes it (RL-2a), node-agent entry."""
-    labels = {
-        "io.modelforge.component": "node-agent",
-        "io.modelforge.protocol": str(PROTOCOL_VERSION),
-        "org.opencontainers.image.created": "2026-11-30T00:00:00Z",
-        "org.opencontainers.image.licenses": "Apache-2.0",
-        "org.opencontainers.image.revision": "0123456789abcdef0123456789abcdef01234567",
-        "org.opencontainers.image.source": "https://example.invalid/modelforge",
-        "org.opencontainers.image.title": "modelforge-node-agent",
-        "org.opencontainers.image.version": RELEASE_VERSION,
-    }
-    entry = {
-        "tag": f"modelforge-node-agent:{RELEASE_VERSION}",
-        "architecture": "amd64",
-        "os": "linux",
-        "rootfs_layers": ["sha256:" + c * 64 for c in "123"],
-        "labels": labels,
-        "config_digest": "sha256:" + "c" * 64,
-    }
-    manifest = {
-        "version": RELEASE_VERSION,
-        "protocol": PROTOCOL_VERSION,
-        "images": {"modelforge-node-agent": entry},
-    }
-    path.write_text(json.dumps(manifest, indent=2))
-    return path
 
 
 def test_console_in_headless_chromium(tmp_path: Path) -> None:
@@ -66,7 +35,7 @@ def test_console_in_headless_chromium(tmp_path: Path) -> None:
     assert node, "Node.js is missing: run scripts/ensure-node"
     major = subprocess.run([node, "-p", "process.versions.node"], capture_output=True, text=True)
     assert int(major.stdout.split(".")[0]) >= 20, f"playwright-core needs Node.js 20+: {major}"
-    manifest = release_manifest(tmp_path / "release-manifest.json")
+    manifest = write_release_manifest(tmp_path / "release-manifest.json")
     overrides = {**FAST, "MODELFORGE_RELEASE_MANIFEST": str(manifest)}
     workdir = tmp_path / "nodes"
     workdir.mkdir()
