@@ -47,8 +47,8 @@ image_id() {
   docker image inspect --format '{{.Id}}' "$1" 2>/dev/null \
     || fail "image $1 is not on this host: verify the release bundle, then modelforge-release load"
 }
-verify_container() {  # service, expected image ID
-  local container running
+verify_container() {  # service, expected image ID; leaves the container's ID in $container
+  local running
   container="$(dc "$env_file" ps -a -q "$1")"
   [ -n "$container" ] || fail "Compose created no $1 container"
   running="$(docker inspect --format '{{.Image}}' "$container")"
@@ -162,9 +162,16 @@ def _header(start: NodeStart, *, write_env: bool) -> str:
     return script
 
 
-def _image_checks(entry: ImageEntry | None) -> str:
+def _fetch(entry: ImageEntry | None) -> str:
     if entry is None:  # registry mode: the digest pins the content; fetch it now, explicitly
         return 'docker pull "$image" >/dev/null || fail "cannot pull $image"\n'
+    return ""  # bundle mode: `modelforge-release load` put it there
+
+
+def _field_checks(entry: ImageEntry | None) -> str:
+    """Bundle mode: the loaded image against every field of the pasted manifest entry."""
+    if entry is None:
+        return ""
     return "".join(
         [
             "check() {\n"
@@ -172,7 +179,6 @@ def _image_checks(entry: ImageEntry | None) -> str:
             '  [ "$found" = "$3" ] || fail "$image: $1 differs from the release manifest entry '
             '(expected $3, found $found)"\n'
             "}\n",
-            'image_id "$image" >/dev/null\n',
             f"check rootfs_layers '{{{{json .RootFS.Layers}}}}' "
             f"{_quote(_go_json(list(entry.rootfs_layers)))}\n",
             f"check architecture '{{{{.Architecture}}}}' {_quote(entry.architecture)}\n",
@@ -182,8 +188,13 @@ def _image_checks(entry: ImageEntry | None) -> str:
     )
 
 
-_VERIFY = (
-    'verify_container node-agent "$agent_id"\n'
+#: The local image IDs, captured before Compose runs; the containers are checked against them.
+_CAPTURE_IDS = (
+    'agent_id="$(image_id "$image")"\n'
+    'worker_id=""; if [ -n "$worker_image" ]; then worker_id="$(image_id "$worker_image")"; fi\n'
+)
+_VERIFY_AGENT = 'verify_container node-agent "$agent_id"\n'
+_VERIFY_WORKER = (
     'if [ -n "$worker_image" ]; then verify_container runtime-worker "$worker_id"; fi\n'
 )
 
@@ -192,10 +203,9 @@ def start_command(start: NodeStart) -> str:
     return (
         _header(start, write_env=True)
         + "# 1. The images, checked before anything starts; their local IDs captured.\n"
-        + _image_checks(start.entry)
-        + 'agent_id="$(image_id "$image")"\n'
-        + 'worker_id=""; if [ -n "$worker_image" ]; then worker_id="$(image_id "$worker_image")"; '
-        + "fi\n"
+        + _fetch(start.entry)
+        + _CAPTURE_IDS
+        + _field_checks(start.entry)
         + "# 2. The one-time token: hidden prompt, then a mode-0600 file removed on any exit.\n"
         + _CLEANUP
         + f'{{ cat "$env_file"; printf \'{TOKEN_VARIABLE}=%s\\n\' "$token"; }} '
@@ -204,7 +214,8 @@ def start_command(start: NodeStart) -> str:
         + "# 3. Start: never build, never pull, the local tags set explicitly.\n"
         + 'MODELFORGE_NODE_AGENT_IMAGE="$image" dc "$token_file" up -d --no-build '
         + '${no_pull[@]+"${no_pull[@]}"} "${services[@]}"\n'
-        + _VERIFY
+        + _VERIFY_AGENT
+        + _VERIFY_WORKER
         + 'echo "modelforge: node agent started from $image ($agent_id)."\n'
         + (
             ""
@@ -222,18 +233,16 @@ def recreate_command(start: NodeStart) -> str:
     its environment; identity and credential stay in the state volume."""
     return (
         _header(start, write_env=False)
-        + 'agent_id="$(image_id "$image")"\n'
-        + 'worker_id=""; if [ -n "$worker_image" ]; then worker_id="$(image_id "$worker_image")"; '
-        + "fi\n"
+        + _CAPTURE_IDS
         + 'MODELFORGE_NODE_AGENT_IMAGE="$image" dc "$env_file" up -d --force-recreate '
         + '--no-build ${no_pull[@]+"${no_pull[@]}"} node-agent\n'
-        + _VERIFY
-        + 'container="$(dc "$env_file" ps -a -q node-agent)"\n'
+        + _VERIFY_AGENT
         + "environment=\"$(docker inspect --format '{{range .Config.Env}}{{println .}}{{end}}' "
         + '"$container")"\n'
         + f"if [[ $'\\n'\"$environment\" == *$'\\n'{TOKEN_VARIABLE}=[!$'\\n']* ]]; then\n"
         + '  fail "the recreated container still has the enrollment token in its environment"\n'
         + "fi\n"
+        + _VERIFY_WORKER
         + 'echo "modelforge: node agent recreated without the enrollment token; identity kept."\n'
         + ")\n"
     )

@@ -37,8 +37,6 @@ def main(argv: list[str]) -> int:
         if image is None:
             print(f"Error: No such image: {argv[-1]}", file=sys.stderr)
             return 1
-        if "--format" not in argv:
-            return 0
         template = argv[argv.index("--format") + 1]
         answers = {
             "{{json .RootFS.Layers}}": json.dumps(image.get("layers"), separators=(",", ":")),
