@@ -1,5 +1,5 @@
 import { useCallback, useEffect, useState } from "react";
-import { ApiError, resumeSession, signOut, whenSignedOut } from "./api";
+import { type ApiError, asApiError, resumeSession, signOut, whenSignedOut } from "./api";
 import { ErrorNote } from "./ErrorNote";
 import { Hardware } from "./Hardware";
 import { Nodes } from "./Nodes";
@@ -73,7 +73,7 @@ export function App() {
                 setNotice("Signed out.");
                 setSignedIn(false);
               },
-              (caught: unknown) => setSignOutError(caught instanceof ApiError ? caught : null),
+              (caught: unknown) => setSignOutError(asApiError(caught)),
             );
           }}
         >

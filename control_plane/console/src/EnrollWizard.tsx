@@ -2,6 +2,7 @@ import { type FormEvent, type ReactNode, useEffect, useRef, useState } from "rea
 import {
   ApiError,
   api,
+  asApiError,
   type Enrollment,
   type MintedEnrollment,
   type NodeImage,
@@ -32,10 +33,6 @@ const HIDDEN_REASON: Record<Hidden, string> = {
   revoked: "The unused token was revoked: it can no longer enroll a node.",
   expired: "The token expired: it can no longer enroll a node. Start the wizard again for a new one.",
 };
-
-function asApiError(caught: unknown): ApiError {
-  return caught instanceof ApiError ? caught : new ApiError(0, "UNEXPECTED", String(caught), "Retry.");
-}
 
 function CopyButton({ text, label, onCopied }: { text: string; label: string; onCopied?: () => void }) {
   const [copied, setCopied] = useState(false);

@@ -1,5 +1,5 @@
 import { useEffect, useRef, useState } from "react";
-import { ApiError, api, type NodeEvent, type NodeView, type TelemetryPoint } from "./api";
+import { type ApiError, api, asApiError, type NodeEvent, type NodeView, type TelemetryPoint } from "./api";
 import { Chart, type Series } from "./Chart";
 import { ErrorNote } from "./ErrorNote";
 import { ago } from "./format";
@@ -113,7 +113,7 @@ function NodeDetails({ node, onChanged }: { node: NodeView; onChanged: () => Pro
       setRevoked(`${result.revoked} credential(s) revoked. The agent stops at its next request (exit code 4).`);
       await Promise.all([onChanged(), history.reload()]);
     } catch (caught) {
-      if (caught instanceof ApiError) setFailure(caught);
+      setFailure(asApiError(caught));
     }
   }
 

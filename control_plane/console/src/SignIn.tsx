@@ -1,5 +1,5 @@
 import { type FormEvent, useState } from "react";
-import { ApiError, signIn } from "./api";
+import { type ApiError, asApiError, signIn } from "./api";
 import { ErrorNote } from "./ErrorNote";
 
 // UI-1: the admin token is exchanged for a session cookie. It stays in this form's state only
@@ -19,7 +19,7 @@ export function SignIn({ notice, onSignedIn }: { notice: string | null; onSigned
       onSignedIn();
     } catch (caught) {
       setToken("");
-      setError(caught instanceof ApiError ? caught : new ApiError(0, "UNEXPECTED", String(caught), "Retry."));
+      setError(asApiError(caught));
     } finally {
       setBusy(false);
     }

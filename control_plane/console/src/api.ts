@@ -13,6 +13,11 @@ export class ApiError extends Error {
   }
 }
 
+// Whatever a call threw, as a refusal the console can show (code, message, next step).
+export function asApiError(caught: unknown): ApiError {
+  return caught instanceof ApiError ? caught : new ApiError(0, "UNEXPECTED", String(caught), "Retry.");
+}
+
 let csrfToken: string | null = null;
 let onSignedOut: () => void = () => {};
 

@@ -1,5 +1,5 @@
 import { useCallback, useEffect, useRef, useState } from "react";
-import { ApiError, api } from "./api";
+import { type ApiError, api, asApiError } from "./api";
 
 // GET `path` now and every `intervalMs` (if given) while the component is shown; the latest
 // answer, or the refusal that replaced it.
@@ -17,7 +17,7 @@ export function usePolled<T>(path: string, initial: T, intervalMs?: number) {
         setError(null);
       }
     } catch (caught) {
-      if (caught instanceof ApiError && current.current === asked) setError(caught);
+      if (current.current === asked) setError(asApiError(caught));
     }
   }, [path]);
 
