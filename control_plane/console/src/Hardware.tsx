@@ -1,13 +1,14 @@
 import { useState } from "react";
-import type { Enrollment } from "./api";
+import { api } from "./api";
 import { EnrollWizard } from "./EnrollWizard";
 import { ErrorNote } from "./ErrorNote";
 import { ago } from "./format";
+import { ListTable } from "./ListTable";
 import { usePolled } from "./usePolled";
 
 // Hardware: the enrollments this control plane has minted, and the Enroll node wizard.
 export function Hardware() {
-  const { data: enrollments, error, reload } = usePolled<Enrollment[]>("/api/v1/admin/node-enrollments", []);
+  const { data: enrollments, error, reload } = usePolled(api.enrollments, []);
   const [wizardOpen, setWizardOpen] = useState(false);
 
   return (
@@ -19,40 +20,26 @@ export function Hardware() {
         </button>
       </div>
       <ErrorNote error={error} />
-      <table className="list">
-        <caption>Node enrollments (one-time tokens are never shown here)</caption>
-        <thead>
-          <tr>
-            <th scope="col">Name</th>
-            <th scope="col">State</th>
-            <th scope="col">Node</th>
-            <th scope="col">Created</th>
-            <th scope="col">Expires</th>
-            <th scope="col">Production eligible</th>
+      <ListTable
+        caption="Node enrollments (one-time tokens are never shown here)"
+        columns={["Name", "State", "Node", "Created", "Expires", "Production eligible"]}
+        empty="No enrollments yet: use Enroll node."
+        rows={enrollments}
+        row={(row) => (
+          <tr key={row.enrollment_id}>
+            <td>{row.display_name}</td>
+            <td>
+              <span className={"badge " + row.state}>{row.state}</span>
+            </td>
+            <td>
+              <code>{row.node_id}</code>
+            </td>
+            <td>{ago(row.created_at)}</td>
+            <td>{new Date(row.expires_at).toLocaleString()}</td>
+            <td>{String(row.production_eligible)}</td>
           </tr>
-        </thead>
-        <tbody>
-          {enrollments.length === 0 && (
-            <tr>
-              <td colSpan={6}>No enrollments yet: use Enroll node.</td>
-            </tr>
-          )}
-          {enrollments.map((row) => (
-            <tr key={row.enrollment_id}>
-              <td>{row.display_name}</td>
-              <td>
-                <span className={"badge " + row.state}>{row.state}</span>
-              </td>
-              <td>
-                <code>{row.node_id}</code>
-              </td>
-              <td>{ago(row.created_at)}</td>
-              <td>{new Date(row.expires_at).toLocaleString()}</td>
-              <td>{String(row.production_eligible)}</td>
-            </tr>
-          ))}
-        </tbody>
-      </table>
+        )}
+      />
       {wizardOpen && (
         <EnrollWizard
           onClose={() => {

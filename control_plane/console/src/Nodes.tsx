@@ -1,17 +1,18 @@
 import { useEffect, useRef, useState } from "react";
-import { type ApiError, api, asApiError, type NodeEvent, type NodeView, type TelemetryPoint } from "./api";
+import { type ApiError, api, asApiError, type NodeView } from "./api";
 import { Chart, type Series } from "./Chart";
 import { ErrorNote } from "./ErrorNote";
 import { ago } from "./format";
+import { ListTable } from "./ListTable";
 import { usePolled } from "./usePolled";
 
 const REFRESH_MS = 5000;
 const CHART_MINUTES = 10;
 
-// Nodes (UI-5): state, Needs upgrade, duplicate identity, labels, GPUs with live telemetry,
+// Nodes: state, Needs upgrade, duplicate identity, labels, GPUs with live telemetry,
 // events, and revoking a node's credential.
 export function Nodes() {
-  const { data: nodes, error, reload } = usePolled<NodeView[]>("/api/v1/admin/nodes", [], REFRESH_MS);
+  const { data: nodes, error, reload } = usePolled(api.nodes, [], REFRESH_MS);
   const [selected, setSelected] = useState<string | null>(null);
 
   const current = nodes.find((node) => node.node_id === selected) ?? null;
@@ -20,85 +21,75 @@ export function Nodes() {
     <section aria-labelledby="nodes-heading">
       <h1 id="nodes-heading">Nodes</h1>
       <ErrorNote error={error} />
-      <table className="list">
-        <caption>Enrolled nodes (refreshed every {REFRESH_MS / 1000} s)</caption>
-        <thead>
-          <tr>
-            <th scope="col">Name</th>
-            <th scope="col">State</th>
-            <th scope="col">Flags</th>
-            <th scope="col">Labels</th>
-            <th scope="col">GPUs</th>
-            <th scope="col">Last heartbeat</th>
-            <th scope="col">Agent</th>
-            <th scope="col">
-              <span className="visually-hidden">Details</span>
-            </th>
-          </tr>
-        </thead>
-        <tbody>
-          {nodes.length === 0 && (
-            <tr>
-              <td colSpan={8}>No nodes yet: enroll one from Hardware.</td>
-            </tr>
-          )}
-          {nodes.map((node) => (
-            <tr key={node.node_id} data-node-id={node.node_id}>
-              <td>
-                {node.display_name}
-                <div className="help">{node.hostname}</div>
-              </td>
-              <td>
-                <span className={"badge " + node.state} data-testid="node-state">
-                  {node.state}
+      <ListTable
+        caption={<>Enrolled nodes (refreshed every {REFRESH_MS / 1000} s)</>}
+        columns={[
+          "Name",
+          "State",
+          "Flags",
+          "Labels",
+          "GPUs",
+          "Last heartbeat",
+          "Agent",
+          <span className="visually-hidden">Details</span>,
+        ]}
+        empty="No nodes yet: enroll one from Hardware."
+        rows={nodes}
+        row={(node) => (
+          <tr key={node.node_id} data-node-id={node.node_id}>
+            <td>
+              {node.display_name}
+              <div className="help">{node.hostname}</div>
+            </td>
+            <td>
+              <span className={"badge " + node.state} data-testid="node-state">
+                {node.state}
+              </span>
+            </td>
+            <td>
+              {node.needs_upgrade && (
+                <span className="badge fail" title={node.needs_upgrade.detail}>
+                  Needs upgrade ({node.needs_upgrade.component})
                 </span>
-              </td>
-              <td>
-                {node.needs_upgrade && (
-                  <span className="badge fail" title={node.needs_upgrade.detail}>
-                    Needs upgrade ({node.needs_upgrade.component})
-                  </span>
-                )}
-                {node.duplicate_identity && (
-                  <span className="badge fail" title={node.duplicate_identity.message}>
-                    Duplicate identity
-                  </span>
-                )}
-              </td>
-              <td>
-                {Object.entries(node.labels).map(([key, value]) => (
-                  <span key={key} className="chip">
-                    {key}={value}
-                  </span>
-                ))}
-              </td>
-              <td>{node.inventory?.gpus?.length ?? 0}</td>
-              <td>{ago(node.last_heartbeat_at)}</td>
-              <td>{node.agent_version ?? "—"}</td>
-              <td>
-                <button
-                  type="button"
-                  className="secondary"
-                  aria-expanded={selected === node.node_id}
-                  onClick={() => setSelected(selected === node.node_id ? null : node.node_id)}
-                >
-                  {selected === node.node_id ? "Hide" : "Details"}
-                  <span className="visually-hidden"> for {node.display_name}</span>
-                </button>
-              </td>
-            </tr>
-          ))}
-        </tbody>
-      </table>
+              )}
+              {node.duplicate_identity && (
+                <span className="badge fail" title={node.duplicate_identity.message}>
+                  Duplicate identity
+                </span>
+              )}
+            </td>
+            <td>
+              {Object.entries(node.labels).map(([key, value]) => (
+                <span key={key} className="chip">
+                  {key}={value}
+                </span>
+              ))}
+            </td>
+            <td>{node.inventory?.gpus?.length ?? 0}</td>
+            <td>{ago(node.last_heartbeat_at)}</td>
+            <td>{node.agent_version ?? "—"}</td>
+            <td>
+              <button
+                type="button"
+                className="secondary"
+                aria-expanded={selected === node.node_id}
+                onClick={() => setSelected(selected === node.node_id ? null : node.node_id)}
+              >
+                {selected === node.node_id ? "Hide" : "Details"}
+                <span className="visually-hidden"> for {node.display_name}</span>
+              </button>
+            </td>
+          </tr>
+        )}
+      />
       {current && <NodeDetails key={current.node_id} node={current} onChanged={reload} />}
     </section>
   );
 }
 
 function NodeDetails({ node, onChanged }: { node: NodeView; onChanged: () => Promise<void> }) {
-  const base = `/api/v1/admin/nodes/${node.node_id}`;
-  const samples = usePolled<TelemetryPoint[]>(`${base}/telemetry?minutes=${CHART_MINUTES}`, [], REFRESH_MS);
-  const history = usePolled<NodeEvent[]>(`${base}/events?limit=50`, [], REFRESH_MS);
+  const samples = usePolled(api.nodeTelemetry(node.node_id, CHART_MINUTES), [], REFRESH_MS);
+  const history = usePolled(api.nodeEvents(node.node_id, 50), [], REFRESH_MS);
   const telemetry = samples.data;
   const events = history.data;
   const [failure, setFailure] = useState<ApiError | null>(null);
@@ -109,7 +100,7 @@ function NodeDetails({ node, onChanged }: { node: NodeView; onChanged: () => Pro
   async function revoke() {
     setConfirming(false);
     try {
-      const result = await api.post<{ revoked: number }>(`/api/v1/admin/nodes/${node.node_id}/credential/revoke`);
+      const result = await api.revokeNodeCredential(node.node_id);
       setRevoked(`${result.revoked} credential(s) revoked. The agent stops at its next request (exit code 4).`);
       await Promise.all([onChanged(), history.reload()]);
     } catch (caught) {

@@ -2,7 +2,7 @@ import { type FormEvent, useState } from "react";
 import { type ApiError, asApiError, signIn } from "./api";
 import { ErrorNote } from "./ErrorNote";
 
-// UI-1: the admin token is exchanged for a session cookie. It stays in this form's state only
+// The admin token is exchanged for a session cookie. It stays in this form's state only
 // until the exchange answers, and the field is cleared either way.
 export function SignIn({ notice, onSignedIn }: { notice: string | null; onSignedIn: () => void }) {
   const [token, setToken] = useState("");

@@ -30,6 +30,11 @@ export interface SessionInfo {
   expires_at: string;
 }
 
+const SESSION = "/api/v1/console/session";
+const ENROLLMENTS = "/api/v1/admin/node-enrollments";
+const NODES = "/api/v1/admin/nodes";
+const NODE_IMAGE_CHECK = "/api/v1/admin/node-images/check";
+
 async function request<T>(method: string, path: string, body?: unknown): Promise<T> {
   const headers: Record<string, string> = { Accept: "application/json" };
   if (body !== undefined) headers["Content-Type"] = "application/json";
@@ -56,7 +61,7 @@ async function request<T>(method: string, path: string, body?: unknown): Promise
       error?.message ?? `The control plane answered ${response.status}.`,
       error?.next_step ?? "Retry; if it persists, read the control plane log.",
     );
-    if (response.status === 401 && !path.endsWith("/console/session")) {
+    if (response.status === 401 && path !== SESSION) {
       csrfToken = null;
       onSignedOut();
     }
@@ -65,15 +70,52 @@ async function request<T>(method: string, path: string, body?: unknown): Promise
   return data as T;
 }
 
+const get = <T>(path: string) => request<T>("GET", path);
+const post = <T>(path: string, body: unknown = {}) => request<T>("POST", path, body);
+
+// Something the console reads and may poll: its URL, typed with the shape it answers. The URL
+// also names it, so usePolled can tell when it is asked for something else.
+declare const answers: unique symbol;
+export type Resource<T> = string & { readonly [answers]?: T };
+const resource = <T>(path: string) => path as Resource<T>;
+
+export function read<T>(what: Resource<T>): Promise<T> {
+  return get<T>(what);
+}
+
+export type ImageChoice =
+  | { image_source: "bundle"; manifest_entry: string }
+  | { image_source: "registry"; registry_image: string };
+
+export interface EnrollmentRequest {
+  display_name: string;
+  expires_in_seconds: number;
+  production_eligible: boolean;
+}
+
+export type NodeSetupRequest = ImageChoice & { api_origin: string; accelerator_mode: "nvidia" | "cpu" };
+
+// Every endpoint the console calls. Path segments are IDs the control plane issued.
 export const api = {
-  get: <T>(path: string) => request<T>("GET", path),
-  post: <T>(path: string, body?: unknown) => request<T>("POST", path, body ?? {}),
-  del: <T>(path: string) => request<T>("DELETE", path),
+  enrollments: resource<Enrollment[]>(ENROLLMENTS),
+  nodes: resource<NodeView[]>(NODES),
+  nodeTelemetry: (nodeId: string, minutes: number) =>
+    resource<TelemetryPoint[]>(`${NODES}/${nodeId}/telemetry?minutes=${minutes}`),
+  nodeEvents: (nodeId: string, limit: number) => resource<NodeEvent[]>(`${NODES}/${nodeId}/events?limit=${limit}`),
+
+  checkNodeImage: (body: ImageChoice) => post<NodeImage>(NODE_IMAGE_CHECK, body),
+  mintEnrollment: (body: EnrollmentRequest) => post<MintedEnrollment>(ENROLLMENTS, body),
+  getEnrollment: (enrollmentId: string) => get<Enrollment>(`${ENROLLMENTS}/${enrollmentId}`),
+  nodeSetup: (enrollmentId: string, body: NodeSetupRequest) =>
+    post<NodeSetup>(`${ENROLLMENTS}/${enrollmentId}/node-setup`, body),
+  revokeEnrollment: (enrollmentId: string) => post<Enrollment>(`${ENROLLMENTS}/${enrollmentId}/revoke`),
+  nodeReadiness: (nodeId: string) => get<Readiness>(`${NODES}/${nodeId}/readiness`),
+  revokeNodeCredential: (nodeId: string) => post<{ revoked: number }>(`${NODES}/${nodeId}/credential/revoke`),
 };
 
 export async function resumeSession(): Promise<boolean> {
   try {
-    const info = await api.get<SessionInfo>("/api/v1/console/session");
+    const info = await get<SessionInfo>(SESSION);
     csrfToken = info.csrf_token;
     return true;
   } catch {
@@ -82,7 +124,7 @@ export async function resumeSession(): Promise<boolean> {
 }
 
 export async function signIn(adminToken: string): Promise<void> {
-  const info = await api.post<SessionInfo>("/api/v1/console/session", { admin_token: adminToken });
+  const info = await post<SessionInfo>(SESSION, { admin_token: adminToken });
   csrfToken = info.csrf_token;
 }
 
@@ -90,7 +132,7 @@ export async function signIn(adminToken: string): Promise<void> {
 // console says so and stays signed in rather than pretend.
 export async function signOut(): Promise<void> {
   try {
-    await api.del<void>("/api/v1/console/session");
+    await request<void>("DELETE", SESSION);
   } catch (caught) {
     // 401: the session had already ended (expired, or signed out elsewhere).
     if (!(caught instanceof ApiError && caught.status === 401)) throw caught;

@@ -1,17 +1,17 @@
 import { useCallback, useEffect, useRef, useState } from "react";
-import { type ApiError, api, asApiError } from "./api";
+import { type ApiError, asApiError, read, type Resource } from "./api";
 
-// GET `path` now and every `intervalMs` (if given) while the component is shown; the latest
-// answer, or the refusal that replaced it.
-export function usePolled<T>(path: string, initial: T, intervalMs?: number) {
+// Read `resource` (from api.ts) now and every `intervalMs` (if given) while the component is
+// shown; the latest answer, or the refusal that replaced it.
+export function usePolled<T>(resource: Resource<T>, initial: T, intervalMs?: number) {
   const [data, setData] = useState<T>(initial);
   const [error, setError] = useState<ApiError | null>(null);
   const initialRef = useRef(initial);
 
   const reload = useCallback(async () => {
-    const asked = path;
+    const asked = resource;
     try {
-      const answer = await api.get<T>(asked);
+      const answer = await read(asked);
       if (current.current === asked) {
         setData(answer);
         setError(null);
@@ -19,16 +19,16 @@ export function usePolled<T>(path: string, initial: T, intervalMs?: number) {
     } catch (caught) {
       if (current.current === asked) setError(asApiError(caught));
     }
-  }, [path]);
+  }, [resource]);
 
-  // A new path starts from nothing: never show one node's data under another's name, and drop
-  // answers that arrive for a path no longer shown.
-  const current = useRef(path);
+  // A new resource starts from nothing: never show one node's data under another's name, and
+  // drop answers that arrive for a resource no longer shown.
+  const current = useRef<Resource<T>>(resource);
   useEffect(() => {
-    current.current = path;
+    current.current = resource;
     setData(initialRef.current);
     setError(null);
-  }, [path]);
+  }, [resource]);
 
   useEffect(() => {
     void reload();

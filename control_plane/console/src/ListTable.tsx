@@ -1,0 +1,34 @@
+import type { ReactNode } from "react";
+
+// A list as a table: a caption, one header a column, a row an item (the caller's row() gives each
+// its key), and, where `empty` is given, a line saying so when there are no items.
+export function ListTable<T>(props: {
+  caption: ReactNode;
+  columns: readonly ReactNode[];
+  rows: readonly T[];
+  row: (item: T) => ReactNode;
+  empty?: ReactNode;
+}) {
+  return (
+    <table className="list">
+      <caption>{props.caption}</caption>
+      <thead>
+        <tr>
+          {props.columns.map((column, index) => (
+            <th key={index} scope="col">
+              {column}
+            </th>
+          ))}
+        </tr>
+      </thead>
+      <tbody>
+        {props.empty !== undefined && props.rows.length === 0 && (
+          <tr>
+            <td colSpan={props.columns.length}>{props.empty}</td>
+          </tr>
+        )}
+        {props.rows.map((item) => props.row(item))}
+      </tbody>
+    </table>
+  );
+}
