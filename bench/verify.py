@@ -28,10 +28,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from modelforge_contracts.release_manifest import MANIFEST_FILE, manifest_for  # noqa: E402
 from release.archive import write_images_tar  # noqa: E402
 from release.cli import main as release  # noqa: E402
 from release.images import BuiltImage  # noqa: E402
-from release.manifest import MANIFEST_FILE, manifest_for  # noqa: E402
 from release.verify import images_tar_name  # noqa: E402
 
 VERSION = "0.1.0"

@@ -11,8 +11,3 @@ try:
     RELEASE_VERSION = version("modelforge")
 except PackageNotFoundError:  # running from a source tree without an install
     RELEASE_VERSION = "0.0.0+source"
-
-#: The agent protocol this control plane speaks, and the inclusive range it accepts (CO-1).
-PROTOCOL_VERSION = 1
-PROTOCOL_MIN = 1
-PROTOCOL_MAX = 1

@@ -1,4 +1,4 @@
-"""Where the admin token comes from (CP-3), and checking a presented one.
+"""Where the admin token comes from, and checking a presented one.
 
 Order: `MODELFORGE_ADMIN_TOKEN`, then `MODELFORGE_ADMIN_TOKEN_FILE`, then `<data dir>/admin-token`
 (generated on first start with mode 0600). Only a SHA-256 digest is kept in memory.
@@ -11,8 +11,9 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from control_plane.security import new_admin_token, sha256_hex, write_private_file
+from control_plane.security import new_admin_token, sha256_hex
 from control_plane.settings import Settings
+from modelforge_contracts.files import write_private
 
 GENERATED_TOKEN_FILE = "admin-token"  # noqa: S105 - a file name
 _MIN_LENGTH = 16
@@ -51,7 +52,7 @@ def resolve_admin_token(settings: Settings) -> AdminTokenSource:
     path = settings.data_dir / GENERATED_TOKEN_FILE
     generated = False
     if not path.exists():
-        write_private_file(path, new_admin_token() + "\n")
+        write_private(path, new_admin_token() + "\n")
         generated = True
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:

@@ -11,7 +11,8 @@ import sys
 from pydantic import ValidationError
 
 from control_plane.admin_token import AdminTokenConfigError, resolve_admin_token
-from control_plane.settings import Settings, describe_validation_error
+from control_plane.settings import Settings
+from modelforge_contracts.settings_errors import describe_validation_error
 
 EXIT_CONFIG = 2
 EXIT_DATABASE = 1
@@ -26,7 +27,7 @@ def main() -> None:
     try:
         settings = Settings()
     except ValidationError as exc:
-        _die(EXIT_CONFIG, "invalid configuration:\n" + describe_validation_error(exc))
+        _die(EXIT_CONFIG, "invalid configuration:\n" + describe_validation_error(exc, Settings))
     logging.getLogger().setLevel(settings.log_level.upper())
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     try:

@@ -7,7 +7,9 @@ a secret value (token, credential, key) — name the thing, never quote it.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
+
+from modelforge_contracts.errors import error_body
 
 
 class ModelForgeError(Exception):
@@ -23,8 +25,8 @@ class ModelForgeError(Exception):
         if code is not None:
             self.code = code
 
-    def to_body(self) -> dict[str, dict[str, str]]:
-        return {"error": {"code": self.code, "message": self.message, "next_step": self.next_step}}
+    def to_body(self) -> dict[str, Any]:
+        return error_body(self.code, self.message, self.next_step)
 
 
 class InvalidRequest(ModelForgeError):
@@ -48,7 +50,7 @@ class AdminAuthError(ModelForgeError):
 
 
 class CsrfError(ModelForgeError):
-    """A console session made a change without its CSRF token (UI-1)."""
+    """A console session made a change without its CSRF token."""
 
     http_status = 403
     code = "CSRF_TOKEN_INVALID"
@@ -67,7 +69,7 @@ class CredentialRevoked(CredentialError):
 
 
 class EnrollmentRefused(ModelForgeError):
-    """An enrollment token cannot be claimed; `code` says why (EN-4)."""
+    """An enrollment token cannot be claimed; `code` says why."""
 
     http_status = 401
     code = "ENROLLMENT_TOKEN_UNKNOWN"
@@ -86,7 +88,7 @@ class EnrollmentTokenGone(EnrollmentRefused):
 
 
 class ProtocolIncompatible(ModelForgeError):
-    """CO-1: the agent or runtime worker speaks a protocol outside the accepted range."""
+    """The agent or runtime worker speaks a protocol outside the accepted range."""
 
     http_status = 426
     code = "UNKNOWN"
@@ -95,10 +97,8 @@ class ProtocolIncompatible(ModelForgeError):
         super().__init__(message, next_step, code=code)
         self.component = component
 
-    def to_body(self) -> dict[str, dict[str, str]]:
-        body = super().to_body()
-        body["error"]["component"] = self.component
-        return body
+    def to_body(self) -> dict[str, Any]:
+        return error_body(self.code, self.message, self.next_step, component=self.component)
 
 
 class TooManyRequests(ModelForgeError):

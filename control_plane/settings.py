@@ -1,4 +1,4 @@
-"""Control plane settings: one pydantic-settings class, prefix `MODELFORGE_` (CP-1..CP-4).
+"""Control plane settings: one pydantic-settings class, prefix `MODELFORGE_`.
 
 Values are validated once at start; contradictory liveness thresholds are refused with a message
 naming the settings. Secrets are `SecretStr` so that `repr()` and logs never show them.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Self
 
-from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -40,13 +40,13 @@ class Settings(BaseSettings):
     #: How often this process re-reads credential revocations made by other processes.
     credential_refresh_interval_seconds: float = Field(default=1.0, gt=0)
     telemetry_retention_seconds: float = Field(default=3600.0, gt=0)
-    #: WL-3: how often an agent reports progress on a running job, and how long without any
+    #: How often an agent reports progress on a running job, and how long without any
     #: report fails it (heartbeats do not count).
     job_progress_interval_seconds: float = Field(default=10.0, gt=0)
     job_contact_timeout_seconds: float = Field(default=90.0, gt=0)
-    #: UI-1: a console session lasts this long from sign-in, then the admin token is asked again.
+    #: A console session lasts this long from sign-in, then the admin token is asked again.
     console_session_seconds: float = Field(default=3600.0, ge=60, le=86400)
-    #: UI-3: the verified release manifest; when set, a node-agent entry pasted into the Enroll
+    #: The verified release manifest; when set, a node-agent entry pasted into the Enroll
     #: node wizard must match its node-agent image exactly.
     release_manifest: Path | None = None
 
@@ -103,14 +103,3 @@ class Settings(BaseSettings):
     @property
     def is_postgresql(self) -> bool:
         return self.sqlalchemy_url.startswith("postgresql")
-
-
-def describe_validation_error(error: ValidationError) -> str:
-    """One readable line per problem, naming environment variables, never echoing values."""
-    lines = []
-    for item in error.errors():
-        loc = "_".join(str(part) for part in item["loc"] if part != "__root__")
-        name = f"MODELFORGE_{loc.upper()}" if loc else "settings"
-        message = str(item["msg"]).removeprefix("Value error, ")
-        lines.append(message if not loc else f"{name}: {message}")
-    return "\n".join(lines)

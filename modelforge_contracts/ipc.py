@@ -15,6 +15,8 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, TypeVar
 
+from modelforge_contracts.errors import error_body
+
 log = logging.getLogger(__name__)
 S = TypeVar("S", bound="UnixHTTPServer")
 
@@ -59,9 +61,7 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.wfile.write(payload)
 
     def send_error_json(self, status: int, code: str, message: str, next_step: str = "") -> None:
-        self.send_json(
-            status, {"error": {"code": code, "message": message, "next_step": next_step}}
-        )
+        self.send_json(status, error_body(code, message, next_step))
 
 
 def serve_unix(path: Path, handler: type[BaseHTTPRequestHandler], server_class: type[S]) -> S:

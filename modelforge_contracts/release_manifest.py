@@ -1,4 +1,4 @@
-"""The release manifest (RL-2a): per image the exact tag, RootFS layers, architecture, OS and
+"""The release manifest: per image the exact tag, RootFS layers, architecture, OS and
 labels — the contract between the release tool, `verify`/`load`, and the console wizard.
 
 `config_digest` is informational (the build host's image ID): an engine may rewrite it on load,

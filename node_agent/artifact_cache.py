@@ -1,7 +1,7 @@
-"""The node's artifact cache (AR-1, AR-2): files named by digest, size-bounded, oldest evicted
-first. Downloads resume where they stopped (HTTP range) and are verified against their digest
-before they become visible; uploads are hashed on the node and verified again by the control
-plane."""
+"""The node's artifact cache: files named by digest, size-bounded, least recently used evicted
+first. Storage only — it never talks to the network: a download streams into the partial file
+the cache hands out (resuming where it stopped), and is verified against its digest before it
+becomes visible. Content produced on the node is hashed as it is stored."""
 
 from __future__ import annotations
 
@@ -10,14 +10,11 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-
-import httpx
 
 log = logging.getLogger(__name__)
 _CHUNK = 1024 * 1024
-_ATTEMPTS = 5
 
 
 class ArtifactError(Exception):
@@ -45,7 +42,9 @@ class ArtifactCache:
     def path(self, digest: str) -> Path:
         return self.root / _hex(digest)
 
-    def fetch(self, http: httpx.Client, credential: str, digest: str) -> Path:
+    def fetch(self, digest: str, download: Callable[[str, Path], None]) -> Path:
+        """The local path of `digest`; on a miss `download(digest, partial)` fills `partial`,
+        appending to what an interrupted download left there."""
         target = self.path(digest)
         with self._lock(digest):
             if target.is_file():
@@ -53,22 +52,7 @@ class ArtifactCache:
                 return target
             self._partial.mkdir(parents=True, exist_ok=True)
             partial = self._partial / _hex(digest)
-            for attempt in range(1, _ATTEMPTS + 1):
-                try:
-                    self._download(http, credential, digest, partial)
-                    break
-                except httpx.TransportError as exc:
-                    log.warning(
-                        "%s on GET artifact %s (attempt %d, resuming at %d bytes)",
-                        type(exc).__name__,
-                        digest,
-                        attempt,
-                        partial.stat().st_size if partial.exists() else 0,
-                    )
-                    if attempt == _ATTEMPTS:
-                        raise ArtifactError(
-                            f"cannot download {digest}: {type(exc).__name__}"
-                        ) from None
+            download(digest, partial)
             found = _sha256(partial)
             if found != digest:
                 partial.unlink(missing_ok=True)
@@ -76,26 +60,6 @@ class ArtifactCache:
             os.replace(partial, target)
         self.evict(keep=target)
         return target
-
-    def _download(self, http: httpx.Client, credential: str, digest: str, partial: Path) -> None:
-        offset = partial.stat().st_size if partial.exists() else 0
-        headers = {"Authorization": f"Bearer {credential}"}
-        if offset:
-            headers["Range"] = f"bytes={offset}-"
-        with http.stream(
-            "GET",
-            f"/api/v1/agent/artifacts/{digest}",
-            headers=headers,
-            timeout=httpx.Timeout(60.0, connect=10.0),
-        ) as response:
-            if response.status_code == 416:  # already complete
-                return
-            if response.status_code not in (200, 206):
-                raise ArtifactError(f"HTTP {response.status_code} on GET artifact {digest}")
-            mode = "ab" if response.status_code == 206 else "wb"
-            with partial.open(mode) as handle:
-                for chunk in response.iter_bytes(_CHUNK):
-                    handle.write(chunk)
 
     def store(self, chunks: Iterable[bytes]) -> tuple[str, Path]:
         """Put content produced on this node into the cache; returns (digest, path)."""
@@ -114,26 +78,6 @@ class ArtifactCache:
             tmp.unlink(missing_ok=True)
         self.evict(keep=target)
         return digest, target
-
-    def upload(self, http: httpx.Client, credential: str, digest: str) -> None:
-        path = self.path(digest)
-
-        def body() -> Iterable[bytes]:
-            with path.open("rb") as handle:
-                while chunk := handle.read(_CHUNK):
-                    yield chunk
-
-        response = http.put(
-            f"/api/v1/agent/artifacts/{digest}",
-            content=body(),
-            headers={
-                "Authorization": f"Bearer {credential}",
-                "Content-Length": str(path.stat().st_size),
-            },
-            timeout=httpx.Timeout(300.0, connect=10.0),
-        )
-        if response.status_code >= 400:
-            raise ArtifactError(f"HTTP {response.status_code} on PUT artifact {digest}")
 
     def evict(self, keep: Path | None = None) -> None:
         """Remove least recently used files until the cache fits its bound."""

@@ -16,18 +16,15 @@ from types import FrameType
 
 from pydantic import ValidationError
 
+from modelforge_contracts.settings_errors import describe_validation_error
 from node_agent import AGENT_VERSION
-from node_agent.agent import EXIT_CONFIG, Agent, AgentStopped
-from node_agent.client import make_client
-from node_agent.config import (
-    AgentSettings,
-    ConfigError,
-    PreflightSettings,
-    describe_validation_error,
-)
+from node_agent.agent import Agent
+from node_agent.client import connect
+from node_agent.config import AgentSettings, ConfigError, PreflightSettings
 from node_agent.identity import IdentityStore, StateVolumeError
 from node_agent.inventory import Overrides
 from node_agent.preflight import EXIT_PREFLIGHT, run_preflight
+from node_agent.retry import EXIT_CONFIG, AgentStopped
 
 log = logging.getLogger("modelforge.node_agent")
 
@@ -81,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = AgentSettings()
     except ValidationError as exc:
-        return _die(EXIT_CONFIG, "invalid configuration:\n" + describe_validation_error(exc))
+        return _die(
+            EXIT_CONFIG, "invalid configuration:\n" + describe_validation_error(exc, AgentSettings)
+        )
     logging.getLogger().setLevel(settings.log_level.upper())
     if not settings.tls_verify:
         for _ in range(3):
@@ -111,19 +110,20 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     overrides = Overrides(cpus=args.cpus, gpus=args.gpus, ram_mb=args.ram_mb)
-    http = make_client(
+    control_plane = connect(
         settings.control_plane_url,
         tls_verify=settings.tls_verify,
         ca_cert_path=settings.ca_cert_path,
         timeout=settings.request_timeout_seconds,
+        stop=stop,
     )
     try:
-        with http:
+        with control_plane:
             Agent(
                 settings=settings,
                 preflight=result,
                 store=store,
-                http=http,
+                control_plane=control_plane,
                 overrides=overrides,
                 stop=stop,
                 parallel=max(1, args.parallel),
@@ -139,7 +139,10 @@ def _preflight_only(as_json: bool) -> int:
     try:
         settings = PreflightSettings()
     except ValidationError as exc:
-        return _die(EXIT_CONFIG, "invalid configuration:\n" + describe_validation_error(exc))
+        return _die(
+            EXIT_CONFIG,
+            "invalid configuration:\n" + describe_validation_error(exc, PreflightSettings),
+        )
     result = run_preflight(settings.accelerator_mode, timeout=settings.preflight_timeout_seconds)
     print(json.dumps(result.as_json()) if as_json else result.report())
     return 0 if result.ok else EXIT_PREFLIGHT

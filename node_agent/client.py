@@ -1,31 +1,46 @@
-"""The control plane API as the agent sees it: one function per endpoint, no loops, no retries.
+"""The control plane as the agent sees it: one `ControlPlane` object, one method per endpoint.
 
-Errors come out as `ControlPlaneError` (an HTTP answer) or `httpx.TransportError` (no answer);
-`is_retryable` decides which are worth another attempt. `describe` renders either as
-`<status or exception> on <METHOD> <path>` — never a body, never the credential.
+It holds the HTTP connection pool and, once enrolled, the node credential; every call runs under
+the one `RetryRule` (node_agent.retry), so a transient failure is retried with backoff and a
+terminal one stops the agent wherever it happens — a heartbeat, a claim, an artifact fetch for
+job code. What a non-retryable refusal means is decided here, per endpoint. No loops live here.
+
+It never puts the credential in a log line, an exception, or its own `repr()`.
 """
 
 from __future__ import annotations
 
+import logging
 import ssl
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from node_agent import AGENT_VERSION, PROTOCOL_VERSION
+from modelforge_contracts.errors import error_code
+from modelforge_contracts.job_records import dumps_strict
+from modelforge_contracts.protocol import PROTOCOL_VERSION
+from node_agent import AGENT_VERSION
+from node_agent.retry import (
+    EXIT_ENROLLMENT,
+    AgentStopped,
+    ControlPlaneError,
+    RetryRule,
+)
+
+log = logging.getLogger("modelforge.node_agent")
+
+_CHUNK = 1024 * 1024
+#: Long-poll timeouts: the hold plus room for a slow answer.
+_CLAIM_TIMEOUT = 15.0
+_WATCH_TIMEOUT = 15.0
+_DOWNLOAD_TIMEOUT = httpx.Timeout(60.0, connect=10.0)
+_UPLOAD_TIMEOUT = httpx.Timeout(300.0, connect=10.0)
 
 
-class ControlPlaneError(Exception):
-    def __init__(self, status: int, code: str, method: str, path: str) -> None:
-        super().__init__(f"HTTP {status} {code} on {method} {path}")
-        self.status = status
-        self.code = code
-        self.method = method
-        self.path = path
-
-
-def make_client(
+def make_http(
     base_url: str, *, tls_verify: bool, ca_cert_path: Path | None, timeout: float
 ) -> httpx.Client:
     verify: ssl.SSLContext | bool = tls_verify
@@ -44,89 +59,220 @@ def make_client(
 
 def error_from(response: httpx.Response, method: str, path: str) -> ControlPlaneError:
     """The refusal as an exception: status and the machine-readable code, never the body."""
-    code = "HTTP_ERROR"
     try:
-        code = str(response.json()["error"]["code"])
-    except (ValueError, KeyError, TypeError):
-        pass
-    return ControlPlaneError(response.status_code, code, method, path)
+        code = error_code(response.json())
+    except ValueError:
+        code = None
+    return ControlPlaneError(response.status_code, code or "HTTP_ERROR", method, path)
 
 
-def _call(
-    client: httpx.Client,
-    method: str,
-    path: str,
-    body: dict[str, Any],
-    credential: str | None = None,
-) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {credential}"} if credential else {}
-    response = client.request(method, path, json=body, headers=headers)
-    if response.status_code >= 400:
-        raise error_from(response, method, path)
+def _json(response: httpx.Response) -> dict[str, Any]:
     data = response.json()
     return data if isinstance(data, dict) else {}
 
 
-def enroll(
-    client: httpx.Client,
-    *,
-    token: str,
-    claim_nonce: str,
-    hostname: str,
-    fingerprint: dict[str, Any],
-) -> dict[str, Any]:
-    return _call(
-        client,
-        "POST",
-        "/api/v1/agent/enroll",
-        {
+class ControlPlane:
+    def __init__(self, http: httpx.Client, retry: RetryRule) -> None:
+        self.http = http
+        self.retry = retry
+        self._credential: str | None = None
+
+    def __repr__(self) -> str:
+        enrolled = "enrolled" if self._credential else "not enrolled"
+        return f"<ControlPlane {self.http.base_url} ({enrolled})>"
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> ControlPlane:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def use_credential(self, credential: str) -> None:
+        """From now on every call is authenticated as this node."""
+        self._credential = credential
+
+    @property
+    def stopped(self) -> AgentStopped | None:
+        """The terminal outcome that stopped the agent, from whichever call met it."""
+        return self.retry.stopped
+
+    # -- the one way a call is made ---------------------------------------------------------
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._credential}"} if self._credential else {}
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        accept: tuple[int, ...] = (),
+        timeout: httpx.Timeout | None = None,
+    ) -> httpx.Response:
+        """One JSON call under the retry rule; statuses in `accept` are answers, not refusals."""
+        content = None if body is None else dumps_strict(body).encode()
+
+        def attempt() -> httpx.Response:
+            headers = self._headers()
+            if content is not None:
+                headers["Content-Type"] = "application/json"
+            response = self.http.request(
+                method,
+                path,
+                content=content,
+                headers=headers,
+                timeout=self.http.timeout if timeout is None else timeout,
+            )
+            if response.status_code >= 400 and response.status_code not in accept:
+                raise error_from(response, method, path)
+            return response
+
+        return self.retry.run(method, path, attempt)
+
+    def _publish(self, method: str, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """A report whose refusal concerns only itself: logged and dropped, never retried."""
+        try:
+            return _json(self._call(method, path, body))
+        except ControlPlaneError as exc:
+            log.error("%s; this publication is dropped", exc)
+            return None
+
+    # -- enrollment and reports -------------------------------------------------------------
+
+    def enroll(
+        self, *, token: str, claim_nonce: str, hostname: str, fingerprint: dict[str, Any]
+    ) -> dict[str, Any]:
+        body = {
             "token": token,
             "claim_nonce": claim_nonce,
             "hostname": hostname,
             "protocol_version": PROTOCOL_VERSION,
             "agent_version": AGENT_VERSION,
             "fingerprint": fingerprint,
-        },
-    )
+        }
+        try:
+            return _json(self._call("POST", "/api/v1/agent/enroll", body))
+        except ControlPlaneError as exc:
+            raise AgentStopped(
+                EXIT_ENROLLMENT, f"the control plane rejected the enrollment request ({exc})"
+            ) from None
+
+    def heartbeat(self, health: dict[str, Any]) -> dict[str, Any] | None:
+        body = {
+            "protocol_version": PROTOCOL_VERSION,
+            "agent_version": AGENT_VERSION,
+            "health": health,
+        }
+        return self._publish("POST", "/api/v1/agent/heartbeat", body)
+
+    def put_inventory(self, inventory: dict[str, Any]) -> bool:
+        return self._publish("PUT", "/api/v1/agent/inventory", inventory) is not None
+
+    def post_telemetry(self, telemetry: dict[str, Any]) -> bool:
+        return self._publish("POST", "/api/v1/agent/telemetry", telemetry) is not None
+
+    # -- work -------------------------------------------------------------------------------
+
+    def claim(self, hold_seconds: float) -> dict[str, Any] | None:
+        """Long poll for a job: the assignment, or None when none came within the hold.
+
+        A refusal that is neither retried nor terminal raises `ControlPlaneError`: the caller
+        pauses before it claims again, so a persistent refusal never becomes a tight loop."""
+        path = "/api/v1/agent/work/claim"
+        timeout = httpx.Timeout(hold_seconds + _CLAIM_TIMEOUT, connect=10.0)
+        response = self._call("POST", path, {"hold_seconds": hold_seconds}, timeout=timeout)
+        return None if response.status_code == 204 else _json(response)
+
+    def watch(self, job_ids: list[str], hold_seconds: float) -> list[str]:
+        """Long poll: which of these running jobs must stop (cancelled, or no longer ours)."""
+        timeout = httpx.Timeout(hold_seconds + _WATCH_TIMEOUT, connect=10.0)
+        body = {"job_ids": job_ids, "hold_seconds": hold_seconds}
+        try:
+            answer = _json(self._call("POST", "/api/v1/agent/jobs/watch", body, timeout=timeout))
+        except ControlPlaneError as exc:
+            log.error("%s; no cancellations this time", exc)
+            return []
+        return [str(job_id) for job_id in answer.get("cancel") or []]
+
+    def events(self, job_id: str, events: list[dict[str, Any]]) -> bool:
+        """Report a running job's events; True when the job must stop (or is no longer ours)."""
+        path = f"/api/v1/agent/jobs/{job_id}/events"
+        try:
+            response = self._call("POST", path, {"events": events}, accept=(404, 409))
+        except ControlPlaneError as exc:
+            log.error("%s; these events are dropped", exc)
+            return False
+        if response.status_code in (404, 409):
+            return True  # not ours or not running any more
+        return bool(_json(response).get("cancel"))
+
+    def complete(self, job_id: str, outcome: dict[str, Any]) -> None:
+        """Report a job's outcome; one the control plane already ended is left as it is."""
+        path = f"/api/v1/agent/jobs/{job_id}/complete"
+        try:
+            self._call("POST", path, outcome, accept=(404, 409))
+        except ControlPlaneError as exc:
+            log.error("%s; the outcome is dropped", exc)
+
+    # -- artifacts --------------------------------------------------------------------------
+
+    def download_artifact(self, digest: str, partial: Path) -> None:
+        """Stream the artifact into `partial`, resuming after what it already holds.
+
+        Raises `ControlPlaneError` when the control plane refuses it (unknown digest, say).
+        """
+        path = f"/api/v1/agent/artifacts/{digest}"
+
+        def attempt() -> None:
+            offset = partial.stat().st_size if partial.exists() else 0
+            headers = self._headers()
+            if offset:
+                headers["Range"] = f"bytes={offset}-"
+            with self.http.stream(
+                "GET", path, headers=headers, timeout=_DOWNLOAD_TIMEOUT
+            ) as response:
+                if response.status_code == 416:  # already complete
+                    return
+                if response.status_code >= 400:
+                    response.read()
+                    raise error_from(response, "GET", path)
+                mode = "ab" if response.status_code == 206 else "wb"
+                with partial.open(mode) as handle:
+                    for chunk in response.iter_bytes(_CHUNK):
+                        handle.write(chunk)
+
+        self.retry.run("GET", path, attempt)
+
+    def upload_artifact(self, digest: str, source: Path) -> None:
+        """Stream the file to the control plane, which refuses it unless it hashes to `digest`."""
+        path = f"/api/v1/agent/artifacts/{digest}"
+
+        def body() -> Iterator[bytes]:
+            with source.open("rb") as handle:
+                while chunk := handle.read(_CHUNK):
+                    yield chunk
+
+        def attempt() -> None:
+            headers = dict(self._headers(), **{"Content-Length": str(source.stat().st_size)})
+            response = self.http.put(path, content=body(), headers=headers, timeout=_UPLOAD_TIMEOUT)
+            if response.status_code >= 400:
+                raise error_from(response, "PUT", path)
+
+        self.retry.run("PUT", path, attempt)
 
 
-def heartbeat(client: httpx.Client, *, credential: str, health: dict[str, Any]) -> dict[str, Any]:
-    body = {"protocol_version": PROTOCOL_VERSION, "agent_version": AGENT_VERSION, "health": health}
-    return _call(client, "POST", "/api/v1/agent/heartbeat", body, credential)
-
-
-def put_inventory(
-    client: httpx.Client, *, credential: str, inventory: dict[str, Any]
-) -> dict[str, Any]:
-    return _call(client, "PUT", "/api/v1/agent/inventory", inventory, credential)
-
-
-def post_telemetry(
-    client: httpx.Client, *, credential: str, telemetry: dict[str, Any]
-) -> dict[str, Any]:
-    return _call(client, "POST", "/api/v1/agent/telemetry", telemetry, credential)
-
-
-def is_retryable(exc: BaseException) -> bool:
-    if isinstance(exc, httpx.TransportError):
-        return True
-    if isinstance(exc, ControlPlaneError):
-        return exc.status == 429 or exc.status >= 500
-    return False
-
-
-def certificate_problem(exc: BaseException) -> str | None:
-    """The TLS verification failure behind a connection error, if that is what it is."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, ssl.SSLCertVerificationError):
-            return seen.verify_message or str(seen)
-        seen = seen.__cause__ or seen.__context__
-    text = str(exc)
-    return text if "CERTIFICATE_VERIFY_FAILED" in text else None
-
-
-def describe(exc: BaseException, method: str, path: str) -> str:
-    if isinstance(exc, ControlPlaneError):
-        return f"HTTP {exc.status} {exc.code} on {method} {path}"
-    return f"{type(exc).__name__} on {method} {path}"
+def connect(
+    base_url: str,
+    *,
+    tls_verify: bool,
+    ca_cert_path: Path | None,
+    timeout: float,
+    stop: threading.Event,
+) -> ControlPlane:
+    """A client for the control plane at `base_url`, stopping its retries when `stop` is set."""
+    http = make_http(base_url, tls_verify=tls_verify, ca_cert_path=ca_cert_path, timeout=timeout)
+    return ControlPlane(http, RetryRule(stop=stop, control_plane_url=base_url))

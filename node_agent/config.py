@@ -1,4 +1,4 @@
-"""Agent configuration from `MODELFORGE_AGENT_*` environment variables (AG-1), validated at start.
+"""Agent configuration from `MODELFORGE_AGENT_*` environment variables, validated at start.
 
 Refused with a specific message: placeholder (example-domain) URLs, plain `http://` to anything
 but loopback unless explicitly allowed, a CA file that does not exist. The enrollment token is a
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal, Self
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_WORKER_SOCKET = Path("/run/modelforge/runtime-worker.sock")
@@ -124,14 +124,3 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def describe_validation_error(error: ValidationError) -> str:
-    lines = []
-    for item in error.errors():
-        loc = "_".join(str(p) for p in item["loc"])
-        message = str(item["msg"]).removeprefix("Value error, ")
-        if item["type"] == "missing":
-            message = "is required"
-        lines.append(f"MODELFORGE_AGENT_{loc.upper()}: {message}" if loc else message)
-    return "\n".join(lines)

@@ -1,18 +1,19 @@
-"""The node's persisted identity (AG-4) in the state volume: node id and credential, and the
-claim nonce written before enrollment so a retry after a lost answer gets the same node (EN-5).
+"""The node's persisted identity in the state volume: node id and credential, and the claim
+nonce written before enrollment so a retry after a lost answer gets the same node.
 
-Files are written atomically with mode 0600. Their contents never reach a log.
+Files are written atomically with mode 0600. Their contents never reach a log or a message.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from modelforge_contracts.files import write_private
 
 IDENTITY_FILE = "identity.json"
 CLAIM_FILE = "claim.json"
@@ -97,19 +98,9 @@ class IdentityStore:
 
     def _write(self, name: str, data: dict[str, Any]) -> None:
         path = self.root / name
-        tmp = path.with_name(f".{name}.{secrets.token_hex(4)}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as handle:
-                json.dump(data, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-            directory = os.open(self.root, os.O_RDONLY)
-            try:
-                os.fsync(directory)
-            finally:
-                os.close(directory)
+            write_private(path, json.dumps(data))
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise StateVolumeError(f"cannot write {path} ({exc.strerror})") from None
+            raise StateVolumeError(
+                f"cannot write {path} ({exc.strerror or type(exc).__name__})"
+            ) from None

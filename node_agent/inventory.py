@@ -1,4 +1,4 @@
-"""What this node has (AG-7, HB-2) and how busy it is (HB-3): psutil for the host, NVML for GPUs,
+"""What this node has and how busy it is: psutil for the host, NVML for GPUs,
 the Slurm allocation when the agent runs inside one, explicit overrides on top."""
 
 from __future__ import annotations

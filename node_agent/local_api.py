@@ -1,29 +1,38 @@
 """The agent's local endpoint for job code on this node (unix socket, mode 0600): fetch an
-artifact into the cache, upload one. The node credential stays inside the agent."""
+artifact into the cache, upload one. The node credential stays inside the agent: job code gets
+the artifact, or an error saying why not — never the credential, never a control plane body."""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
-from modelforge_ipc import JsonHandler, UnixHTTPServer, serve_unix
+from modelforge_contracts.ipc import JsonHandler, UnixHTTPServer, serve_unix
 from node_agent.artifact_cache import ArtifactCache, ArtifactError
+from node_agent.client import ControlPlane
+from node_agent.retry import AgentStopped, ControlPlaneError, Interrupted
 
 log = logging.getLogger(__name__)
 
 
 class _Server(UnixHTTPServer):
     cache: ArtifactCache
-    http: httpx.Client
-    credential: Callable[[], str]
+    control_plane: ControlPlane
 
 
 class _Handler(JsonHandler):
     server: _Server
+
+    def _agent_unavailable(self, exc: AgentStopped | Interrupted) -> None:
+        if isinstance(exc, AgentStopped):
+            message = f"the node agent stopped: {exc.explanation}"
+        else:
+            message = "the node agent is stopping"
+        self.send_error_json(
+            503, "AGENT_STOPPED", message, "ask the node's operator to look at the node agent"
+        )
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
         if self.path != "/v1/artifacts/fetch":
@@ -31,12 +40,15 @@ class _Handler(JsonHandler):
             return
         try:
             digest = str(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["digest"])
-            path = self.server.cache.fetch(self.server.http, self.server.credential(), digest)
+            path = self.server.cache.fetch(digest, self.server.control_plane.download_artifact)
         except (ValueError, KeyError, TypeError) as exc:
             self.send_error_json(400, "INVALID_REQUEST", str(exc))
             return
-        except ArtifactError as exc:
+        except (ArtifactError, ControlPlaneError) as exc:
             self.send_error_json(502, "ARTIFACT_UNAVAILABLE", str(exc))
+            return
+        except (AgentStopped, Interrupted) as exc:
+            self._agent_unavailable(exc)
             return
         self.send_json(200, {"path": str(path)})
 
@@ -56,17 +68,20 @@ class _Handler(JsonHandler):
                 yield chunk
 
         try:
-            digest, _ = self.server.cache.store(chunks())
-            self.server.cache.upload(self.server.http, self.server.credential(), digest)
-        except (ArtifactError, httpx.HTTPError) as exc:
+            digest, path = self.server.cache.store(chunks())
+            self.server.control_plane.upload_artifact(digest, path)
+        except (ArtifactError, ControlPlaneError) as exc:
             self.send_error_json(502, "ARTIFACT_UPLOAD_FAILED", f"{type(exc).__name__}: {exc}")
+            return
+        except (AgentStopped, Interrupted) as exc:
+            self._agent_unavailable(exc)
             return
         self.send_json(200, {"digest": digest})
 
 
 def serve_local_api(
-    socket_path: Path, *, cache: ArtifactCache, http: httpx.Client, credential: Callable[[], str]
+    socket_path: Path, *, cache: ArtifactCache, control_plane: ControlPlane
 ) -> _Server:
     server = serve_unix(socket_path, _Handler, _Server)
-    server.cache, server.http, server.credential = cache, http, credential
+    server.cache, server.control_plane = cache, control_plane
     return server

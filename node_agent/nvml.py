@@ -1,6 +1,6 @@
 """Reading GPUs through NVML with the official bindings (`nvidia-ml-py`).
 
-A value NVML cannot read is left out (None), never replaced by zero (HB-3). The library is the
+A value NVML cannot read is left out (None), never replaced by zero. The library is the
 one the NVIDIA Container Toolkit injects (`libnvidia-ml.so.1`); the image bundles none.
 """
 

@@ -1,4 +1,4 @@
-"""NVIDIA preflight (AG-2, AG-3): decides before enrollment whether this node may report at all.
+"""NVIDIA preflight: decides before enrollment whether this node may report at all.
 
 `nvidia` requires NVML, at least one GPU and telemetry from every GPU; `cpu` needs no NVML;
 `auto` requires NVML only when NVIDIA devices or `NVIDIA_VISIBLE_DEVICES` are observed. A failure

@@ -1,7 +1,11 @@
-"""Running work (WL-2..WL-4): `--parallel` slots each hold a long-poll claim; a claimed job is
-handed to the local runtime worker, whose stream of records is relayed to the control plane in
-order. A watch long-poll learns of cancellations at once; cancelling — or this agent dying —
-closes the stream to the worker, which kills the job's process group.
+"""Running work: `--parallel` slots each hold a long-poll claim; a claimed job is handed to the
+local runtime worker, whose stream of records is relayed to the control plane in order. A watch
+long-poll learns of cancellations at once; cancelling — or this agent dying — closes the stream
+to the worker, which kills the job's process group.
+
+A record that is not strict JSON fails its job (`JOB_RESULT_NOT_JSON`) instead of reaching the
+control plane. A work thread never ends on an unexpected error: it logs it with the job id and
+keeps serving. Only a terminal outcome (`AgentStopped`) or the agent stopping ends it.
 """
 
 from __future__ import annotations
@@ -14,21 +18,23 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from modelforge_ipc import UnixHTTPConnection
-from node_agent import client as api
+from modelforge_contracts import job_records as records
+from modelforge_contracts.ipc import UnixHTTPConnection
+from node_agent.client import ControlPlane
+from node_agent.retry import AgentStopped, ControlPlaneError, Interrupted
 
 log = logging.getLogger("modelforge.node_agent.work")
 #: Long-poll hold: short enough that a control plane stopping gracefully (it finishes in-flight
 #: requests first) is not held up for long; a wake-up ends the hold early anyway.
 _HOLD = 8.0
+_WATCH_HOLD = 5.0
 _BATCH = 200
 _REPORT_EVERY = 0.5
+#: After an unexpected error outside a job, a slot waits this long before claiming again.
+_PAUSE_AFTER_ERROR = 1.0
 
 
 @dataclass
@@ -51,158 +57,163 @@ class _Running:
                 pass
 
 
+def outcome_body(final: records.ExitRecord) -> dict[str, Any]:
+    """The `complete` request for an exit record: the record without its `kind`."""
+    body = records.to_json(final)
+    del body["kind"]
+    return body
+
+
+def report_event(record: records.Record) -> dict[str, Any] | None:
+    """The event the control plane records for a stream record, if it records one."""
+    if isinstance(record, records.EventRecord | records.LogRecord):
+        return records.to_json(record)
+    if isinstance(record, records.OutputRecord):
+        return records.to_json(
+            records.EventRecord({"output": record.name, "digest": record.digest})
+        )
+    return None
+
+
 class WorkRunner:
     def __init__(
         self,
         *,
-        http: httpx.Client,
-        credential: str,
+        control_plane: ControlPlane,
         worker_socket: Path,
         agent_socket: Path,
         parallel: int,
         stop: threading.Event,
-        publish: Callable[[str, str, Callable[[], Any]], Any],
     ) -> None:
-        self.http = http
-        self.credential = credential
+        self.control_plane = control_plane
         self.worker_socket = worker_socket
         self.agent_socket = agent_socket
         self.parallel = parallel
         self.stop = stop
-        self.publish = publish
         self._active: dict[str, _Running] = {}
         self._lock = threading.Lock()
         self._changed = threading.Event()
         self.threads: list[threading.Thread] = []
-        self.failure: BaseException | None = None
-
-    @property
-    def _auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.credential}"}
 
     def start(self) -> None:
-        targets = [self._slot] * self.parallel + [self._watch]
+        targets: list[Callable[[], None]] = [self._slot] * self.parallel + [self._watch]
         for index, target in enumerate(targets):
-            thread = threading.Thread(
-                target=self._guard, args=(target,), daemon=True, name=f"work-{index}"
-            )
+            thread = threading.Thread(target=target, daemon=True, name=f"work-{index}")
             thread.start()
             self.threads.append(thread)
-
-    def _guard(self, target: Callable[[], None]) -> None:
-        try:
-            target()
-        except BaseException as exc:  # e.g. AgentStopped: the whole agent stops
-            self.failure = self.failure or exc
-            self.stop.set()
 
     # -- claiming ---------------------------------------------------------------------------
 
     def _slot(self) -> None:
         while not self.stop.is_set():
-            assignment = self.publish("POST", "/api/v1/agent/work/claim", self._claim)
-            if assignment:
-                self._run(assignment)
+            try:
+                assignment = self.control_plane.claim(_HOLD)
+                if assignment:
+                    self._serve(assignment)
+            except (AgentStopped, Interrupted):
+                return  # the agent stops; the retry rule recorded why
+            except ControlPlaneError as exc:
+                log.error("%s; no job claimed, next claim in %.0f s", exc, _PAUSE_AFTER_ERROR)
+                self.stop.wait(_PAUSE_AFTER_ERROR)
+            except Exception:
+                if self.stop.is_set():
+                    return  # shutting down: the client may already be closed
+                log.exception("unexpected error while claiming work; this slot keeps serving")
+                self.stop.wait(_PAUSE_AFTER_ERROR)
 
-    def _claim(self) -> dict[str, Any] | None:
-        response = self.http.post(
-            "/api/v1/agent/work/claim",
-            json={"hold_seconds": _HOLD},
-            headers=self._auth,
-            timeout=httpx.Timeout(_HOLD + 15, connect=10.0),
-        )
-        if response.status_code == 204:
-            return None
-        if response.status_code >= 400:
-            raise api.error_from(response, "POST", "/api/v1/agent/work/claim")
-        data: dict[str, Any] = response.json()
-        return data
+    def _serve(self, assignment: dict[str, Any]) -> None:
+        """Run one job; an unexpected error fails it, logged once, and the slot goes on."""
+        job_id = str(assignment.get("job_id"))
+        try:
+            self._run(job_id, assignment)
+        except (AgentStopped, Interrupted):
+            raise
+        except Exception as exc:
+            log.exception("job %s: unexpected error in the node agent; the job is failed", job_id)
+            final = records.failed(
+                "JOB_AGENT_ERROR", f"the node agent failed running it ({type(exc).__name__})"
+            )
+            self.control_plane.complete(job_id, outcome_body(final))
 
     # -- cancellations ----------------------------------------------------------------------
 
     def _watch(self) -> None:
         while not self.stop.is_set():
-            with self._lock:
-                job_ids = list(self._active)
-            if not job_ids:
-                self._changed.wait(1.0)
-                self._changed.clear()
-                continue
-            answer = self.publish(
-                "POST", "/api/v1/agent/jobs/watch", partial(self._watch_once, job_ids)
-            )
-            for job_id in (answer or {}).get("cancel", []):
-                with self._lock:
-                    running = self._active.get(job_id)
-                if running is not None and not running.cancelled.is_set():
-                    log.info("job %s was cancelled (or is no longer ours): stopping it", job_id)
-                    running.cancel()
+            try:
+                self._watch_once()
+            except (AgentStopped, Interrupted):
+                return
+            except Exception:
+                if self.stop.is_set():
+                    return
+                log.exception("unexpected error while watching for cancellations; watching on")
+                self.stop.wait(_PAUSE_AFTER_ERROR)
 
-    def _watch_once(self, job_ids: list[str]) -> dict[str, Any]:
-        response = self.http.post(
-            "/api/v1/agent/jobs/watch",
-            json={"job_ids": job_ids, "hold_seconds": 5.0},
-            headers=self._auth,
-            timeout=httpx.Timeout(20.0, connect=10.0),
-        )
-        if response.status_code >= 400:
-            raise api.error_from(response, "POST", "/api/v1/agent/jobs/watch")
-        data: dict[str, Any] = response.json()
-        return data
+    def _watch_once(self) -> None:
+        with self._lock:
+            job_ids = list(self._active)
+        if not job_ids:
+            self._changed.wait(1.0)
+            self._changed.clear()
+            return
+        for job_id in self.control_plane.watch(job_ids, _WATCH_HOLD):
+            with self._lock:
+                running = self._active.get(job_id)
+            if running is not None and not running.cancelled.is_set():
+                log.info("job %s was cancelled (or is no longer ours): stopping it", job_id)
+                running.cancel()
 
     # -- running ----------------------------------------------------------------------------
 
-    def _run(self, assignment: dict[str, Any]) -> None:
-        job_id = str(assignment["job_id"])
+    def _run(self, job_id: str, assignment: dict[str, Any]) -> None:
         log.info("running job %s", job_id)
+        progress_every = float(assignment.get("progress_interval_seconds", 10.0))
+        spec = json.dumps(dict(assignment, agent_socket=str(self.agent_socket)))
         connection = UnixHTTPConnection(self.worker_socket)
         running = _Running(job_id)
         with self._lock:
             self._active[job_id] = running
         self._changed.set()
-        final: dict[str, Any] | None = None
+        final: records.ExitRecord | None = None
         pending: list[dict[str, Any]] = []
         last_report = time.monotonic()
-        progress_every = float(assignment.get("progress_interval_seconds", 10.0))
         try:
-            spec = dict(assignment, agent_socket=str(self.agent_socket))
             connection.request(
-                "POST",
-                "/v1/jobs",
-                body=json.dumps(spec),
-                headers={"Content-Type": "application/json"},
+                "POST", "/v1/jobs", body=spec, headers={"Content-Type": "application/json"}
             )
             running.sock = connection.sock
             response = connection.getresponse()
             if response.status != 200:
-                final = _failed("JOB_WORKER_REFUSED", f"runtime worker answered {response.status}")
+                final = records.failed(
+                    "JOB_WORKER_REFUSED", f"runtime worker answered {response.status}"
+                )
             while final is None:
                 line = response.readline()
                 if not line:
                     break
-                record = json.loads(line)
-                kind = record.get("kind")
-                if kind == "exit":
+                try:
+                    record = records.decode(line)
+                except records.RecordNotJson as exc:
+                    running.cancel()  # the worker kills the job
+                    final = records.failed(
+                        records.RESULT_NOT_JSON, f"the job produced a value that is not JSON: {exc}"
+                    )
+                    break
+                if isinstance(record, records.ExitRecord):
                     final = record
                     break
-                if kind in ("event", "log"):
-                    pending.append({"kind": kind, "data": record.get("data")})
-                elif kind == "output":
-                    pending.append(
-                        {
-                            "kind": "event",
-                            "data": {"output": record.get("name"), "digest": record.get("digest")},
-                        }
-                    )
+                event = report_event(record)
+                if event is not None:
+                    pending.append(event)
                 now = time.monotonic()
                 due = now - last_report >= (_REPORT_EVERY if pending else progress_every)
                 if due or len(pending) >= _BATCH:
-                    if self._report(job_id, pending):
+                    if self.control_plane.events(job_id, pending):
                         running.cancel()
                     pending, last_report = [], now
-        except (OSError, http.client.HTTPException, ValueError) as exc:
+        except (OSError, http.client.HTTPException, records.RecordError) as exc:
             if not running.cancelled.is_set():
-                final = _failed(
+                final = records.failed(
                     "JOB_WORKER_LOST",
                     f"lost the runtime worker while running ({type(exc).__name__})",
                 )
@@ -211,49 +222,14 @@ class WorkRunner:
             with self._lock:
                 self._active.pop(job_id, None)
         if pending:
-            self._report(job_id, pending)
+            self.control_plane.events(job_id, pending)
         if final is None:
             final = (
-                _failed("JOB_KILLED", "stopped on cancellation")
+                records.failed("JOB_KILLED", "stopped on cancellation")
                 if running.cancelled.is_set()
-                else _failed("JOB_WORKER_LOST", "the runtime worker ended the job without a result")
+                else records.failed(
+                    "JOB_WORKER_LOST", "the runtime worker ended the job without a result"
+                )
             )
-        self._complete(job_id, final)
-
-    def _report(self, job_id: str, events: list[dict[str, Any]]) -> bool:
-        path = f"/api/v1/agent/jobs/{job_id}/events"
-
-        def call() -> dict[str, Any]:
-            response = self.http.post(path, json={"events": events}, headers=self._auth)
-            if response.status_code in (404, 409):
-                return {"cancel": True}  # not ours or not running any more: stop it
-            if response.status_code >= 400:
-                raise api.error_from(response, "POST", path)
-            data: dict[str, Any] = response.json()
-            return data
-
-        answer = self.publish("POST", path, call)
-        return bool((answer or {}).get("cancel"))
-
-    def _complete(self, job_id: str, final: dict[str, Any]) -> None:
-        path = f"/api/v1/agent/jobs/{job_id}/complete"
-        body: dict[str, Any] = {"state": final.get("state", "failed")}
-        if body["state"] == "succeeded":
-            body["result"] = final.get("result")
-            body["outputs"] = final.get("outputs") or {}
-        else:
-            body["error"] = final.get("error") or {"code": "JOB_FAILED", "message": ""}
-
-        def call() -> None:
-            response = self.http.post(path, json=body, headers=self._auth)
-            if response.status_code in (404, 409):
-                return  # already ended by the control plane (cancelled, contact lost)
-            if response.status_code >= 400:
-                raise api.error_from(response, "POST", path)
-
-        self.publish("POST", path, call)
-        log.info("job %s ended: %s", job_id, body["state"])
-
-
-def _failed(code: str, message: str) -> dict[str, Any]:
-    return {"kind": "exit", "state": "failed", "error": {"code": code, "message": message}}
+        self.control_plane.complete(job_id, outcome_body(final))
+        log.info("job %s ended: %s", job_id, final.state)

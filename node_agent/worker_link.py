@@ -1,4 +1,4 @@
-"""The agent's side of the local runtime worker link: a unix socket, never the network (RW-1).
+"""The agent's side of the local runtime worker link: a unix socket, never the network.
 
 Plain `http.client` over AF_UNIX: it is small, and it closes the socket when the worker is not
 there (httpx's unix transport leaks the socket on a failed connect, which an agent polling a
@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from modelforge_ipc import UnixHTTPConnection
+from modelforge_contracts.ipc import UnixHTTPConnection
 
 log = logging.getLogger(__name__)
 

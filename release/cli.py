@@ -52,9 +52,10 @@ def _git(*args: str) -> str:
 
 
 def cmd_build(args: argparse.Namespace) -> None:
+    from modelforge_contracts.protocol import PROTOCOL_VERSION
+    from modelforge_contracts.release_manifest import MANIFEST_FILE, manifest_for
     from release.archive import write_images_tar
     from release.images import build_images
-    from release.manifest import MANIFEST_FILE, manifest_for
     from release.verify import images_tar_name
 
     version = args.version or package_version("modelforge")
@@ -72,7 +73,9 @@ def cmd_build(args: argparse.Namespace) -> None:
     )
     _say(f"writing {images_tar_name(version)}")
     write_images_tar(images, out / images_tar_name(version))
-    (out / MANIFEST_FILE).write_text(manifest_for(images, version=version, protocol=1).dumps())
+    (out / MANIFEST_FILE).write_text(
+        manifest_for(images, version=version, protocol=PROTOCOL_VERSION).dumps()
+    )
     (out / "sbom").mkdir(exist_ok=True)
     for image in images:
         sbom = json.dumps(image.sbom, indent=2, sort_keys=True) + "\n"
@@ -81,8 +84,8 @@ def cmd_build(args: argparse.Namespace) -> None:
 
 
 def cmd_bundle(args: argparse.Namespace) -> None:
+    from modelforge_contracts.release_manifest import MANIFEST_FILE, load_manifest
     from release.checksums import render_sha256sums
-    from release.manifest import MANIFEST_FILE, load_manifest
     from release.verify import SUMS_FILE, TEMPLATE
 
     manifest = load_manifest(args.bundle / MANIFEST_FILE)
@@ -205,8 +208,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from modelforge_contracts.release_manifest import ManifestError
     from release.checksums import ChecksumError, SumsFormatError
-    from release.manifest import ManifestError
     from release.signing import SignatureError, SigningKeyError
 
     args = parser().parse_args(argv)

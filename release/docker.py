@@ -1,4 +1,4 @@
-"""`load`, `up` and `down` (RL-4) against a Docker engine, after `verify`.
+"""`load`, `up` and `down` against a Docker engine, after `verify`.
 
 `load` runs `docker image load`, compares each loaded image's tag, RootFS layers, architecture
 and labels with the manifest (the engine's image ID is not compared: it may change on load) and
@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from release.manifest import MANIFEST_FILE, Manifest, ManifestError, check_images, load_manifest
+from modelforge_contracts.release_manifest import (
+    MANIFEST_FILE,
+    Manifest,
+    ManifestError,
+    check_images,
+    load_manifest,
+)
 from release.verify import VerifiedBundle
 
 LOADED_FILE = "loaded-images.json"

@@ -16,13 +16,14 @@ import base64
 import binascii
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+
+from modelforge_contracts.files import write_private
 
 BUNDLE_MEDIA_TYPE = "application/vnd.dev.sigstore.bundle.v0.3+json"
 _DIGEST_ALGORITHM = "SHA2_256"  # the protobuf-specs HashAlgorithm name for SHA-256
@@ -268,23 +269,7 @@ def _password_from_env(password_env: str | None) -> bytes | None:
 
 
 def _write_new_file(path: Path, content: bytes, *, mode: int) -> None:
-    # mkstemp creates the file 0600 from the start, so the private key is never briefly
-    # world-readable; the final mode is set before the rename makes it visible.
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as tmp:
-            tmp.write(content)
-            tmp.flush()
-            os.fchmod(tmp.fileno(), mode)
-            os.fsync(tmp.fileno())
-        # link() rather than replace(): a key file that appeared meanwhile is never clobbered.
-        os.link(tmp_name, path)
+        write_private(path, content, exclusive=True, mode=mode)
     except FileExistsError:
         raise SigningKeyError(f"refusing to overwrite existing key file {path}") from None
-    finally:
-        Path(tmp_name).unlink(missing_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

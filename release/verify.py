@@ -13,8 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from modelforge_contracts.release_manifest import (
+    MANIFEST_FILE,
+    Manifest,
+    ManifestError,
+    check_images,
+    load_manifest,
+)
 from release import archive, checksums, signing
-from release.manifest import MANIFEST_FILE, Manifest, ManifestError, check_images, load_manifest
 
 SUMS_FILE = "SHA256SUMS"
 SIGNATURE_FILE = "SHA256SUMS.sig"

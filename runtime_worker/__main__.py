@@ -10,7 +10,8 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-from runtime_worker import PROTOCOL_VERSION, WORKER_VERSION
+from modelforge_contracts.protocol import PROTOCOL_VERSION
+from runtime_worker import WORKER_VERSION
 from runtime_worker.execution import kill_all
 from runtime_worker.server import serve
 
@@ -51,7 +52,7 @@ def main() -> int:
     )
     with server:
         server.serve_forever(poll_interval=0.5)
-    kill_all()  # WL-4: no job outlives the worker
+    kill_all()  # no job outlives the worker
     socket_path.unlink(missing_ok=True)
     return 0
 

@@ -1,4 +1,4 @@
-"""Running one job (WL-3, WL-4, WL-6): a process group of its own, a filtered environment,
+"""Running one job: a process group of its own, a filtered environment,
 its output and events collected, its timeout and silence timeout enforced. The group is killed
 when the job ends, times out, falls silent, is abandoned by the agent, or the worker stops —
 nothing a job started outlives it.
@@ -21,12 +21,16 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import IO, Any
 
-#: WL-6: variables that look like credentials never reach job code.
+from modelforge_contracts import job_records as records
+
+#: Variables that look like credentials never reach job code.
 _CREDENTIAL_LIKE = re.compile(
     r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|ACCESS_?KEY|PRIVATE|AUTH|COOKIE|SESSION|CERT",
     re.IGNORECASE,
 )
 _KILL_GRACE = 0.5
+#: The records job code may write to its events pipe.
+_FROM_JOB = (records.EventRecord, records.OutputRecord, records.ResultRecord, records.ErrorRecord)
 
 _running: dict[int, subprocess.Popen[bytes]] = {}
 _running_lock = threading.Lock()
@@ -67,22 +71,31 @@ def kill_all() -> None:
         kill_group(process)
 
 
-def _pump(stream: IO[bytes], kind: str, out: queue.Queue[dict[str, Any]]) -> None:
+def _pump(stream: IO[bytes], source: str, out: queue.Queue[records.Record]) -> None:
+    """Read the job's output (`log`) or its events pipe (`events`) into `out` as records."""
     for raw in iter(stream.readline, b""):
-        if kind == "log":
-            out.put({"kind": "log", "data": raw.decode(errors="replace").rstrip("\n")})
+        text = raw.decode(errors="replace").rstrip("\n")
+        if source == "log":
+            out.put(records.LogRecord(text))
             continue
         try:
-            out.put(json.loads(raw))
-        except ValueError:
-            out.put({"kind": "log", "data": raw.decode(errors="replace").rstrip("\n")})
+            record = records.decode(raw)
+        except records.RecordNotJson as exc:
+            message = f"the job wrote a record that is not strict JSON: {exc}"
+            out.put(records.job_error(records.RESULT_NOT_JSON, message))
+            continue
+        except records.RecordError:
+            record = records.LogRecord(text)
+        if not isinstance(record, _FROM_JOB):
+            record = records.LogRecord(text)  # ticks and exits are the worker's to send
+        out.put(record)
     stream.close()
 
 
 def run_job(
     spec: dict[str, Any], *, agent_socket: str, tick: float = 0.25
-) -> Generator[dict[str, Any], None, None]:
-    """Start the job and yield its records; the last one has kind `exit`.
+) -> Generator[records.Record, None, None]:
+    """Start the job and yield its records; the last one is an `ExitRecord`.
 
     Records: `event`, `log`, `output` as they happen, `tick` at least every `tick` seconds (so
     the caller notices a vanished agent), then `exit` with the state. Closing the generator
@@ -112,11 +125,11 @@ def run_job(
     os.close(write_fd)
     with _running_lock:
         _running[process.pid] = process
-    records: queue.Queue[dict[str, Any]] = queue.Queue()
+    pipe: queue.Queue[records.Record] = queue.Queue()
     readers = [
-        threading.Thread(target=_pump, args=(process.stdout, "log", records), daemon=True),
+        threading.Thread(target=_pump, args=(process.stdout, "log", pipe), daemon=True),
         threading.Thread(
-            target=_pump, args=(os.fdopen(read_fd, "rb"), "events", records), daemon=True
+            target=_pump, args=(os.fdopen(read_fd, "rb"), "events", pipe), daemon=True
         ),
     ]
     for reader in readers:
@@ -129,12 +142,24 @@ def run_job(
     started = last_output = time.monotonic()
     timeout = float(spec.get("timeout_seconds") or 3600)
     silence = float(spec.get("silence_timeout_seconds") or 600)
-    outcome: dict[str, Any] | None = None
+    outcome: records.ResultRecord | records.ErrorRecord | None = None
     outputs: dict[str, str] = {}
+
+    def passed_on(record: records.Record) -> bool:
+        """Note an outcome or an output; True when the record goes on to the agent."""
+        nonlocal outcome
+        if isinstance(record, records.ResultRecord | records.ErrorRecord):
+            if not isinstance(outcome, records.ErrorRecord):  # the first failure stands
+                outcome = record
+            return False
+        if isinstance(record, records.OutputRecord):
+            outputs[record.name] = record.digest
+        return True
+
     try:
         while True:
             try:
-                record: dict[str, Any] | None = records.get(timeout=tick)
+                record: records.Record | None = pipe.get(timeout=tick)
             except queue.Empty:
                 record = None
             now = time.monotonic()
@@ -144,46 +169,32 @@ def run_job(
                     kill_group(process)
                 for reader in readers:
                     reader.join(timeout=1.0)
-                while not records.empty():
-                    late = records.get_nowait()
-                    if late.get("kind") in ("result", "error"):
-                        outcome = late
-                    else:
-                        if late.get("kind") == "output":
-                            outputs[str(late["name"])] = str(late["digest"])
+                while not pipe.empty():
+                    late = pipe.get_nowait()
+                    if passed_on(late):
                         yield late
                 break
             if record is None:
-                yield {"kind": "tick"}
+                yield records.TickRecord()
             else:
                 last_output = now
-                kind = record.get("kind")
-                if kind in ("result", "error"):
-                    outcome = record
-                else:
-                    if kind == "output":
-                        outputs[str(record["name"])] = str(record["digest"])
+                if passed_on(record):
                     yield record
             if now - started >= timeout:
                 kill_group(process)
-                yield _failed("JOB_TIMEOUT", f"ran longer than its timeout of {timeout:g} s")
+                yield records.failed("JOB_TIMEOUT", f"ran longer than its timeout of {timeout:g} s")
                 return
             if now - last_output >= silence:
                 kill_group(process)
-                yield _failed("JOB_SILENT", f"no output or event for {silence:g} s")
+                yield records.failed("JOB_SILENT", f"no output or event for {silence:g} s")
                 return
         code = process.wait()
-        if outcome is not None and outcome.get("kind") == "result" and code == 0:
-            yield {
-                "kind": "exit",
-                "state": "succeeded",
-                "result": outcome.get("value"),
-                "outputs": outputs,
-            }
-        elif outcome is not None and outcome.get("kind") == "error":
-            yield _failed(str(outcome.get("code")), str(outcome.get("message")))
+        if isinstance(outcome, records.ResultRecord) and code == 0:
+            yield records.succeeded(outcome.value, outputs)
+        elif isinstance(outcome, records.ErrorRecord):
+            yield records.failed(outcome.error.code, outcome.error.message)
         else:
-            yield _failed("JOB_EXITED", f"the job process ended with exit code {code}")
+            yield records.failed("JOB_EXITED", f"the job process ended with exit code {code}")
     finally:
         # Normal end, timeout, or the caller closed us (cancel, agent gone): the group goes.
         if process.poll() is None or _group_alive(process.pid):
@@ -201,7 +212,3 @@ def _group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _failed(code: str, message: str) -> dict[str, Any]:
-    return {"kind": "exit", "state": "failed", "error": {"code": code, "message": message}}

@@ -2,10 +2,12 @@
 
     from runtime_worker.job import emit, inputs, load_artifact, save_artifact
 
-`emit(event)` records a JSON event visible through the jobs API, in order. `load_artifact(digest)`
-returns a local path to the artifact (fetched and cached by the node agent). `save_artifact(path,
-name=None)` uploads a file and returns its digest; with a `name` it becomes one of the job's
-outputs. `inputs()` maps the job's input names to digests.
+`emit(event)` records a JSON event visible through the jobs API, in order; an event that is not
+strict JSON (NaN, Infinity, or not serialisable) raises `RecordNotJson` (a `ValueError`) in the
+job, which — if the job lets it propagate — fails with `JOB_RESULT_NOT_JSON`.
+`load_artifact(digest)` returns a local path to the artifact (fetched and cached by the node
+agent). `save_artifact(path, name=None)` uploads a file and returns its digest; with a `name` it
+becomes one of the job's outputs. `inputs()` maps the job's input names to digests.
 
 They talk to the runtime worker through an inherited pipe and to the node agent through its
 local unix socket; neither needs (or sees) a credential.
@@ -19,22 +21,36 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from modelforge_ipc import UnixHTTPConnection
+from modelforge_contracts.ipc import UnixHTTPConnection
+from modelforge_contracts.job_records import (
+    EventRecord,
+    OutputRecord,
+    Record,
+    RecordNotJson,
+    encode,
+)
 
 _lock = threading.Lock()
 _CHUNK = 1024 * 1024
 
 
-def _write(record: dict[str, Any]) -> None:
+def write_line(line: bytes) -> None:
+    """Write one encoded record to the runtime worker's events pipe, whole."""
     fd = int(os.environ["MODELFORGE_JOB_EVENTS_FD"])
-    line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
     with _lock:
         os.write(fd, line)
 
 
+def write_record(record: Record) -> None:
+    write_line(encode(record))
+
+
 def emit(event: Any) -> None:
-    """Record `event` (anything JSON-serialisable) as a job event."""
-    _write({"kind": "event", "data": event})
+    """Record `event` as a job event; `RecordNotJson` when it is not strict JSON."""
+    try:
+        write_record(EventRecord(event))
+    except RecordNotJson as exc:
+        raise RecordNotJson(f"emit(): the event is not strict JSON ({exc})") from None
 
 
 def inputs() -> dict[str, str]:
@@ -83,5 +99,5 @@ def save_artifact(path: str | os.PathLike[str], name: str | None = None) -> str:
         )
     digest = str(answer["digest"])
     if name is not None:
-        _write({"kind": "output", "name": name, "digest": digest})
+        write_record(OutputRecord(name, digest))
     return digest

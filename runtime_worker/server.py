@@ -1,4 +1,4 @@
-"""The worker's local endpoint: HTTP over a unix socket with mode 0600 (RW-1).
+"""The worker's local endpoint: HTTP over a unix socket with mode 0600.
 
 `GET /v1/health` answers `{"component", "version", "protocol_version", "healthy", "accelerator"}`.
 """
@@ -10,8 +10,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from modelforge_ipc import JsonHandler, UnixHTTPServer, serve_unix
-from runtime_worker import PROTOCOL_VERSION, WORKER_VERSION
+from modelforge_contracts.ipc import JsonHandler, UnixHTTPServer, serve_unix
+from modelforge_contracts.job_records import encode
+from modelforge_contracts.protocol import PROTOCOL_VERSION
+from runtime_worker import WORKER_VERSION
 from runtime_worker.execution import run_job
 
 log = logging.getLogger("modelforge.runtime_worker")
@@ -33,29 +35,11 @@ class _Handler(JsonHandler):
         if self.path == "/v1/health":
             self.send_json(200, health())
         else:
-            self.send_json(
-                404,
-                {
-                    "error": {
-                        "code": "NOT_FOUND",
-                        "message": f"no route {self.path}",
-                        "next_step": "GET /v1/health",
-                    }
-                },
-            )
+            self.send_error_json(404, "NOT_FOUND", f"no route {self.path}", "GET /v1/health")
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
         if self.path != "/v1/jobs":
-            self.send_json(
-                404,
-                {
-                    "error": {
-                        "code": "NOT_FOUND",
-                        "message": f"no route {self.path}",
-                        "next_step": "POST /v1/jobs",
-                    }
-                },
-            )
+            self.send_error_json(404, "NOT_FOUND", f"no route {self.path}", "POST /v1/jobs")
             return
         try:
             length = int(self.headers.get("Content-Length") or 0)
@@ -63,15 +47,8 @@ class _Handler(JsonHandler):
             agent_socket = str(spec.pop("agent_socket"))
             str(spec["job_id"])
         except (ValueError, KeyError, TypeError) as exc:
-            self.send_json(
-                400,
-                {
-                    "error": {
-                        "code": "INVALID_JOB",
-                        "message": str(exc),
-                        "next_step": "send a job assignment from the agent",
-                    }
-                },
+            self.send_error_json(
+                400, "INVALID_JOB", str(exc), "send a job assignment from the agent"
             )
             return
         # One JSON line per record, streamed until the job exits. The agent closing this
@@ -82,7 +59,7 @@ class _Handler(JsonHandler):
         records = run_job(spec, agent_socket=agent_socket)
         try:
             for record in records:
-                self.wfile.write((json.dumps(record, default=str) + "\n").encode())
+                self.wfile.write(encode(record))
                 self.wfile.flush()
         except OSError:
             log.warning(

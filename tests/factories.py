@@ -12,11 +12,12 @@ from typing import Any
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
-from control_plane import PROTOCOL_VERSION, RELEASE_VERSION
+from control_plane import RELEASE_VERSION
 from control_plane.app import create_app
 from control_plane.clock import Clock, ManualClock
 from control_plane.context import AppContext
 from control_plane.settings import Settings
+from modelforge_contracts.protocol import PROTOCOL_VERSION
 
 ADMIN_TOKEN = "mfa_test_" + secrets.token_urlsafe(24)
 
@@ -75,7 +76,7 @@ def telemetry_body() -> dict[str, Any]:
 
 
 def node_agent_entry(**changes: Any) -> dict[str, Any]:
-    """The node-agent entry of a release manifest (RL-2a) for this control plane's release, as
+    """The node-agent entry of a release manifest for this control plane's release, as
     the Enroll node wizard is given it. The `&` in a label is there on purpose: Docker's
     `{{json}}` prints it as `\\u0026`, which the generated start command must match."""
     entry: dict[str, Any] = {
@@ -117,7 +118,7 @@ class ControlPlane:
     def __init__(self, client: TestClient, clock: ManualClock) -> None:
         self.client = client
         self.clock = clock
-        self.ctx: AppContext = client.app.state.ctx  # type: ignore[attr-defined]
+        self.ctx: AppContext = client.app.ctx  # type: ignore[attr-defined]
 
     @property
     def admin(self) -> dict[str, str]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter
 from sqlalchemy import text
 
-from control_plane import PROTOCOL_MAX, PROTOCOL_MIN, PROTOCOL_VERSION, RELEASE_VERSION
+from control_plane import RELEASE_VERSION
 from control_plane.api.deps import SessionDep
 from control_plane.schemas import Health, VersionInfo
+from modelforge_contracts import protocol
 
 router = APIRouter(prefix="/api/v1", tags=["public"])
 
@@ -22,6 +23,6 @@ def health(session: SessionDep) -> Health:
 def version() -> VersionInfo:
     return VersionInfo(
         version=RELEASE_VERSION,
-        protocol_version=PROTOCOL_VERSION,
-        accepted_protocols=list(range(PROTOCOL_MIN, PROTOCOL_MAX + 1)),
+        protocol_version=protocol.PROTOCOL_VERSION,
+        accepted_protocols=protocol.accepted(),
     )

@@ -1,4 +1,4 @@
-"""What the Enroll node wizard hands the operator (UI-2..UI-4): the image to run, checked against
+"""What the Enroll node wizard hands the operator: the image to run, checked against
 the release, a `.env` of non-secret settings, and the Bash commands that start the agent and later
 recreate it without the one-time token.
 
@@ -13,10 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from control_plane import PROTOCOL_VERSION, RELEASE_VERSION
+from control_plane import RELEASE_VERSION
 from control_plane.errors import InvalidRequest
 from control_plane.services import start_script
-from release.manifest import ImageEntry, ManifestError, load_manifest, mismatches, parse_image_entry
+from modelforge_contracts.protocol import PROTOCOL_VERSION
+from modelforge_contracts.release_manifest import (
+    ImageEntry,
+    ManifestError,
+    load_manifest,
+    mismatches,
+    parse_image_entry,
+)
 
 NODE_AGENT = "modelforge-node-agent"
 RUNTIME_WORKER = "modelforge-runtime-worker"
@@ -46,7 +53,7 @@ class ImageChoice:
 
 
 def check_api_origin(api_origin: str, request_origin: str | None) -> str:
-    """UI-2: the node talks to the console's own origin, nothing else."""
+    """The node talks to the console's own origin, nothing else."""
     try:
         parts = urlsplit(api_origin)
         hostname = parts.hostname

@@ -1,4 +1,4 @@
-"""The Bash the Enroll node wizard generates (UI-2..UI-4). Every value put into a script is
+"""The Bash the Enroll node wizard generates. Every value put into a script is
 shell-quoted here; nothing secret is ever put into one.
 
 The start command is one compound command, so an interactive shell parses all of it before the
@@ -15,7 +15,7 @@ import json
 import shlex
 from dataclasses import dataclass
 
-from release.manifest import ImageEntry
+from modelforge_contracts.release_manifest import ImageEntry
 
 ENV_FILE = "modelforge-node.env"
 TOKEN_VARIABLE = "MODELFORGE_AGENT_ENROLLMENT_TOKEN"  # noqa: S105 - a variable name

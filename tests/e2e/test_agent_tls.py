@@ -1,4 +1,4 @@
-"""AG-6: a control plane served over TLS by Granian with a certificate from a private CA. The
+"""A control plane served over TLS by Granian with a certificate from a private CA. The
 agent connects when given the CA (MODELFORGE_AGENT_CA_CERT_PATH) and fails with a clear
 certificate error without it; turning verification off is possible only with a loud warning."""
 

@@ -1,4 +1,4 @@
-"""The console in real headless Chromium (UI-1..UI-5).
+"""The console in real headless Chromium.
 
 The browser tests themselves are JavaScript (`control_plane/console/tests/*.test.mjs`, Playwright
 through playwright-core driving Debian's /usr/bin/chromium). This module gives them what they

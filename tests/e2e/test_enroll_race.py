@@ -1,5 +1,5 @@
-"""EN-3 over real HTTP: 60 concurrent claims of one token against Granian, 20 times, on SQLite
-and PostgreSQL. Exactly one claim wins; the others get ENROLLMENT_TOKEN_USED."""
+"""Over real HTTP: 60 concurrent claims of one token against Granian, 20 times, on SQLite and
+PostgreSQL. Exactly one claim wins; the others get ENROLLMENT_TOKEN_USED."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Jobs end to end with real processes (WL-1..WL-6, AR-1, AR-2): control plane on Granian, a
+"""Jobs end to end with real processes: control plane on Granian, a
 cpu-mode node agent and its runtime worker. The model actually runs."""
 
 from __future__ import annotations
@@ -66,6 +66,29 @@ def too_long():
 def quiet():
     import time
     time.sleep(300)
+
+
+def not_a_number():
+    return {"loss": float("nan")}
+
+
+def infinite_event():
+    emit({"loss": float("inf")})
+    return "not reached"
+
+
+def raw_nan_event():
+    # Past the helpers, straight into the events pipe.
+    os.write(int(os.environ["MODELFORGE_JOB_EVENTS_FD"]), b'{"kind":"event","data":NaN}\\n')
+    return "done"
+
+
+def careful():
+    try:
+        emit({"loss": float("nan")})
+    except ValueError as exc:
+        emit({"refused": str(exc)})
+    return "ok"
 """
 HELPERS = "def shout(text):\n    return text.upper() + '!'\n"
 SOURCE = {"pipeline.py": PIPELINE, "helpers.py": HELPERS}
@@ -131,7 +154,7 @@ def test_python_job_from_submitted_source(stack: tuple[LiveServer, Node]) -> Non
     assert steps == [0, 1, 2, 3, 4]
     digest = done["result"]["digest"]
     assert done["outputs"] == {"report": digest}
-    assert done["result"]["env_has_token"] is False  # WL-6: credential-like variables filtered
+    assert done["result"]["env_has_token"] is False  # credential-like variables filtered
     with server.client() as client:
         content = client.get(f"/api/v1/artifacts/{digest}", headers=server.admin).content
     assert content == b"HELLO!"
@@ -249,3 +272,31 @@ def test_agent_killed_mid_job_fails_it_and_leaves_nothing(tmp_path: Path) -> Non
             failed = _wait_state(server, job["job_id"], {"failed"}, 15)
             assert failed["error"]["code"] == "JOB_CONTACT_LOST"
             assert node.worker is not None and node.worker.poll() is None  # the worker lives on
+
+
+def test_values_that_are_not_json_fail_their_job_and_the_agent_serves_on(
+    stack: tuple[LiveServer, Node],
+) -> None:
+    """NaN or Infinity in a result or an event fails that job with JOB_RESULT_NOT_JSON; the
+    agent stays up and runs the next job."""
+    server, node = stack
+    for function in ("not_a_number", "infinite_event", "raw_nan_event"):
+        job = _submit(server, function)
+        done = _wait_state(server, job["job_id"], {"succeeded", "failed"}, 30)
+        assert done["state"] == "failed", (function, done)
+        assert done["error"]["code"] == "JOB_RESULT_NOT_JSON", (function, done["error"])
+        assert node.agent is not None and node.agent.poll() is None, node.log()
+    refused = _wait_state(server, _submit(server, "infinite_event")["job_id"], {"failed"}, 30)
+    assert "emit()" in refused["error"]["message"]
+
+    # emit() refuses at the call: a job that handles it carries on.
+    careful = _submit(server, "careful")
+    done = _wait_state(server, careful["job_id"], {"succeeded", "failed"}, 30)
+    assert done["state"] == "succeeded" and done["result"] == "ok", done
+    data = [e["data"] for e in _events(server, careful["job_id"]) if e["kind"] == "event"]
+    assert any("not strict JSON" in str((d or {}).get("refused")) for d in data), data
+
+    after = _submit(server, "run", params={"n": 1, "text": "still here"})
+    done = _wait_state(server, after["job_id"], {"succeeded", "failed"}, 30)
+    assert done["state"] == "succeeded", done
+    assert "Traceback" not in node.log()

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from release import sbom
-from release.images import PROJECT_DIR, BuiltImage, ImageBuildError, _copy_project, build_images
+from release.images import PROJECT_DIR, BuiltImage, ImageBuildError, build_images
+from release.oci import copy_project
 
 EPOCH = 1_700_000_000
 VERSION = "0.1.0"
@@ -73,7 +74,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list
             "building images needs root and mmdebstrap (apt-get install mmdebstrap)", pytrace=False
         )
     root = tmp_path_factory.mktemp("images")
-    _copy_project(PROJECT_DIR, root / "project")
+    copy_project(PROJECT_DIR, root / "project")
     shutil.copytree(PROJECT_DIR / "locks", root / "project" / "locks")
     yield root / "first", _build(root / "first", worker_flavour="cpu")
 

@@ -1,4 +1,4 @@
-"""RL-1..RL-5 against a real Docker engine: build the three images without Docker, bundle, sign,
+"""The release against a real Docker engine: build the three images without Docker, bundle, sign,
 verify, load, `up` the control plane, node agent (cpu mode) and runtime worker; enroll the agent
 through the admin API until the node is ready; every container runs its recorded image ID. A
 container from a different image under the same tag makes `up` fail and stop the stack."""

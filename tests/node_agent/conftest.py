@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from node_agent.client import ControlPlane, connect
 from tests.nvml_substitute import SCENARIO_ENV, build_fake_nvml
 
 
@@ -70,19 +73,56 @@ def run_agent(
     )
 
 
+def control_plane_client(url: str, stop: threading.Event | None = None) -> ControlPlane:
+    """The agent's own client for `url`, as the agent builds it (plain HTTP on loopback)."""
+    return connect(
+        url, tls_verify=True, ca_cert_path=None, timeout=10, stop=stop or threading.Event()
+    )
+
+
+def start_agent(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """The agent as a long-running process, its output going to `log`."""
+    with log.open("ab") as handle:
+        return subprocess.Popen(
+            [sys.executable, "-m", "node_agent"], env=env, stdout=handle, stderr=subprocess.STDOUT
+        )
+
+
+def stop_agent(process: subprocess.Popen[bytes]) -> int:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    return process.wait(timeout=20)
+
+
+#: The control plane's answer to an enrollment, with intervals short enough for tests.
+ENROLLED = {
+    "node_id": "node_x",
+    "credential": "cred.jwt.value",
+    "labels": {},
+    "heartbeat_interval_seconds": 0.2,
+    "telemetry_interval_seconds": 60,
+}
+
+#: A body, or raw bytes sent as `application/octet-stream`.
+Answer = tuple[int, dict[str, Any] | bytes]
+
+
 @dataclass
 class Recorded:
     method: str
     path: str
     headers: dict[str, str]
     body: str
+    #: When it arrived (time.monotonic()).
+    at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
 class RecordingServer:
-    """A real HTTP server on loopback; `respond` decides each answer (default 404)."""
+    """A real HTTP server on loopback; `respond` decides each answer (default 404). A 204 is
+    sent without a body; `respond` may take its time (each request has a thread)."""
 
-    respond: Callable[[Recorded], tuple[int, dict[str, Any]]] = field(
+    respond: Callable[[Recorded], Answer] = field(
         default=lambda _r: (404, {"error": {"code": "NOT_FOUND", "message": "", "next_step": ""}})
     )
     requests: list[Recorded] = field(default_factory=list)
@@ -104,14 +144,18 @@ class RecordingServer:
         class Handler(BaseHTTPRequestHandler):
             def _handle(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
-                record = Recorded(
-                    self.command, self.path, dict(self.headers), self.rfile.read(length).decode()
-                )
+                body = self.rfile.read(length).decode(errors="replace")
+                record = Recorded(self.command, self.path, dict(self.headers), body)
                 outer.requests.append(record)
-                status, body = outer.respond(record)
-                payload = json.dumps(body).encode()
+                status, answer = outer.respond(record)
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                if status == 204:
+                    self.end_headers()
+                    return
+                raw = isinstance(answer, bytes)
+                payload = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
+                kind = "application/octet-stream" if raw else "application/json"
+                self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
                 self.wfile.write(payload)
@@ -124,6 +168,9 @@ class RecordingServer:
         self.server = ThreadingHTTPServer((self.bind, 0), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
+
+    def paths(self) -> list[str]:
+        return [r.path for r in list(self.requests)]
 
     def stop(self) -> None:
         if self.server is not None:

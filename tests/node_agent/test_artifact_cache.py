@@ -1,6 +1,6 @@
-"""AR-1, AR-2 on the node, against a real control plane over HTTP: downloads verified by digest
-and resumed with HTTP ranges; uploads verified by the control plane; the cache bounded by size,
-least recently used evicted first."""
+"""The artifact cache on the node with the agent's client, against a real control plane over
+HTTP: downloads verified by digest and resumed with HTTP ranges; uploads verified by the control
+plane; the cache bounded by size, least recently used evicted first."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from node_agent.artifact_cache import ArtifactCache, ArtifactError
+from node_agent.retry import ControlPlaneError
 from tests.e2e.server import LiveServer
+from tests.node_agent.conftest import control_plane_client
 
 
 def _digest(data: bytes) -> str:
@@ -23,8 +25,10 @@ def test_fetch_resume_upload_and_evict(tmp_path: Path) -> None:
     with (
         LiveServer(tmp_path / "cp", f"sqlite:///{tmp_path / 'cp.db'}") as server,
         server.client() as http,
+        control_plane_client(server.url) as control_plane,
     ):
-        credential = server.enroll()["credential"]
+        control_plane.use_credential(server.enroll()["credential"])
+        download = control_plane.download_artifact
 
         def upload(data: bytes) -> str:
             response = http.post("/api/v1/artifacts", headers=server.admin, content=data)
@@ -38,21 +42,21 @@ def test_fetch_resume_upload_and_evict(tmp_path: Path) -> None:
         partial = tmp_path / "cache" / ".partial" / digest.removeprefix("sha256:")
         partial.parent.mkdir(parents=True)
         partial.write_bytes(payload[:100_000])
-        path = cache.fetch(http, credential, digest)
+        path = cache.fetch(digest, download)
         assert path.read_bytes() == payload and not partial.exists()
 
         # A corrupt partial file is caught by the digest check and never becomes visible.
         other_digest = upload(os.urandom(50_000))
         partial.with_name(other_digest.removeprefix("sha256:")).write_bytes(b"garbage!" * 10)
         with pytest.raises(ArtifactError, match="hashes to"):
-            cache.fetch(http, credential, other_digest)
+            cache.fetch(other_digest, download)
         assert not cache.path(other_digest).exists()
 
         # Produced on the node: stored by digest, uploaded, verified by the control plane.
         made = os.urandom(250_000)
-        made_digest, _ = cache.store([made[:1000], made[1000:]])
+        made_digest, made_path = cache.store([made[:1000], made[1000:]])
         assert made_digest == _digest(made)
-        cache.upload(http, credential, made_digest)
+        control_plane.upload_artifact(made_digest, made_path)
         assert http.get(f"/api/v1/artifacts/{made_digest}", headers=server.admin).content == made
 
         # Over the bound (700 kB): the least recently used file goes first.
@@ -60,6 +64,14 @@ def test_fetch_resume_upload_and_evict(tmp_path: Path) -> None:
         third, _ = cache.store([os.urandom(200_000)])
         assert not cache.path(made_digest).exists()
         assert cache.path(digest).exists() and cache.path(third).exists()
+
+        # Unknown to the control plane: its refusal, naming method and path, reaches the caller.
+        unknown = _digest(b"never uploaded")
+        with pytest.raises(
+            ControlPlaneError, match=f"HTTP 404 .* on GET /api/v1/agent/artifacts/{unknown}"
+        ):
+            cache.fetch(unknown, download)
+        assert not cache.path(unknown).exists()
 
 
 def test_bad_digest_is_refused(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""AG-1, AG-4: the agent refuses bad configuration at start with a specific message and exit 2,
+"""The agent refuses bad configuration at start with a specific message and exit 2,
 before sending anything; identity files are atomic and private."""
 
 from __future__ import annotations
@@ -70,6 +70,26 @@ def test_missing_control_plane_url(tmp_path: Path) -> None:
     result = run_agent(env)
     assert result.returncode == 2
     assert "MODELFORGE_AGENT_CONTROL_PLANE_URL: is required" in result.stderr
+
+
+def _problems(stderr: str) -> list[str]:
+    return stderr.split("invalid configuration:\n", 1)[1].splitlines()
+
+
+def test_a_bad_variable_without_the_agent_prefix_is_named_as_set(tmp_path: Path) -> None:
+    env = agent_env(tmp_path / "state", MODELFORGE_ARTIFACT_CACHE_BYTES="lots")
+    result = run_agent(env)
+    assert result.returncode == 2, result.stderr
+    assert _problems(result.stderr)[0].startswith("MODELFORGE_ARTIFACT_CACHE_BYTES: ")
+    assert "MODELFORGE_AGENT_MODELFORGE_" not in result.stderr
+    assert "lots" not in result.stderr  # a value is never echoed: it may be a secret
+
+
+def test_a_bad_preflight_variable_is_named(tmp_path: Path) -> None:
+    env = agent_env(tmp_path / "state", MODELFORGE_AGENT_PREFLIGHT_TIMEOUT_SECONDS="soon")
+    result = run_agent(env, "--preflight")
+    assert result.returncode == 2, result.stderr
+    assert _problems(result.stderr)[0].startswith("MODELFORGE_AGENT_PREFLIGHT_TIMEOUT_SECONDS: ")
 
 
 def test_unwritable_state_volume(tmp_path: Path, recording_server: RecordingServer) -> None:

@@ -1,4 +1,4 @@
-"""AG-2, AG-3: the NVIDIA preflight fails closed with exactly one code and exit 3, sends nothing,
+"""The NVIDIA preflight fails closed with exactly one code and exit 3, sends nothing,
 and `--preflight` is a bounded diagnostic that never enrolls. Run as subprocesses over the
 substitute NVML (a real shared library loaded by the unchanged bindings)."""
 

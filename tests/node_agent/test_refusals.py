@@ -1,5 +1,5 @@
-"""Terminal answers stop the agent with their own exit code and no retry storm (AG-5, CR-2,
-CO-1); transient ones are retried. Against a real HTTP server scripted per request."""
+"""Terminal answers stop the agent with their own exit code and no retry storm; transient ones
+are retried. Against a real HTTP server scripted per request."""
 
 from __future__ import annotations
 
@@ -9,19 +9,19 @@ from typing import Any
 
 import pytest
 
-from tests.node_agent.conftest import Recorded, RecordingServer, agent_env, run_agent
-
-ENROLLED = {
-    "node_id": "node_x",
-    "credential": "cred.jwt.value",
-    "labels": {},
-    "heartbeat_interval_seconds": 0.2,
-    "telemetry_interval_seconds": 60,
-}
+from modelforge_contracts.errors import error_body
+from tests.node_agent.conftest import (
+    ENROLLED,
+    Answer,
+    Recorded,
+    RecordingServer,
+    agent_env,
+    run_agent,
+)
 
 
 def _error(code: str) -> dict[str, Any]:
-    return {"error": {"code": code, "message": "m", "next_step": "n"}}
+    return error_body(code, "m", "n")
 
 
 @pytest.mark.parametrize(
@@ -36,7 +36,7 @@ def _error(code: str) -> dict[str, Any]:
 def test_terminal_heartbeat_answer_stops_the_agent(
     tmp_path: Path, status: int, code: str, exit_code: int, explanation: str
 ) -> None:
-    def respond(request: Recorded) -> tuple[int, dict[str, Any]]:
+    def respond(request: Recorded) -> Answer:
         if request.path == "/api/v1/agent/enroll":
             return 200, ENROLLED
         return status, _error(code)
@@ -73,7 +73,7 @@ def test_server_errors_are_retried_with_the_same_nonce(tmp_path: Path) -> None:
     """A lost answer (here: a 503) is retried with the nonce persisted before the first try."""
     answers = iter([(503, _error("SERVICE_UNAVAILABLE")), (200, ENROLLED)])
 
-    def respond(request: Recorded) -> tuple[int, dict[str, Any]]:
+    def respond(request: Recorded) -> Answer:
         if request.path == "/api/v1/agent/enroll":
             return next(answers)
         return 403, _error("CREDENTIAL_REVOKED")

@@ -1,4 +1,4 @@
-"""RL-2, RL-3 through the `modelforge-release` commands: bundle, keygen, sign, verify — and the
+"""The `modelforge-release` commands: bundle, keygen, sign, verify (RL-3) — and the
 tamper suite: every altered bundle is refused with a message naming file/image/field, expected
 and found. Synthetic images keep this fast; the Docker tests use real ones."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from modelforge_contracts.release_manifest import MANIFEST_FILE, manifest_for
 from release.archive import write_images_tar
 from release.cli import main
-from release.manifest import MANIFEST_FILE, manifest_for
 from release.verify import images_tar_name
 from tests.release.synthetic import VERSION, synthetic_images
 

@@ -1,4 +1,4 @@
-"""RL-2, RL-3: SHA256SUMS rendered from the repository's template (readable by `sha256sum -c`)
+"""RL-3: SHA256SUMS rendered from the repository's template (readable by `sha256sum -c`)
 and verified strictly, streaming, with progress and messages naming file, expected and found."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""RL-2: cosign-compatible signatures over SHA256SUMS — key files, detached signature, Sigstore
+"""Cosign-compatible signatures over SHA256SUMS — key files, detached signature, Sigstore
 bundle v0.3 — checked against our own verifier and independently against openssl."""
 
 from __future__ import annotations
