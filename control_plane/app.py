@@ -27,25 +27,31 @@ from control_plane.errors import ModelForgeError
 from control_plane.models import Node
 from control_plane.services.credentials import CredentialAuthority
 from control_plane.settings import Settings
+from modelforge_contracts.errors import error_body
 
 log = logging.getLogger(__name__)
 
 
 def create_app(
     settings: Settings | None = None, *, clock: Clock | None = None, run_loops: bool = True
-) -> FastAPI:
+) -> HeartbeatFastPath:
+    """The served ASGI app: the heartbeat fast path in front of the FastAPI app (`.app`)."""
     settings = settings or Settings()
     clock = clock or SystemClock()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     engine = make_engine(settings.sqlalchemy_url)
+    session_factory = make_session_factory(engine)
     ctx = AppContext(
         settings=settings,
         clock=clock,
         engine=engine,
-        session_factory=make_session_factory(engine),
+        session_factory=session_factory,
         admin_token=resolve_admin_token(settings),
-        authority=CredentialAuthority(data_dir=settings.data_dir, clock=clock),
+        authority=CredentialAuthority(
+            data_dir=settings.data_dir, clock=clock, session_factory=session_factory
+        ),
     )
+    ctx.dispatcher.attach(session_factory)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -69,7 +75,6 @@ def create_app(
         openapi_url="/openapi.json",
     )
     app.state.ctx = ctx
-    app.add_middleware(HeartbeatFastPath, ctx=ctx)
     _install_error_handlers(app)
     app.include_router(public.router)
     app.include_router(admin.router)
@@ -78,14 +83,14 @@ def create_app(
     app.include_router(jobs.router)
     app.include_router(console.router)
     console.mount_console(app)
-    return app
+    return HeartbeatFastPath(app, ctx)
 
 
 def _start(ctx: AppContext) -> None:
     migrate(ctx.engine, lock_dir=ctx.settings.data_dir)
     with ctx.session_factory.begin() as session:
         ctx.authority.start(session)
-        # CO-2: "Needs upgrade" lasts until the agent attaches compatibly or we restart.
+        # "Needs upgrade" lasts until the agent attaches compatibly or we restart.
         session.execute(
             update(Node)
             .where(Node.compat_code.is_not(None))
@@ -94,8 +99,7 @@ def _start(ctx: AppContext) -> None:
 
 
 def _error(status: int, code: str, message: str, next_step: str) -> JSONResponse:
-    body = {"error": {"code": code, "message": message, "next_step": next_step}}
-    return JSONResponse(status_code=status, content=body)
+    return JSONResponse(status_code=status, content=error_body(code, message, next_step))
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -119,6 +123,14 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # FastAPI could not parse the body as JSON
+            return _error(
+                400,
+                "INVALID_JSON",
+                "The body is not JSON this control plane can read (malformed, or nested too "
+                "deeply).",
+                "Send a JSON body matching the schema in /docs.",
+            )
         codes = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}
         return _error(
             exc.status_code,

@@ -6,13 +6,11 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
 
-from control_plane import PROTOCOL_MAX, PROTOCOL_MIN
 from control_plane.api.deps import ContextDep, NodeDep, SessionDep
 from control_plane.context import AppContext
 from control_plane.errors import ProtocolIncompatible
 from control_plane.schemas import (
     Accepted,
-    Compatibility,
     EnrollRequest,
     EnrollResponse,
     HeartbeatRequest,
@@ -22,7 +20,7 @@ from control_plane.schemas import (
 )
 from control_plane.services import enrollments, reports
 from control_plane.services.compatibility import judge_protocol
-from control_plane.services.heartbeats import PendingHeartbeat
+from control_plane.services.heartbeats import accept_heartbeat
 
 router = APIRouter(prefix="/api/v1/agent", tags=["agent"])
 
@@ -68,27 +66,16 @@ def enroll(body: EnrollRequest, ctx: ContextDep) -> EnrollResponse:
 async def heartbeat(body: HeartbeatRequest, node: NodeDep, ctx: ContextDep) -> HeartbeatResponse:
     # The hot path of a fleet: no database round trip (see services/heartbeats.py).
     try:
-        protocol = judge_protocol(body.protocol_version, component="agent")
+        return accept_heartbeat(
+            body,
+            node_id=node.node_id,
+            buffer=ctx.heartbeats,
+            clock=ctx.clock,
+            settings=ctx.settings,
+        )
     except ProtocolIncompatible as refusal:
         await run_in_threadpool(_refuse, ctx, node.node_id, refusal)
         raise
-    ctx.heartbeats.record(
-        node.node_id,
-        PendingHeartbeat(
-            at=ctx.clock.now(),
-            agent_version=body.agent_version,
-            protocol_version=protocol,
-            health=body.health.model_dump(exclude_none=True),
-        ),
-    )
-    return HeartbeatResponse(
-        compatibility=Compatibility(
-            status="compatible",
-            protocol_version=protocol,
-            accepted=list(range(PROTOCOL_MIN, PROTOCOL_MAX + 1)),
-        ),
-        **_intervals(ctx),
-    )
 
 
 @router.put("/inventory", response_model=Accepted)

@@ -1,9 +1,11 @@
-"""Heartbeat ingestion for fleets (HB-1, HB-4).
+"""Heartbeat ingestion for fleets (HB-4).
 
-An accepted heartbeat is put in memory and answered at once; `flush()` writes all pending
-heartbeats in one batched UPDATE at least every second (and once more at shutdown), and records
-the transition to `online` for nodes whose recorded state was something else. Readers merge the
-pending entries, so a 2xx heartbeat counts for liveness immediately in this process.
+`accept_heartbeat` is the one place a heartbeat is judged and recorded: both the FastAPI route
+and the ASGI fast path in front of it call it. An accepted heartbeat is put in memory and
+answered at once; `flush()` writes all pending heartbeats in one batched UPDATE at least every
+second (and once more at shutdown), and records the transition to `online` for nodes whose
+recorded state was something else. Readers merge the pending entries, so a 2xx heartbeat counts
+for liveness immediately in this process.
 """
 
 from __future__ import annotations
@@ -17,9 +19,14 @@ from typing import Any
 from sqlalchemy import Table, bindparam, case, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from control_plane.clock import Clock
 from control_plane.db import rowcount
 from control_plane.models import Node
+from control_plane.schemas import Compatibility, HeartbeatRequest, HeartbeatResponse
+from control_plane.services.compatibility import judge_protocol
 from control_plane.services.nodes import record_event
+from control_plane.settings import Settings
+from modelforge_contracts.protocol import accepted
 
 log = logging.getLogger(__name__)
 _CHUNK = 500
@@ -38,6 +45,38 @@ class PendingHeartbeat:
             "protocol_version": self.protocol_version,
             "health": self.health,
         }
+
+
+def accept_heartbeat(
+    request: HeartbeatRequest,
+    *,
+    node_id: str,
+    buffer: HeartbeatBuffer,
+    clock: Clock,
+    settings: Settings,
+) -> HeartbeatResponse:
+    """Judge the agent's protocol and record the heartbeat in memory (no database round trip).
+
+    Raises `ProtocolIncompatible` for a protocol outside the accepted range; the caller records
+    the refusal (that needs the database).
+    """
+    protocol = judge_protocol(request.protocol_version, component="agent")
+    buffer.record(
+        node_id,
+        PendingHeartbeat(
+            at=clock.now(),
+            agent_version=request.agent_version,
+            protocol_version=protocol,
+            health=request.health.model_dump(exclude_none=True),
+        ),
+    )
+    return HeartbeatResponse(
+        heartbeat_interval_seconds=settings.heartbeat_interval_seconds,
+        telemetry_interval_seconds=settings.telemetry_interval_seconds,
+        compatibility=Compatibility(
+            status="compatible", protocol_version=protocol, accepted=accepted()
+        ),
+    )
 
 
 class HeartbeatBuffer:
@@ -90,7 +129,7 @@ class HeartbeatBuffer:
 def _write(session: Session, batch: dict[str, PendingHeartbeat]) -> None:
     table = Node.__table__
     assert isinstance(table, Table)  # noqa: S101 - narrows the type for mypy
-    # CO-2: a compatible heartbeat newer than the last refusal ends "Needs upgrade".
+    # A compatible heartbeat newer than the last refusal ends "Needs upgrade".
     cleared = (table.c.compat_component == "agent") & (table.c.compat_at < bindparam("b_at"))
     statement = (
         update(table)

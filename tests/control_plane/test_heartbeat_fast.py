@@ -1,20 +1,22 @@
 """The heartbeat fast path answers exactly like the FastAPI route, and hands everything it is
-not certain about to that route (HB-4)."""
+not certain about to that route with the complete body (HB-4)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any
 
-from control_plane.api.heartbeat_fast import HeartbeatFastPath, accepted_heartbeat
+import pytest
+
+from control_plane.api.heartbeat_fast import FAST_BODY_LIMIT, HeartbeatFastPath
+from modelforge_contracts import protocol
 from tests.factories import ControlPlane, control_plane, heartbeat_body
 
 
 def _fast_path(cp: ControlPlane) -> HeartbeatFastPath:
-    layer: Any = cp.client.app.middleware_stack  # type: ignore[attr-defined]
-    while not isinstance(layer, HeartbeatFastPath):
-        layer = layer.app
-    return layer
+    app = cp.client.app
+    assert isinstance(app, HeartbeatFastPath)  # the served app: the seam is outermost
+    return app
 
 
 def test_fast_and_full_paths_answer_alike(tmp_path: Path, database_url: str) -> None:
@@ -59,19 +61,57 @@ def test_everything_uncertain_takes_the_full_path(tmp_path: Path, database_url: 
         assert fast.answered == 0
 
 
-def test_body_acceptance_matches_the_schema() -> None:
-    assert accepted_heartbeat(
-        b'{"protocol_version":1,"agent_version":"1","health":'
-        b'{"status":"healthy","preflight":"passed","message":null}}'
-    ) == ("1", 1, {"status": "healthy", "preflight": "passed"})
-    for body in (
-        b"",
-        b"[]",
-        b"{}",
-        b'{"protocol_version":1.0,"agent_version":"1","health":'
-        b'{"status":"healthy","preflight":"passed"}}',
-        b'{"protocol_version":1,"agent_version":"","health":'
-        b'{"status":"healthy","preflight":"passed"}}',
-        b'{"protocol_version":1,"agent_version":"1","health":{"status":"healthy"}}',
-    ):
-        assert accepted_heartbeat(body) is None
+def _padded(size: int) -> bytes:
+    body = json.dumps(heartbeat_body()).encode()
+    return body[:-1] + b" " * (size - len(body)) + b"}"
+
+
+@pytest.mark.parametrize("size", [5 * 1024, FAST_BODY_LIMIT + 1, 4 * FAST_BODY_LIMIT])
+def test_a_large_heartbeat_is_answered_like_a_small_one(
+    tmp_path: Path, database_url: str, size: int
+) -> None:
+    """Valid JSON padded with whitespace: read whole by the seam, or handed on complete."""
+    with control_plane(tmp_path, database_url) as cp:
+        credential = cp.enroll()["credential"]
+        small = cp.heartbeat(credential)
+        headers = {**cp.agent(credential), "content-type": "application/json"}
+        body = _padded(size)
+        assert len(body) == size
+        large = cp.client.post("/api/v1/agent/heartbeat", headers=headers, content=body)
+        assert large.status_code == 200, large.text
+        assert large.json() == small.json()
+        assert _fast_path(cp).answered == (1 if size <= FAST_BODY_LIMIT else 0)
+
+
+def test_the_answer_names_the_agents_protocol(
+    tmp_path: Path, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a range wider than one version, each agent is told the protocol it speaks."""
+    monkeypatch.setattr(protocol, "PROTOCOL_MAX", 2)
+    with control_plane(tmp_path, database_url) as cp:
+        credential = cp.enroll()["credential"]
+        cp.heartbeat(credential)  # the first one verifies the credential on the full path
+        for spoken in (1, 2, 1):
+            answer = cp.heartbeat(credential, protocol=spoken).json()["compatibility"]
+            assert answer == {
+                "status": "compatible",
+                "protocol_version": spoken,
+                "accepted": [1, 2],
+            }
+        assert _fast_path(cp).answered == 3
+
+
+@pytest.mark.parametrize("depth", [100, 1_000, 100_000])
+def test_deeply_nested_heartbeat_is_refused_with_a_code(
+    tmp_path: Path, database_url: str, depth: int
+) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        credential = cp.enroll()["credential"]
+        cp.heartbeat(credential)
+        headers = {**cp.agent(credential), "content-type": "application/json"}
+        nested = "[" * depth + "]" * depth
+        for body in (nested, json.dumps(heartbeat_body())[:-1] + ',"x":' + nested + "}"):
+            response = cp.client.post("/api/v1/agent/heartbeat", headers=headers, content=body)
+            assert 400 <= response.status_code < 500, response.text
+            assert response.json()["error"]["code"] in ("INVALID_JSON", "INVALID_REQUEST")
+        assert cp.heartbeat(credential).status_code == 200  # the server is fine
