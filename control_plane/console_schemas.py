@@ -1,5 +1,5 @@
 """Request and response bodies of the console's own endpoints: sign-in, GPU telemetry history
-and the Enroll node wizard's generated node setup (UI-1..UI-5)."""
+and the Enroll node wizard's generated node setup."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class NodeImage(BaseModel):
 
 
 class NodeSetupRequest(NodeImageRequest):
-    #: The console's own origin; the node agent is pointed at exactly this (UI-2).
+    #: The console's own origin; the node agent is pointed at exactly this.
     api_origin: Annotated[str, StringConstraints(min_length=1, max_length=300)]
     accelerator_mode: Literal["nvidia", "cpu"] = "nvidia"
 

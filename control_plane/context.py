@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -11,12 +11,11 @@ from sqlalchemy.orm import Session, sessionmaker
 from control_plane.admin_token import AdminTokenSource
 from control_plane.clock import Clock
 from control_plane.dispatch import Dispatcher
-from control_plane.models import Node
 from control_plane.services.artifacts import ArtifactStore
 from control_plane.services.console_sessions import SignInThrottle
 from control_plane.services.credentials import CredentialAuthority
 from control_plane.services.heartbeats import HeartbeatBuffer
-from control_plane.services.nodes import LivenessThresholds
+from control_plane.services.liveness import Liveness, LivenessThresholds
 from control_plane.settings import Settings
 
 
@@ -36,14 +35,10 @@ class AppContext:
     def artifacts(self) -> ArtifactStore:
         return ArtifactStore(self.settings.data_dir)
 
-    def last_seen(self, node: Node) -> datetime | None:
-        """The node's last heartbeat, counting one accepted but not yet flushed."""
-        pending = self.heartbeats.peek(node.id)
-        if pending is not None and (
-            node.last_heartbeat_at is None or pending.at > node.last_heartbeat_at
-        ):
-            return pending.at
-        return node.last_heartbeat_at
+    @property
+    def liveness(self) -> Liveness:
+        """The one liveness reader: stored heartbeats merged with those not yet flushed."""
+        return Liveness(self.heartbeats, self.thresholds)
 
     @property
     def thresholds(self) -> LivenessThresholds:

@@ -2,6 +2,11 @@
 the moment a job changes — in this process directly, across replicas through PostgreSQL
 `LISTEN/NOTIFY` (SQLite deployments are one process, so the in-process path is the whole story).
 
+"Jobs changed" is one call: a service that changes jobs calls `jobs_changed(session)`, and the
+wake-up fires only once that session's transaction commits (a rolled-back change wakes no one).
+The NOTIFY is sent inside the transaction, so PostgreSQL delivers it exactly when it commits.
+Routers never touch the dispatcher for this.
+
 Waiters re-read the database when woken; a wake-up carries no data and losing one only costs
 the rest of a bounded hold.
 """
@@ -16,13 +21,22 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import psycopg
-from sqlalchemy import text
+from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger(__name__)
 CHANNEL = "modelforge_jobs"
 T = TypeVar("T")
+#: `Session.info` key: None (no change), False (wake this process), True (wake every replica).
+_CHANGED = "modelforge.jobs_changed"
+
+
+def jobs_changed(session: Session, *, replicas: bool = True) -> None:
+    """Wake the waiters once `session` commits: in this process, and with `replicas` (the
+    default) on every replica. Progress that only this process's followers await passes
+    `replicas=False`."""
+    session.info[_CHANGED] = replicas or bool(session.info.get(_CHANGED))
 
 
 class Dispatcher:
@@ -75,11 +89,15 @@ class Dispatcher:
                 return found
             await self.wait(generation, remaining)
 
-    @staticmethod
-    def announce(session: Session) -> None:
-        """Tell other replicas (on commit of `session`) that jobs changed."""
-        if session.get_bind().dialect.name == "postgresql":
-            session.execute(text("SELECT pg_notify(:channel, '')"), {"channel": CHANNEL})
+    def attach(self, session_factory: sessionmaker[Session]) -> None:
+        """Fire the wake-ups `jobs_changed` registers on sessions of `session_factory`."""
+        event.listen(session_factory, "before_commit", _announce)
+        event.listen(session_factory, "after_commit", self._after_commit)
+        event.listen(session_factory, "after_rollback", _forget)
+
+    def _after_commit(self, session: Session) -> None:
+        if session.info.pop(_CHANGED, None) is not None:
+            self.notify()
 
     # -- PostgreSQL listener ------------------------------------------------------------------
 
@@ -111,3 +129,13 @@ class Dispatcher:
         self._stop.set()
         if self._listener is not None:
             self._listener.join(timeout=5)
+
+
+def _announce(session: Session) -> None:
+    """Inside the committing transaction: tell the other replicas (PostgreSQL only)."""
+    if session.info.get(_CHANGED) and session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_notify(:channel, '')"), {"channel": CHANNEL})
+
+
+def _forget(session: Session) -> None:
+    session.info.pop(_CHANGED, None)

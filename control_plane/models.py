@@ -87,7 +87,7 @@ class Node(Base):
     hostname: Mapped[str] = mapped_column(String(255))
     labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime]
-    #: The liveness state last written as an event; the API always recomputes it (LV-1).
+    #: The liveness state last written as an event; the API always recomputes it.
     recorded_state: Mapped[str] = mapped_column(String(16), default="offline")
     last_heartbeat_at: Mapped[datetime | None]
     agent_version: Mapped[str | None] = mapped_column(String(64))
@@ -98,7 +98,7 @@ class Node(Base):
     telemetry: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     telemetry_at: Mapped[datetime | None]
     fingerprint_hash: Mapped[str | None] = mapped_column(String(64), index=True)
-    #: CO-2: the last compatibility refusal (TOO_OLD | TOO_NEW | UNKNOWN) and of which component.
+    #: The last compatibility refusal (TOO_OLD | TOO_NEW | UNKNOWN) and of which component.
     compat_code: Mapped[str | None] = mapped_column(String(16))
     compat_component: Mapped[str | None] = mapped_column(String(32))
     compat_detail: Mapped[str | None] = mapped_column(Text)
@@ -108,7 +108,7 @@ class Node(Base):
 class NodeCredential(Base):
     __tablename__ = "node_credentials"
     __table_args__ = (
-        # CR-1: exactly one active credential per node, enforced by the database itself.
+        # Exactly one active credential per node, enforced by the database itself.
         Index(
             "uq_node_credentials_active_node",
             "node_id",
@@ -159,7 +159,7 @@ class TelemetrySample(Base):
 
 
 class Job(Base):
-    """A unit of model execution (WL-1, WL-1a). `state` moves queued -> running -> one of
+    """A unit of model execution. `state` moves queued -> running -> one of
     succeeded | failed | cancelled, always by conditional UPDATE."""
 
     __tablename__ = "jobs"
@@ -179,7 +179,7 @@ class Job(Base):
     created_at: Mapped[datetime]
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
-    #: Last progress from the agent running it; heartbeats do not touch it (WL-3).
+    #: Last progress from the agent running it; heartbeats do not touch it.
     last_contact_at: Mapped[datetime | None]
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     result: Mapped[Any | None] = mapped_column(JSON)
@@ -202,7 +202,7 @@ class JobEvent(Base):
 
 
 class Artifact(Base):
-    """A content-addressed blob in the data dir (AR-1); the file is named by its digest."""
+    """A content-addressed blob in the data dir; the file is named by its digest."""
 
     __tablename__ = "artifacts"
 
@@ -212,7 +212,7 @@ class Artifact(Base):
 
 
 class ConsoleSession(Base):
-    """A signed-in console (UI-1). Only the SHA-256 of the cookie value is stored; the CSRF token
+    """A signed-in console. Only the SHA-256 of the cookie value is stored; the CSRF token
     is derived from the cookie value, so neither can be recovered from the database."""
 
     __tablename__ = "console_sessions"

@@ -289,7 +289,7 @@ class VersionInfo(BaseModel):
     accepted_protocols: list[int]
 
 
-# -- jobs (WL-1a) ------------------------------------------------------------------------------
+# -- jobs ------------------------------------------------------------------------------
 
 Digest = Annotated[str, StringConstraints(pattern=r"^sha256:[0-9a-f]{64}$")]
 Identifier = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=100)]

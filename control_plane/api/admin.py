@@ -56,16 +56,11 @@ def _node_views(ctx: AppContext, session: SessionDep, rows: list[Node]) -> list[
     now = ctx.clock.now()
     duplicates = nodes.duplicates_of(session, rows)
     views = []
+    liveness = ctx.liveness
     for row in rows:
-        pending = ctx.heartbeats.peek(row.id)
         views.append(
             nodes.node_public(
-                row,
-                now=now,
-                thresholds=ctx.thresholds,
-                duplicates=duplicates.get(row.id, []),
-                pending_heartbeat_at=pending.at if pending else None,
-                pending=pending.as_view() if pending else None,
+                row, now=now, liveness=liveness, duplicates=duplicates.get(row.id, [])
             )
         )
     return views
@@ -137,7 +132,7 @@ def generate_node_setup(
     ctx: ContextDep,
     session: SessionDep,
 ) -> NodeSetup:
-    """The wizard's `.env` and commands for this enrollment (UI-2..UI-4); changes nothing."""
+    """The wizard's `.env` and commands for this enrollment; changes nothing."""
     row = enrollments.get_enrollment(session=session, enrollment_id=enrollment_id)
     origin = node_setup.check_api_origin(body.api_origin, request.headers.get("origin"))
     image = _choose_image(ctx, body)

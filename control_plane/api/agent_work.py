@@ -1,4 +1,4 @@
-"""Agent API for work (WL-2..WL-4, AR-1): the long-poll claim, the cancellation watch, progress
+"""Agent API for work: the long-poll claim, the cancellation watch, progress
 reports, completion, and artifact transfer — all authenticated by the node credential."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from fastapi.responses import FileResponse
 
 from control_plane.api.deps import ContextDep, NodeDep
 from control_plane.context import AppContext
-from control_plane.dispatch import Dispatcher
 from control_plane.models import Job
 from control_plane.schemas import (
     AgentJobCancellations,
@@ -48,15 +47,9 @@ def _claim(ctx: AppContext, node_id: str) -> JobAssignment | None:
             session=session,
             clock=ctx.clock,
             node_id=node_id,
-            thresholds=ctx.thresholds,
-            last_seen=ctx.last_seen,
+            liveness=ctx.liveness,
         )
-        if job is None:
-            return None
-        Dispatcher.announce(session)
-        assignment = _assignment(ctx, job)
-    ctx.dispatcher.notify()
-    return assignment
+        return None if job is None else _assignment(ctx, job)
 
 
 @router.post(
@@ -101,8 +94,6 @@ def report_job(
             node_id=node.node_id,
             events=[(e.kind, e.data) for e in body.events],
         )
-    if body.events:
-        ctx.dispatcher.notify()
     return AgentJobControl(cancel=cancel)
 
 
@@ -121,8 +112,6 @@ def complete_job(
             outputs=dict(body.outputs),
             error=(body.error.code, body.error.message) if body.error else None,
         )
-        Dispatcher.announce(session)
-    ctx.dispatcher.notify()
     return AgentJobControl(cancel=False)
 
 
@@ -132,7 +121,7 @@ def complete_job(
 async def upload_artifact(
     digest: Digest, request: Request, node: NodeDep, ctx: ContextDep
 ) -> ArtifactPublic:
-    """Streaming upload; refused unless the content hashes to `digest` (AR-1)."""
+    """Streaming upload; refused unless the content hashes to `digest`."""
     stored, size = await ctx.artifacts.receive(request.stream(), expected=digest)
 
     def record() -> ArtifactPublic:

@@ -1,4 +1,4 @@
-"""The web console (UI-1..UI-5): its sign-in session endpoints, and its built single-page app
+"""The web console: its sign-in session endpoints, and its built single-page app
 served at `/`.
 
 Signing in exchanges the admin token for an HttpOnly, SameSite=Strict cookie (Secure over TLS);

@@ -46,7 +46,7 @@ def require_admin(
     ] = None,
 ) -> None:
     """The admin token header (scripts), or a console session cookie plus, for any change, the
-    session's CSRF token (UI-1). A cookie alone never authorises a change."""
+    session's CSRF token. A cookie alone never authorises a change."""
     if token:
         check_admin_token(ctx, token)
         return
@@ -61,7 +61,7 @@ def require_admin(
 
 
 def console_session(request: Request, ctx: AppContext, session_id: str) -> SignedIn:
-    """The console session a cookie names; for any change also its CSRF token (UI-1). The one
+    """The console session a cookie names; for any change also its CSRF token. The one
     place that rule lives: admin endpoints and the console's own session endpoints use it."""
     with ctx.session_factory() as session:
         signed_in = console_sessions.find_session(
@@ -96,15 +96,11 @@ async def require_node(
             "Send it as `Authorization: Bearer <credential>`; the agent does this itself.",
             code="CREDENTIAL_MISSING",
         )
-    principal, known = ctx.authority.verify(token.strip())
-    if not known:
-        await run_in_threadpool(_load_status, ctx, principal)
+    token = token.strip()
+    principal = ctx.authority.cached_active(token)
+    if principal is None:
+        principal = await run_in_threadpool(ctx.authority.authenticate, token)
     return principal
-
-
-def _load_status(ctx: AppContext, principal: NodePrincipal) -> None:
-    with ctx.session_factory() as session:
-        ctx.authority.load_status(session, principal)
 
 
 NodeDep = Annotated[NodePrincipal, Depends(require_node)]

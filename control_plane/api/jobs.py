@@ -10,7 +10,6 @@ from fastapi.responses import FileResponse
 
 from control_plane.api.deps import AdminDep, ContextDep, SessionDep
 from control_plane.context import AppContext
-from control_plane.dispatch import Dispatcher
 from control_plane.schemas import (
     ArtifactPublic,
     Digest,
@@ -27,9 +26,7 @@ router = APIRouter(prefix="/api/v1", tags=["jobs"], dependencies=[AdminDep])
 @router.post("/jobs", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
 def submit_job(body: JobCreate, ctx: ContextDep, session: SessionDep) -> JobPublic:
     job = jobs.submit_job(session=session, clock=ctx.clock, request=body)
-    Dispatcher.announce(session)
     session.commit()
-    ctx.dispatcher.notify()
     return jobs.job_public(job)
 
 
@@ -54,9 +51,7 @@ def get_job(job_id: ResourceId, session: SessionDep) -> JobPublic:
 @router.post("/jobs/{job_id}/cancel", response_model=JobPublic)
 def cancel_job(job_id: ResourceId, ctx: ContextDep, session: SessionDep) -> JobPublic:
     job = jobs.cancel_job(session=session, clock=ctx.clock, job_id=job_id)
-    Dispatcher.announce(session)
     session.commit()
-    ctx.dispatcher.notify()
     return jobs.job_public(job)
 
 

@@ -12,7 +12,6 @@ from datetime import timedelta
 from anyio import to_thread
 
 from control_plane.context import AppContext
-from control_plane.dispatch import Dispatcher
 from control_plane.services import jobs
 from control_plane.services.console_sessions import prune_sessions
 from control_plane.services.nodes import sweep_liveness
@@ -46,7 +45,7 @@ def flush_heartbeats(ctx: AppContext) -> int:
 
 def sweep(ctx: AppContext) -> int:
     with ctx.session_factory.begin() as session:
-        return sweep_liveness(session=session, clock=ctx.clock, thresholds=ctx.thresholds)
+        return sweep_liveness(session=session, clock=ctx.clock, liveness=ctx.liveness)
 
 
 def prune(ctx: AppContext) -> int:
@@ -59,16 +58,11 @@ def prune(ctx: AppContext) -> int:
 
 def sweep_jobs(ctx: AppContext) -> int:
     with ctx.session_factory.begin() as session:
-        failed = jobs.sweep_jobs(
+        return jobs.sweep_jobs(
             session=session,
             clock=ctx.clock,
             contact_timeout=timedelta(seconds=ctx.settings.job_contact_timeout_seconds),
         )
-        if failed:
-            Dispatcher.announce(session)
-    if failed:
-        ctx.dispatcher.notify()
-    return failed
 
 
 def start_loops(ctx: AppContext) -> list[asyncio.Task[None]]:
@@ -79,7 +73,7 @@ def start_loops(ctx: AppContext) -> list[asyncio.Task[None]]:
         (
             "credential refresh",
             s.credential_refresh_interval_seconds,
-            lambda: ctx.authority.refresh(ctx.session_factory),
+            ctx.authority.refresh,
         ),
         ("retention", 60.0, lambda: prune(ctx)),
         ("job sweep", s.liveness_sweep_interval_seconds, lambda: sweep_jobs(ctx)),

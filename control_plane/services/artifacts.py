@@ -1,4 +1,4 @@
-"""Content-addressed artifact store (AR-1) in `<data dir>/artifacts`: files named by their
+"""Content-addressed artifact store in `<data dir>/artifacts`: files named by their
 SHA-256, written through a temporary file and renamed only after the digest was verified."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Console sessions (UI-1): the admin token is exchanged once for a short-lived session.
+"""Console sessions: the admin token is exchanged once for a short-lived session.
 
 The cookie carries a random session id; the database keeps only its SHA-256. The CSRF token is
 an HMAC of the session id, so it is bound to exactly one session and never stored. Ending a

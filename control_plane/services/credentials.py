@@ -1,8 +1,10 @@
-"""Node credentials (CR-1, CR-2): EdDSA JWTs signed with Authlib, one active `jti` per node.
+"""Node credentials: EdDSA JWTs signed with Authlib, one active `jti` per node.
 
-Verification is built for heartbeat fleets (HB-4): a credential string that verified once is kept
-in memory, and the status of each `jti` is cached, so a steady-state request costs two dict
-look-ups and no database round trip. Revocations made in this process apply at once; those made
+`authenticate` is the one verification entry point: signature, issuer and claims, then the
+status of the `jti`. It is built for heartbeat fleets (HB-4): a credential string that verified
+once is kept in memory, and the status of each `jti` is cached, so a steady-state request costs
+two dict look-ups and no database round trip (`cached_active` is that check alone, for callers
+that must not block). Revocations made in this process apply at once; those made
 by another process are picked up by `refresh()`, which the app runs every second.
 """
 
@@ -28,7 +30,8 @@ from control_plane.clock import Clock
 from control_plane.db import rowcount
 from control_plane.errors import CredentialError, CredentialRevoked
 from control_plane.models import NodeCredential, SigningKey
-from control_plane.security import new_id, write_private_file
+from control_plane.security import new_id
+from modelforge_contracts.files import write_private
 
 with warnings.catch_warnings():
     # authlib.jose warns that joserfc is its successor; its JWT API is stable through Authlib 1.x.
@@ -59,9 +62,12 @@ class _Key:
 
 
 class CredentialAuthority:
-    def __init__(self, *, data_dir: Path, clock: Clock) -> None:
+    def __init__(
+        self, *, data_dir: Path, clock: Clock, session_factory: sessionmaker[Session]
+    ) -> None:
         self._key_path = data_dir / SIGNING_KEY_FILE
         self._clock = clock
+        self._session_factory = session_factory
         self._jwt = JsonWebToken([_ALGORITHM])
         self._lock = threading.Lock()
         self._private_pem = b""
@@ -83,7 +89,7 @@ class CredentialAuthority:
             self._private_pem = self._key_path.read_bytes()
         else:
             self._private_pem = _generate_private_pem()
-            write_private_file(self._key_path, self._private_pem.decode())
+            write_private(self._key_path, self._private_pem.decode())
         self._kid, public_pem = _describe(self._private_pem)
         row = session.get(SigningKey, self._kid)
         if row is None:
@@ -119,7 +125,7 @@ class CredentialAuthority:
         session.flush()
         # The key file is replaced only after the database accepted the change; the caller
         # commits right after. A crash between the two leaves the old key active and nothing lost.
-        write_private_file(self._key_path, private_pem.decode())
+        write_private(self._key_path, private_pem.decode())
         with self._lock:
             self._private_pem, self._kid = private_pem, kid
             self._verified.clear()
@@ -176,12 +182,10 @@ class CredentialAuthority:
 
     # -- verify -----------------------------------------------------------------------------
 
-    def verify(self, token: str) -> tuple[NodePrincipal, bool]:
-        """Check signature and cached status. Returns (principal, status_known).
-
-        When `status_known` is False the caller must call `load_status` (a database read)
-        before trusting the principal.
-        """
+    def authenticate(self, token: str) -> NodePrincipal:
+        """The node behind a valid, active credential; `CredentialError` (or its subclass
+        `CredentialRevoked`) otherwise. Reads the database only for a `jti` not seen before, so
+        call it off the event loop unless `cached_active` answered first."""
         principal = self._verified.get(token)
         if principal is None:
             principal = self._verify_signature(token)
@@ -190,25 +194,23 @@ class CredentialAuthority:
             self._verified[token] = principal
         active = self._jti_active.get(principal.jti)
         if active is None:
-            return principal, False
+            with self._session_factory() as session:
+                row = session.get(NodeCredential, principal.jti)
+                active = (
+                    row is not None and row.revoked_at is None and row.node_id == principal.node_id
+                )
+            self._jti_active[principal.jti] = active
         if not active:
             raise _revoked()
-        return principal, True
+        return principal
 
     def cached_active(self, token: str) -> NodePrincipal | None:
         """The principal only when this exact credential verified before and its `jti` is known
-        active; None otherwise (the caller then takes the full path through `verify`)."""
+        active; None otherwise (the caller then calls `authenticate`). Never blocks."""
         principal = self._verified.get(token)
         if principal is None or self._jti_active.get(principal.jti) is not True:
             return None
         return principal
-
-    def load_status(self, session: Session, principal: NodePrincipal) -> None:
-        row = session.get(NodeCredential, principal.jti)
-        active = row is not None and row.revoked_at is None and row.node_id == principal.node_id
-        self._jti_active[principal.jti] = active
-        if not active:
-            raise _revoked()
 
     def _verify_signature(self, token: str) -> NodePrincipal:
         try:
@@ -269,11 +271,11 @@ class CredentialAuthority:
         for jti in jtis:
             self._jti_active[jti] = False
 
-    def refresh(self, session_factory: sessionmaker[Session]) -> None:
+    def refresh(self) -> None:
         """Pick up revocations and key rotations committed by other processes."""
         now = self._clock.now()
         since = (self._refreshed_at or now) - _REFRESH_OVERLAP
-        with session_factory() as session:
+        with self._session_factory() as session:
             revoked = list(
                 session.scalars(
                     select(NodeCredential.jti).where(NodeCredential.revoked_at >= since)

@@ -1,6 +1,6 @@
-"""Enrollment tokens (EN-1..EN-6): mint, list, revoke, and the atomic claim.
+"""Enrollment tokens: mint, list, revoke, and the atomic claim.
 
-The claim is decided by one conditional UPDATE (EN-3): the row count picks the single winner,
+The claim is decided by one conditional UPDATE: the row count picks the single winner,
 never a read followed by a write. Tokens and claim nonces are stored only as SHA-256 hashes.
 """
 
@@ -80,7 +80,7 @@ def get_enrollment(*, session: Session, enrollment_id: str) -> NodeEnrollment:
 
 
 def revoke_enrollment(*, session: Session, clock: Clock, enrollment_id: str) -> NodeEnrollment:
-    """EN-6: an unused token becomes unclaimable; a used one is refused."""
+    """An unused token becomes unclaimable; a used one is refused."""
     now = clock.now()
     enrollment = get_enrollment(session=session, enrollment_id=enrollment_id)
     if enrollment.state == "claimed":
@@ -175,7 +175,7 @@ def claim_enrollment(
             )
             node = session.get(Node, enrollment.node_id)
             if same_claimant and node is not None and now < enrollment.expires_at:
-                # EN-5: the claimant lost our answer; give it the same identity again, with a
+                # The claimant lost our answer; give it the same identity again, with a
                 # fresh credential (the one we sent before is revoked by `issue`).
                 credential = authority.issue(session, node_id=node.id, labels=node.labels)
                 record_event(

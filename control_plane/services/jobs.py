@@ -1,4 +1,4 @@
-"""Jobs (WL-1..WL-4): submit, cancel, delete, events; what agents report; the contact sweep.
+"""Jobs: submit, cancel, delete, events; what agents report; the contact sweep.
 
 Every state change is a conditional UPDATE whose row count decides (a job is claimed, finished
 or cancelled exactly once, also with several replicas on one PostgreSQL).
@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
 from control_plane.db import rowcount
+from control_plane.dispatch import jobs_changed
 from control_plane.errors import Conflict, NotFound
 from control_plane.models import Job, JobEvent
 from control_plane.schemas import JobCreate, JobError, JobPublic
@@ -94,9 +95,14 @@ def job_public(job: Job) -> JobPublic:
 def append_events(
     session: Session, job: Job, events: list[tuple[str, Any]], *, at: datetime
 ) -> None:
-    """Append in order; `next_event_seq` is bumped with the row lock held by this UPDATE."""
+    """Append in order; `next_event_seq` is bumped with the row lock held by this UPDATE.
+
+    Every change of a job passes here, so this registers the wake-up: a state change wakes
+    every replica's waiters, progress only this process's followers.
+    """
     if not events:
         return
+    jobs_changed(session, replicas=any(kind == "state" for kind, _ in events))
     first = session.execute(
         update(Job)
         .where(Job.id == job.id)
@@ -279,7 +285,7 @@ def cancellations(*, session: Session, node_id: str, job_ids: list[str]) -> list
 
 
 def sweep_jobs(*, session: Session, clock: Clock, contact_timeout: timedelta) -> int:
-    """Fail running jobs whose agent went silent (WL-3) or that outlived their timeout."""
+    """Fail running jobs whose agent went silent or that outlived their timeout."""
     now = clock.now()
     failed = 0
     for job in session.scalars(select(Job).where(Job.state == "running")):

@@ -1,15 +1,15 @@
-"""Nodes: liveness (LV-1, LV-3), duplicate identities (ID-1), views, deletion.
+"""Nodes: liveness transitions, duplicate identities, views, deletion.
 
-Liveness is computed from the last heartbeat every time a node is read, so the API never calls a
-silent node online; the background sweep only records the transitions as events.
+Liveness is computed by the one liveness reader (`services/liveness.py`) every time a node is
+read, so the API never calls a silent node online; the background sweep only records the
+transitions as events.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select, update
@@ -19,26 +19,8 @@ from control_plane.clock import Clock
 from control_plane.db import rowcount
 from control_plane.errors import NotFound
 from control_plane.models import Node, NodeEvent
-from control_plane.schemas import DuplicateIdentity, NeedsUpgrade, NodePublic, NodeState
-
-
-@dataclass(frozen=True)
-class LivenessThresholds:
-    stale_after: timedelta
-    offline_after: timedelta
-
-
-def liveness_state(
-    last_heartbeat_at: datetime | None, now: datetime, thresholds: LivenessThresholds
-) -> NodeState:
-    if last_heartbeat_at is None:
-        return "offline"
-    silence = now - last_heartbeat_at
-    if silence >= thresholds.offline_after:
-        return "offline"
-    if silence >= thresholds.stale_after:
-        return "stale"
-    return "online"
+from control_plane.schemas import DuplicateIdentity, NeedsUpgrade, NodePublic
+from control_plane.services.liveness import Liveness, liveness_state
 
 
 def fingerprint_hash(fingerprint: dict[str, Any] | None) -> str | None:
@@ -120,28 +102,24 @@ def node_public(
     node: Node,
     *,
     now: datetime,
-    thresholds: LivenessThresholds,
+    liveness: Liveness,
     duplicates: list[str],
-    pending_heartbeat_at: datetime | None = None,
-    pending: dict[str, Any] | None = None,
 ) -> NodePublic:
     """The API view of a node, merging a heartbeat accepted but not yet flushed."""
-    last = node.last_heartbeat_at
-    if pending_heartbeat_at is not None and (last is None or pending_heartbeat_at > last):
-        last = pending_heartbeat_at
-    extra = pending or {}
+    last = liveness.last_seen(node.id, node.last_heartbeat_at)
+    reported = liveness.reported(node)
     return NodePublic(
         node_id=node.id,
         enrollment_id=node.enrollment_id,
         display_name=node.display_name,
         hostname=node.hostname,
         labels=node.labels,
-        state=liveness_state(last, now, thresholds),
+        state=liveness_state(last, now, liveness.thresholds),
         created_at=node.created_at,
         last_heartbeat_at=last,
-        agent_version=extra.get("agent_version", node.agent_version),
-        protocol_version=extra.get("protocol_version", node.protocol_version),
-        health=extra.get("health", node.health),
+        agent_version=reported["agent_version"],
+        protocol_version=reported["protocol_version"],
+        health=reported["health"],
         needs_upgrade=(
             NeedsUpgrade(
                 code=node.compat_code,
@@ -182,12 +160,14 @@ def list_events(*, session: Session, node_id: str, limit: int) -> list[NodeEvent
     )
 
 
-def sweep_liveness(*, session: Session, clock: Clock, thresholds: LivenessThresholds) -> int:
-    """Record each liveness change as an event (LV-3). Safe to run in several processes.
+def sweep_liveness(*, session: Session, clock: Clock, liveness: Liveness) -> int:
+    """Record each liveness change as an event. Safe to run in several processes.
 
-    Transitions to `online` are recorded by the heartbeat flush; this records the decay.
+    Transitions to `online` are recorded by the heartbeat flush; this records the decay, judged
+    by the liveness reader (a heartbeat accepted here but not yet flushed keeps a node online).
     """
     now = clock.now()
+    thresholds = liveness.thresholds
     stale_before = now - thresholds.stale_after
     offline_before = now - thresholds.offline_after
     candidates = session.execute(
@@ -199,7 +179,7 @@ def sweep_liveness(*, session: Session, clock: Clock, thresholds: LivenessThresh
     ).all()
     changed = 0
     for node_id, recorded, last in candidates:
-        to_state = liveness_state(last, now, thresholds)
+        to_state = liveness_state(liveness.last_seen(node_id, last), now, thresholds)
         if last is None or to_state == recorded:
             continue
         # Conditional: with several replicas sweeping, exactly one records the event.

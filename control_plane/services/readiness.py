@@ -1,4 +1,4 @@
-"""Node readiness (RD-1): a node is ready only when every check passes, never merely because it
+"""Node readiness: a node is ready only when every check passes, never merely because it
 connected. Each check says pass/fail/unknown and what the operator should do next."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""What agents report besides heartbeats: inventory (HB-2), telemetry (HB-3), and compatibility
-refusals (CO-2) recorded against the node so that it shows as Needs upgrade."""
+"""What agents report besides heartbeats: inventory, telemetry, and compatibility
+refusals recorded against the node so that it shows as Needs upgrade."""
 
 from __future__ import annotations
 

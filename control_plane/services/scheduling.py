@@ -1,4 +1,4 @@
-"""Scheduling (WL-1, LV-2): which queued job a node may take now.
+"""Scheduling: which queued job a node may take now.
 
 Only online, compatible nodes with an inventory get work. A job fits a node when the node
 carries the job's labels (`require`), or — with `prefer` — when no online node carrying them has
@@ -8,7 +8,6 @@ The claim itself is a conditional UPDATE, so two replicas never hand out one job
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -20,7 +19,7 @@ from control_plane.clock import Clock
 from control_plane.db import rowcount
 from control_plane.models import Job, Node
 from control_plane.services.jobs import append_events
-from control_plane.services.nodes import LivenessThresholds, liveness_state
+from control_plane.services.liveness import Liveness
 
 _CANDIDATES = 200
 
@@ -66,14 +65,9 @@ def _free_capacity(session: Session, node: Node) -> Capacity | None:
     return free
 
 
-def _eligible(
-    node: Node,
-    now: datetime,
-    thresholds: LivenessThresholds,
-    last_seen: Callable[[Node], datetime | None],
-) -> bool:
+def _eligible(node: Node, now: datetime, liveness: Liveness) -> bool:
     return (
-        liveness_state(last_seen(node), now, thresholds) == "online"
+        liveness.state(node, now) == "online"
         and node.compat_code is None
         and node.inventory is not None
     )
@@ -84,14 +78,13 @@ def claim_next_job(
     session: Session,
     clock: Clock,
     node_id: str,
-    thresholds: LivenessThresholds,
-    last_seen: Callable[[Node], datetime | None],
+    liveness: Liveness,
 ) -> Job | None:
     now = clock.now()
     # Locks the node row on PostgreSQL: one claim per node at a time, so parallel slots of one
     # agent never over-commit its resources (SQLite serialises writers anyway).
     node = session.get(Node, node_id, with_for_update=True)
-    if node is None or not _eligible(node, now, thresholds, last_seen):
+    if node is None or not _eligible(node, now, liveness):
         return None
     free = _free_capacity(session, node)
     if free is None:
@@ -110,7 +103,7 @@ def claim_next_job(
                 others = [
                     (other, capacity)
                     for other in session.scalars(select(Node).where(Node.id != node_id))
-                    if _eligible(other, now, thresholds, last_seen)
+                    if _eligible(other, now, liveness)
                     and (capacity := _free_capacity(session, other)) is not None
                 ]
             if any(labels_match(job.labels, o.labels) and c.fits(job.resources) for o, c in others):

@@ -1,5 +1,5 @@
-"""Agent API: credentials (CR-1, CR-2), compatibility (CO-1, CO-2), inventory and telemetry
-(HB-2, HB-3), duplicate identities (ID-1). SQLite and PostgreSQL."""
+"""Agent API: credentials, compatibility, inventory and telemetry, duplicate identities. SQLite
+and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def test_protocol_mismatch_is_426(
         assert error["next_step"]
         node = cp.node(enrolled["node_id"])
         assert node["needs_upgrade"]["code"] == code
-        # CO-2: listed as Needs upgrade until it attaches again compatibly.
+        # Listed as Needs upgrade until it attaches again compatibly.
         cp.clock.advance(1)
         assert cp.heartbeat(enrolled["credential"]).status_code == 200
         cp.flush()
@@ -160,7 +160,7 @@ def test_revocation_seen_by_a_second_process(tmp_path: Path, pg_database_url: st
             a.client.post(
                 f"/api/v1/admin/nodes/{enrolled['node_id']}/credential/revoke", headers=a.admin
             )
-            b.ctx.authority.refresh(b.ctx.session_factory)
+            b.ctx.authority.refresh()
             assert b.heartbeat(enrolled["credential"]).json()["error"]["code"] == (
                 "CREDENTIAL_REVOKED"
             )
@@ -204,7 +204,7 @@ def test_inventory_and_telemetry_are_stored_without_invention(
         assert node["inventory"]["accelerator_mode"] == "nvidia"
         gpu = node["telemetry"]["gpus"][0]
         assert gpu["utilization_percent"] == 37.0 and gpu["power_draw_w"] == 120.5
-        # HB-3: a field the agent could not read stays absent, never becomes zero.
+        # A field the agent could not read stays absent, never becomes zero.
         assert "power_limit_w" not in gpu and "ecc_volatile_corrected" not in gpu
         assert node["telemetry"]["host"]["cpu_percent"] == 12.5
 

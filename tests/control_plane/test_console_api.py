@@ -1,4 +1,4 @@
-"""The console's API (UI-1..UI-5) on SQLite and PostgreSQL: the session cookie and CSRF rules,
+"""The console's API on SQLite and PostgreSQL: the session cookie and CSRF rules,
 the wizard's node setup with its manifest-entry checks, and GPU telemetry history."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""EN-1..EN-6: minting, listing, revoking and claiming enrollment tokens (SQLite and PostgreSQL)."""
+"""Minting, listing, revoking and claiming enrollment tokens (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 

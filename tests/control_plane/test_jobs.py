@@ -1,4 +1,4 @@
-"""Jobs in the control plane (WL-1..WL-3, AR-1): submission, scheduling by labels and free
+"""Jobs in the control plane: submission, scheduling by labels and free
 resources, claims, reports, cancellation, the contact sweep, artifacts. SQLite and PostgreSQL."""
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def test_offline_or_incompatible_nodes_get_no_work(tmp_path: Path, database_url:
         node = _node(cp)
         _submit(cp)
         cp.clock.advance(31)
-        assert _claim(cp, node) is None  # stale: LV-2
+        assert _claim(cp, node) is None  # stale: no work for it
         headers = {"Authorization": node["Authorization"]}
         cp.client.post("/api/v1/agent/heartbeat", headers=headers, json=heartbeat_body(protocol=2))
         assert _claim(cp, node) is None  # needs upgrade

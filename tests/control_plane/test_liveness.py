@@ -1,4 +1,4 @@
-"""Liveness (LV-1, LV-3) with an injectable clock, heartbeat coalescing (HB-4), readiness (RD-1)."""
+"""Liveness with an injectable clock, heartbeat coalescing (HB-4), readiness."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_online_stale_offline_and_back(tmp_path: Path, database_url: str) -> Non
         node_id, credential = enrolled["node_id"], enrolled["credential"]
         assert cp.node(node_id)["state"] == "offline"  # enrolled, never heartbeated
         assert cp.heartbeat(credential).status_code == 200
-        # Read before any flush: the pending heartbeat already counts (LV-1).
+        # Read before any flush: the pending heartbeat already counts.
         assert cp.node(node_id)["state"] == "online"
         cp.flush()
         cp.clock.advance(29)

@@ -1,5 +1,5 @@
 """The wizard's generated start and recreation commands, run under real Bash with a `docker`
-substitute on PATH (UI-2..UI-4): the token is never an argument, never traced, never in history;
+substitute on PATH: the token is never an argument, never traced, never in history;
 its env file is mode 0600 while Compose reads it and is gone after success, failure and signals.
 """
 

@@ -1,4 +1,4 @@
-// UI-5: the Nodes screen shows labels, Needs upgrade and the duplicate-identity flag. The two
+// The Nodes screen shows labels, Needs upgrade and the duplicate-identity flag. The two
 // nodes here enroll through the real agent API with one machine ID, and one then heartbeats
 // with a protocol this control plane does not speak.
 import assert from "node:assert/strict";

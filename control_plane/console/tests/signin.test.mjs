@@ -1,4 +1,4 @@
-// UI-1: sign-in exchanges the admin token for an HttpOnly, SameSite=Strict session cookie; the
+// Sign-in exchanges the admin token for an HttpOnly, SameSite=Strict session cookie; the
 // token is never kept by the browser; sign-out ends the session on the server.
 import assert from "node:assert/strict";
 import { after, before, test } from "node:test";

@@ -1,4 +1,4 @@
-// UI-2..UI-4: Hardware → Enroll node. The one-time token is revealed once, lives only in the
+// Hardware → Enroll node. The one-time token is revealed once, lives only in the
 // open wizard, and is cleared by closing, revoking, checking readiness and expiry.
 import assert from "node:assert/strict";
 import { after, before, test } from "node:test";
