@@ -1,4 +1,4 @@
-"""RW-1: the runtime worker runs as its own process and answers only on a private unix socket."""
+"""The runtime worker runs as its own process and answers only on a private unix socket."""
 
 from __future__ import annotations
 
