@@ -52,8 +52,12 @@ def resolve_admin_token(settings: Settings) -> AdminTokenSource:
     path = settings.data_dir / GENERATED_TOKEN_FILE
     generated = False
     if not path.exists():
-        write_private(path, new_admin_token() + "\n")
-        generated = True
+        try:
+            # Exclusive: of two processes starting on one data dir, both use the first token.
+            write_private(path, new_admin_token() + "\n", exclusive=True)
+            generated = True
+        except FileExistsError:
+            pass
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:
         raise AdminTokenConfigError(

@@ -5,26 +5,38 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from http import HTTPStatus
+from typing import Any
 
+import psycopg
 from anyio import to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy import update
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane import RELEASE_VERSION
 from control_plane.admin_token import resolve_admin_token
-from control_plane.api import admin, agent, agent_work, console, jobs, public
+from control_plane.api import admin, agent, agent_work, console, docs, jobs, public
+from control_plane.api.edge import Edge, JsonGuard
 from control_plane.api.heartbeat_fast import HeartbeatFastPath
 from control_plane.background.loops import start_loops, stop_loops
 from control_plane.clock import Clock, SystemClock
 from control_plane.context import AppContext
-from control_plane.db import make_engine, make_session_factory, migrate
-from control_plane.errors import ModelForgeError
+from control_plane.db import (
+    is_database_unavailable,
+    make_engine,
+    make_session_factory,
+    migrate,
+    prepare_data_dir,
+)
+from control_plane.errors import DatabaseUnavailable, ModelForgeError
 from control_plane.models import Node
+from control_plane.schemas import schema_words
 from control_plane.services.credentials import CredentialAuthority
 from control_plane.settings import Settings
 from modelforge_contracts.errors import error_body
@@ -34,11 +46,12 @@ log = logging.getLogger(__name__)
 
 def create_app(
     settings: Settings | None = None, *, clock: Clock | None = None, run_loops: bool = True
-) -> HeartbeatFastPath:
-    """The served ASGI app: the heartbeat fast path in front of the FastAPI app (`.app`)."""
+) -> Edge:
+    """The served ASGI app: the edge (body limits, security headers), then the heartbeat fast
+    path (`.app`), then the JSON guard and the FastAPI app (`.app.app.app`)."""
     settings = settings or Settings()
     clock = clock or SystemClock()
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    prepare_data_dir(settings.data_dir)
     engine = make_engine(settings.sqlalchemy_url)
     session_factory = make_session_factory(engine)
     ctx = AppContext(
@@ -52,6 +65,7 @@ def create_app(
         ),
     )
     ctx.dispatcher.attach(session_factory)
+    ctx.database.watch(engine)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -71,7 +85,7 @@ def create_app(
         title="ModelForge control plane",
         version=RELEASE_VERSION,
         lifespan=lifespan,
-        docs_url="/docs",
+        docs_url=None,  # served by `docs.router`, from this origin only
         openapi_url="/openapi.json",
     )
     app.state.ctx = ctx
@@ -82,8 +96,9 @@ def create_app(
     app.include_router(agent_work.router)
     app.include_router(jobs.router)
     app.include_router(console.router)
+    app.include_router(docs.router)
     console.mount_console(app)
-    return HeartbeatFastPath(app, ctx)
+    return Edge(HeartbeatFastPath(JsonGuard(app), ctx), ctx)
 
 
 def _start(ctx: AppContext) -> None:
@@ -98,6 +113,47 @@ def _start(ctx: AppContext) -> None:
         )
 
 
+_HTTP_CODES = {
+    404: "NOT_FOUND",
+    405: "METHOD_NOT_ALLOWED",
+    413: "REQUEST_TOO_LARGE",
+    416: "RANGE_NOT_SATISFIABLE",
+}
+# Messages of pydantic error types that quote the input (a discriminator's value).
+_QUOTING_TYPES = {"union_tag_invalid": "the value of {discriminator} is not one of {expected_tags}"}
+
+
+def describe_problem(item: Mapping[str, Any]) -> str:
+    """`where: rule` for one validation error, quoting nothing the caller sent: dict keys in the
+    location become `<key>`, and a message that quotes the input is replaced by its rule."""
+    loc = tuple(item.get("loc", ()))
+    parts: list[str] = []
+    for index, part in enumerate(loc):
+        if index == 0 and part in ("body", "query", "path", "header", "cookie"):
+            continue
+        if isinstance(part, int):
+            parts.append(f"[{part}]")
+        elif (index == 1 and loc[0] != "body") or part in schema_words() or part == "[key]":
+            parts.append(str(part))  # a parameter or field name of the schema, not input
+        else:
+            parts.append("<key>")
+    where = ".".join(parts).replace(".[", "[") or "body"
+    kind = str(item.get("type", ""))
+    message = str(item.get("msg", "invalid"))
+    if kind in _QUOTING_TYPES:
+        ctx = {key: str(value) for key, value in (item.get("ctx") or {}).items()}
+        try:
+            message = _QUOTING_TYPES[kind].format(**ctx)
+        except KeyError:
+            message = f"invalid ({kind})"
+    received = item.get("input")
+    if isinstance(received, str | int | float) and not isinstance(received, bool):
+        text = str(received)
+        if len(text) >= 3 and text in message:
+            message = f"invalid ({kind})"
+    return f"{where}: {message}"
+
+
 def _error(status: int, code: str, message: str, next_step: str) -> JSONResponse:
     return JSONResponse(status_code=status, content=error_body(code, message, next_step))
 
@@ -105,15 +161,14 @@ def _error(status: int, code: str, message: str, next_step: str) -> JSONResponse
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ModelForgeError)
     async def _modelforge(_request: Request, exc: ModelForgeError) -> JSONResponse:
-        return JSONResponse(status_code=exc.http_status, content=exc.to_body())
+        return JSONResponse(
+            status_code=exc.http_status, content=exc.to_body(), headers=exc.response_headers()
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        # Only locations and messages: the offending input may be a token and is never echoed.
-        problems = []
-        for item in exc.errors():
-            where = ".".join(str(p) for p in item.get("loc", ()) if p != "body") or "body"
-            problems.append(f"{where}: {item.get('msg', 'invalid')}")
+        # Only locations and rules: the offending input may be a token and is never echoed.
+        problems = [describe_problem(item) for item in exc.errors()]
         return _error(
             422,
             "INVALID_REQUEST",
@@ -131,12 +186,25 @@ def _install_error_handlers(app: FastAPI) -> None:
                 "deeply).",
                 "Send a JSON body matching the schema in /docs.",
             )
-        codes = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}
-        return _error(
-            exc.status_code,
-            codes.get(exc.status_code, "HTTP_ERROR"),
-            str(exc.detail),
-            "Check the method and path against /docs.",
+        status = exc.status_code
+        # Every status gets a documented code; the phrase, not the detail, is the message.
+        code = _HTTP_CODES.get(status, "INTERNAL_ERROR" if status >= 500 else "BAD_REQUEST")
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "Refused"
+        return _error(status, code, f"{phrase}.", "Check the method and path against /docs.")
+
+    @app.exception_handler(SQLAlchemyError)
+    @app.exception_handler(psycopg.Error)
+    async def _database(request: Request, exc: Exception) -> JSONResponse:
+        # An outage is logged once by `ctx.database`, not once per request with a traceback.
+        if not is_database_unavailable(exc):
+            return await _unexpected(request, exc)
+        request.app.state.ctx.database.failed(exc)
+        refusal = DatabaseUnavailable()
+        return JSONResponse(
+            status_code=refusal.http_status, content=refusal.to_body(), headers={"Retry-After": "5"}
         )
 
     @app.exception_handler(Exception)

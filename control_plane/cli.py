@@ -11,6 +11,7 @@ import sys
 from pydantic import ValidationError
 
 from control_plane.admin_token import AdminTokenConfigError, resolve_admin_token
+from control_plane.db import prepare_data_dir
 from control_plane.settings import Settings
 from modelforge_contracts.settings_errors import describe_validation_error
 
@@ -31,12 +32,16 @@ def main() -> None:
     logging.getLogger().setLevel(settings.log_level.upper())
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     try:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        prepare_data_dir(settings.data_dir)
         source = resolve_admin_token(settings)
     except AdminTokenConfigError as exc:
         _die(EXIT_CONFIG, str(exc))
     except OSError as exc:
-        _die(EXIT_CONFIG, f"MODELFORGE_DATA_DIR {settings.data_dir}: {exc.strerror}")
+        _die(
+            EXIT_CONFIG,
+            f"MODELFORGE_DATA_DIR {settings.data_dir}: {exc.strerror}; it must be a directory "
+            "this user owns and can make private (mode 0700)",
+        )
     _migrate_or_die(settings)
 
     scheme = "https" if settings.tls_cert else "http"
@@ -55,17 +60,19 @@ def main() -> None:
 
 
 def _migrate_or_die(settings: Settings) -> None:
-    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.exc import SQLAlchemyError
 
-    from control_plane.db import make_engine, migrate
+    from control_plane.db import is_database_unavailable, make_engine, migrate
 
     engine = make_engine(settings.sqlalchemy_url)
     try:
         migrate(engine, lock_dir=settings.data_dir)
-    except OperationalError as exc:
+    except SQLAlchemyError as exc:
+        if not is_database_unavailable(exc):
+            raise
         _die(
             EXIT_DATABASE,
-            f"cannot reach the database ({type(exc.orig).__name__}); check "
+            f"cannot reach the database ({type(exc).__name__}); check "
             "MODELFORGE_DATABASE_URL and that the server is running",
         )
     finally:

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, SecretStr, StringConstraints
 
-from control_plane.schemas import StrictModel
+from control_plane.schemas import StrictModel, Text
 
 
 class SignInRequest(StrictModel):
@@ -40,7 +40,7 @@ class TelemetryPoint(BaseModel):
 class NodeImageRequest(StrictModel):
     image_source: Literal["bundle", "registry"] = "bundle"
     #: Bundle mode: the pasted `images.modelforge-node-agent` entry of the release manifest.
-    manifest_entry: Annotated[str, StringConstraints(max_length=65536)] | None = None
+    manifest_entry: Annotated[Text, StringConstraints(max_length=65536)] | None = None
     #: Registry mode: an image reference pinned by digest, `name@sha256:<64 hex>`.
     registry_image: Annotated[str, StringConstraints(max_length=400)] | None = None
 

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.admin_token import AdminTokenSource
 from control_plane.clock import Clock
+from control_plane.db import DatabaseAvailability
 from control_plane.dispatch import Dispatcher
 from control_plane.services.artifacts import ArtifactStore
 from control_plane.services.console_sessions import SignInThrottle
@@ -30,6 +31,8 @@ class AppContext:
     heartbeats: HeartbeatBuffer = field(default_factory=HeartbeatBuffer)
     dispatcher: Dispatcher = field(default_factory=Dispatcher)
     sign_in_throttle: SignInThrottle = field(default_factory=SignInThrottle)
+    #: Outages of the database, each logged once (the app factory makes it watch `engine`).
+    database: DatabaseAvailability = field(default_factory=DatabaseAvailability)
 
     @property
     def artifacts(self) -> ArtifactStore:

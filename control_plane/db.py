@@ -1,31 +1,57 @@
-"""Engine, sessions and migrations.
+"""Engine, sessions, migrations, database outages and the data dir's file modes.
 
 SQLite (the default) runs in WAL mode with foreign keys and a busy timeout, and every transaction
 starts with `BEGIN IMMEDIATE` so that concurrent writers queue on the busy handler instead of
 failing on a read-to-write lock upgrade. The schema comes only from Alembic, applied at start
 under a lock (a PostgreSQL advisory lock, or a file lock beside the SQLite database).
+
+The data dir holds the database, keys and tokens: it is kept 0700 and every file the control
+plane creates in it 0600, whatever the process umask. A database outage is an operating
+condition, not a bug: `is_database_unavailable` tells one from the other, and
+`DatabaseAvailability` logs each outage once, when it starts and when it ends. This module never
+logs a database URL: it carries the password.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
+import os
+import sqlite3
+import stat
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Engine, create_engine, event, exc, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
+
+log = logging.getLogger(__name__)
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 #: Arbitrary but fixed key for `pg_advisory_lock` while migrating.
 _MIGRATION_LOCK_KEY = 0x4D46_0001
+#: A new PostgreSQL connection gives up after this long (an unreachable host would otherwise
+#: hold a request for the TCP timeout, minutes); a `connect_timeout` in the URL wins.
+_CONNECT_TIMEOUT_SECONDS = 10
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+#: The files SQLite keeps beside its database (WAL mode).
+_SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")
 
 
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
+        database = make_url(url).database
+        if database and database != ":memory:" and not database.startswith("file:"):
+            _prepare_sqlite_files(Path(database))
         engine = create_engine(
             url,
             connect_args={"timeout": 30, "check_same_thread": False},
@@ -33,9 +59,209 @@ def make_engine(url: str) -> Engine:
         )
         _configure_sqlite(engine)
         return engine
+    connect_args: dict[str, Any] = {}
+    if "connect_timeout" not in make_url(url).query:
+        connect_args["connect_timeout"] = _CONNECT_TIMEOUT_SECONDS
+    # pool_pre_ping: a connection that died with the server (a restart, a failover) is replaced
+    # on its next checkout, so recovery after an outage needs no restart of the control plane.
     return create_engine(
-        url, pool_size=10, max_overflow=20, pool_pre_ping=True, hide_parameters=True
+        url,
+        pool_size=10,
+        max_overflow=20,
+        pool_pre_ping=True,
+        hide_parameters=True,
+        connect_args=connect_args,
     )
+
+
+# -- file modes ---------------------------------------------------------------------------------
+
+
+def prepare_data_dir(path: Path) -> None:
+    """Create the data dir 0700, or tighten an existing one that others could enter."""
+    path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        path.chmod(PRIVATE_DIR_MODE)
+        log.warning(
+            "data dir %s was mode %o; tightened to 0700 (it holds the database, keys and tokens)",
+            path,
+            mode,
+        )
+
+
+def create_private_file(path: Path) -> None:
+    """Create `path` empty with mode 0600 if it does not exist; tighten it if it is wider."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+    except FileExistsError:
+        tighten_file(path)
+        return
+    try:
+        os.fchmod(fd, PRIVATE_FILE_MODE)  # the umask only ever removes bits; be explicit anyway
+    finally:
+        os.close(fd)
+
+
+def tighten_file(path: Path) -> None:
+    """Make an existing file 0600 if other users could read it (logged when changed)."""
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        return
+    if mode & 0o077:
+        path.chmod(PRIVATE_FILE_MODE)
+        log.warning("%s was mode %o; tightened to 0600", path, mode)
+
+
+def _prepare_sqlite_files(database: Path) -> None:
+    """The database file exists with 0600 before SQLite opens it: SQLite creates its files
+    0644 (less the umask) and gives its -wal and -shm files the database file's mode."""
+    if not database.parent.is_dir():
+        return  # SQLite reports the missing directory itself
+    create_private_file(database)
+    for suffix in _SQLITE_COMPANIONS:
+        tighten_file(database.with_name(database.name + suffix))
+
+
+# -- outages ------------------------------------------------------------------------------------
+
+#: SQLite's messages for a database that cannot be used right now (as opposed to a statement
+#: it refuses, such as "no such table", which is a bug).
+_SQLITE_OUTAGES = (
+    "database is locked",
+    "unable to open database file",
+    "disk i/o error",
+    "database or disk is full",
+    "attempt to write a readonly database",
+)
+#: PostgreSQL SQLSTATE classes of an unusable server: connection exception, insufficient
+#: resources (too many connections, disk full), operator intervention (shutdown, crash
+#: recovery), system error. Others (a cancelled statement, a lock timeout) are not an outage.
+_POSTGRES_OUTAGE_STATES = ("08", "53", "57P", "58")
+#: After an outage, the database counts as back once it has worked this long without a failure:
+#: a statement that was already in flight when the outage began does not end it.
+_SETTLE_SECONDS = 1.0
+
+
+def is_database_unavailable(error: BaseException) -> bool:
+    """Whether `error` means the database cannot be reached or used right now (an outage), as
+    opposed to a bug or a refused statement (programming and integrity errors)."""
+    return _outage_reason(error) is not None
+
+
+def _outage_reason(error: BaseException) -> str | None:
+    """What to call an outage error in the log (class names only, never a message that could
+    carry the host or user of the URL); None when `error` is not an outage."""
+    seen: BaseException | None = error
+    for _ in range(5):  # follow `raise ... from` a few links: a service may wrap the error
+        if seen is None:
+            return None
+        reason = _outage_reason_of(seen)
+        if reason is not None:
+            return reason
+        seen = seen.__cause__
+    return None
+
+
+def _outage_reason_of(error: BaseException) -> str | None:
+    name = _qualified(error)
+    if isinstance(error, exc.TimeoutError):
+        return f"{name}: no pooled connection became free"
+    if isinstance(error, exc.DBAPIError):
+        driver = error.orig
+        if error.connection_invalidated:
+            return f"{name}: {_qualified(driver)}, connection lost"
+        if isinstance(error, exc.OperationalError | exc.InterfaceError) and (
+            driver is None or _driver_outage(driver) is not None
+        ):
+            return f"{name}: {_qualified(driver)}{_driver_outage(driver) or ''}"
+        return None
+    if isinstance(error, psycopg.Error | sqlite3.Error):
+        detail = _driver_outage(error)
+        return None if detail is None else f"{name}{detail}"
+    return None
+
+
+def _driver_outage(driver: BaseException | None) -> str | None:
+    """For a driver error that is an outage: what to add to its class name in the log (empty,
+    or SQLite's fixed phrase); None for any other error."""
+    if isinstance(driver, psycopg.InterfaceError):
+        return ""
+    if isinstance(driver, psycopg.OperationalError):
+        state = driver.sqlstate
+        return "" if state is None or state.startswith(_POSTGRES_OUTAGE_STATES) else None
+    if isinstance(driver, sqlite3.OperationalError):
+        text_ = str(driver).lower()
+        for phrase in _SQLITE_OUTAGES:
+            if phrase in text_:
+                return f": {phrase}"
+        return None
+    return None
+
+
+def _qualified(error: BaseException | None) -> str:
+    if error is None:
+        return "unknown"
+    kind = type(error)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+class DatabaseAvailability:
+    """Whether the database works, as the last statements found: an outage is logged once when
+    it starts (naming the error class) and once when it ends (with its duration), however many
+    requests and background loops meet it in between."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._down_since: float | None = None
+        self._last_failure = 0.0
+        self._clear_since: float | None = None
+        self._refused = 0
+
+    @property
+    def available(self) -> bool:
+        return self._down_since is None
+
+    def watch(self, engine: Engine) -> None:
+        """Count every statement `engine` completes as proof that the database works."""
+        event.listen(engine, "after_cursor_execute", self._statement_completed)
+
+    def failed(self, error: BaseException) -> None:
+        """Record an outage error (see `is_database_unavailable`)."""
+        now = time.monotonic()
+        with self._lock:
+            self._last_failure, self._clear_since = now, None
+            self._refused += 1
+            if self._down_since is not None:
+                return
+            self._down_since, self._refused = now, 1
+        log.warning(
+            "database unavailable (%s): requests that need it get 503 DATABASE_UNAVAILABLE and "
+            "background work waits; known agents' heartbeats are kept in memory. Check that "
+            "the database server is running and reachable; the control plane reconnects by "
+            "itself",
+            _outage_reason(error) or _qualified(error),
+        )
+
+    def _statement_completed(self, *_args: object) -> None:
+        if self._down_since is None:  # the common case: no lock, no clock
+            return
+        now = time.monotonic()
+        with self._lock:
+            if self._down_since is None:
+                return
+            if self._clear_since is None:
+                self._clear_since = now
+            if now - self._last_failure < _SETTLE_SECONDS:
+                return
+            duration = self._clear_since - self._down_since
+            refused, self._down_since, self._clear_since = self._refused, None, None
+        log.warning(
+            "database available again after %.1f s (%d failed attempts during the outage)",
+            duration,
+            refused,
+        )
 
 
 def _configure_sqlite(engine: Engine) -> None:
@@ -85,6 +311,7 @@ def _migration_lock(engine: Engine, sqlite_lock_path: Path | None) -> Iterator[N
     if sqlite_lock_path is None:
         yield
         return
+    create_private_file(sqlite_lock_path)
     with sqlite_lock_path.open("a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:

@@ -110,19 +110,27 @@ class Dispatcher:
         self._listener.start()
 
     def _listen(self, conninfo: str) -> None:
+        failures = 0
         while not self._stop.is_set():
             try:
                 with psycopg.connect(conninfo, autocommit=True) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
+                    if failures:
+                        log.info("job notification listener reconnected")
+                        failures = 0
                     self.notify()  # anything missed while disconnected
                     while not self._stop.is_set():
                         for _ in conn.notifies(timeout=1.0):
                             self.notify()
             except psycopg.Error as exc:
-                log.warning(
-                    "job notification listener lost its connection (%s); retrying",
-                    type(exc).__name__,
-                )
+                # Once per disconnection, not once a second: a database outage is reported
+                # by the control plane's outage line; this only says wake-ups wait for it.
+                failures += 1
+                if failures == 1:
+                    log.info(
+                        "job notification listener lost its connection (%s); retrying",
+                        type(exc).__name__,
+                    )
                 time.sleep(1.0)
 
     def close(self) -> None:

@@ -28,6 +28,10 @@ class ModelForgeError(Exception):
     def to_body(self) -> dict[str, Any]:
         return error_body(self.code, self.message, self.next_step)
 
+    def response_headers(self) -> dict[str, str] | None:
+        """Headers the refusal's response needs besides its body (none for most)."""
+        return None
+
 
 class InvalidRequest(ModelForgeError):
     http_status = 422
@@ -101,6 +105,27 @@ class ProtocolIncompatible(ModelForgeError):
         return error_body(self.code, self.message, self.next_step, component=self.component)
 
 
+class RequestTooLarge(ModelForgeError):
+    """The request body is larger than the endpoint's limit; refused before it is all read."""
+
+    http_status = 413
+    code = "REQUEST_TOO_LARGE"
+
+
+class RangeNotSatisfiable(ModelForgeError):
+    """No range of a `Range` header lies within the file; says how long the file is."""
+
+    http_status = 416
+    code = "RANGE_NOT_SATISFIABLE"
+
+    def __init__(self, message: str, next_step: str, *, size: int) -> None:
+        super().__init__(message, next_step)
+        self.size = size
+
+    def response_headers(self) -> dict[str, str] | None:
+        return {"Content-Range": f"bytes */{self.size}"}
+
+
 class TooManyRequests(ModelForgeError):
     http_status = 429
     code = "TOO_MANY_REQUESTS"
@@ -109,3 +134,16 @@ class TooManyRequests(ModelForgeError):
 class ServiceUnavailable(ModelForgeError):
     http_status = 503
     code = "SERVICE_UNAVAILABLE"
+
+
+class DatabaseUnavailable(ServiceUnavailable):
+    """The database cannot be reached or used right now: an outage, not a bug."""
+
+    code = "DATABASE_UNAVAILABLE"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The control plane cannot reach its database right now.",
+            "Retry in a few seconds. Operators: check that the database server is running and "
+            "reachable; the control plane reconnects by itself, without a restart.",
+        )

@@ -119,7 +119,9 @@ class NodeCredential(Base):
     )
 
     jti: Mapped[str] = mapped_column(String(64), primary_key=True)
-    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"), index=True)
+    #: No foreign key: a credential outlives its node, revoked, so that every replica's
+    #: revocation refresh sees a deleted node's credentials go (a cascade would erase them).
+    node_id: Mapped[str] = mapped_column(String(40), index=True)
     kid: Mapped[str] = mapped_column(String(64))
     issued_at: Mapped[datetime]
     revoked_at: Mapped[datetime | None] = mapped_column(index=True)
@@ -209,6 +211,18 @@ class Artifact(Base):
     digest: Mapped[str] = mapped_column(String(71), primary_key=True)
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime]
+
+
+class ArtifactUpload(Base):
+    """Which node uploaded which artifact: a node may download what it uploaded itself."""
+
+    __tablename__ = "artifact_uploads"
+
+    digest: Mapped[str] = mapped_column(
+        ForeignKey("artifacts.digest", ondelete="CASCADE"), primary_key=True
+    )
+    node_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    uploaded_at: Mapped[datetime]
 
 
 class ConsoleSession(Base):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from functools import cache
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from fastapi import Path
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -15,28 +17,52 @@ from pydantic import (
     model_validator,
 )
 
+from modelforge_contracts.text import UNSAFE_LINE, UNSAFE_TEXT
+
+
+def _single_line(value: str) -> str:
+    """Text shown to people: no control characters (ANSI escapes included), no bidi marks."""
+    if UNSAFE_LINE.search(value):
+        raise ValueError(
+            "must not contain control characters (line breaks and ANSI escapes included) or "
+            "bidirectional-text controls"
+        )
+    return value
+
+
+def _multi_line(value: str) -> str:
+    if UNSAFE_TEXT.search(value):
+        raise ValueError(
+            "must not contain control characters other than tab and line breaks (ANSI escapes "
+            "included) or bidirectional-text controls"
+        )
+    return value
+
+
+#: A line of text for people: no control characters, no bidirectional-text controls.
+Line = Annotated[str, AfterValidator(_single_line)]
+#: Text of several lines: the same, but tabs and line breaks allowed.
+Text = Annotated[str, AfterValidator(_multi_line)]
+
 LabelKey = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([a-z0-9._/-]{0,62})$")]
-LabelValue = Annotated[str, StringConstraints(max_length=128)]
+LabelValue = Annotated[Line, StringConstraints(max_length=128)]
 Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=32)]
-Hostname = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=r"^[^\s]+$")]
-Version = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+Hostname = Annotated[Line, StringConstraints(min_length=1, max_length=255, pattern=r"^[^\s]+$")]
+Version = Annotated[Line, StringConstraints(min_length=1, max_length=64)]
 NonNegative = Annotated[float, Field(ge=0)]
 #: Path parameters naming a resource (`node_…`, `enr_…`).
 ResourceId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
-ShortText = Annotated[str, StringConstraints(max_length=96)]
+ShortText = Annotated[Line, StringConstraints(max_length=96)]
 
 
-def _reject_nul(value: Any, where: str) -> None:
+def _has_nul(value: Any) -> bool:
     if isinstance(value, str):
-        if "\x00" in value:
-            raise ValueError(f"{where or 'a value'} must not contain NUL characters")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _reject_nul(key, where)
-            _reject_nul(item, f"{where}.{key}" if where else str(key))
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            _reject_nul(item, f"{where}[{index}]")
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(key) or _has_nul(item) for key, item in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(item) for item in value)
+    return False
 
 
 class StrictModel(BaseModel):
@@ -47,8 +73,33 @@ class StrictModel(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _no_nul(cls, data: Any) -> Any:
-        _reject_nul(data, "")
+        # The message names the field when it is one of the model's, never a key it was sent.
+        if isinstance(data, dict):
+            for key, item in data.items():
+                if _has_nul(key) or _has_nul(item):
+                    name = key if key in cls.model_fields else "a field"
+                    raise ValueError(f"{name} must not contain NUL characters")
+        elif _has_nul(data):
+            raise ValueError("the value must not contain NUL characters")
         return data
+
+
+@cache
+def schema_words() -> frozenset[str]:
+    """The field names of every request body, and the values of their literal fields (the tags
+    of a union among them): the words a validation error may name without quoting the input."""
+    words: set[str] = set()
+    pending: list[type[BaseModel]] = [StrictModel]
+    while pending:
+        model = pending.pop()
+        pending.extend(model.__subclasses__())
+        for name, field in model.model_fields.items():
+            words.add(name)
+            if field.alias:
+                words.add(field.alias)
+            if get_origin(field.annotation) is Literal:
+                words.update(str(value) for value in get_args(field.annotation))
+    return frozenset(words)
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -68,7 +119,7 @@ class ErrorBody(BaseModel):
 
 
 class EnrollmentCreate(StrictModel):
-    display_name: Annotated[str, StringConstraints(min_length=1, max_length=120)]
+    display_name: Annotated[Line, StringConstraints(min_length=1, max_length=120)]
     expires_in_seconds: int = Field(ge=60, le=86400)
     labels: Labels = Field(default_factory=dict)
     production_eligible: bool = False
@@ -96,7 +147,7 @@ class EnrollmentPublic(BaseModel):
 
 
 class EnrollmentMinted(EnrollmentPublic):
-    token: str
+    token: str = Field(repr=False)
     api_origin: str
 
 
@@ -104,15 +155,17 @@ class EnrollmentMinted(EnrollmentPublic):
 
 
 class Fingerprint(StrictModel):
-    machine_id: Annotated[str, StringConstraints(max_length=128)] | None = None
+    machine_id: Annotated[Line, StringConstraints(max_length=128)] | None = None
     gpu_uuids: Annotated[
-        list[Annotated[str, StringConstraints(max_length=96)]], Field(max_length=64)
+        list[Annotated[Line, StringConstraints(max_length=96)]], Field(max_length=64)
     ] = Field(default_factory=list)
 
 
 class EnrollRequest(StrictModel):
-    token: Annotated[str, StringConstraints(min_length=1, max_length=256)]
-    claim_nonce: Annotated[str, StringConstraints(min_length=16, max_length=128)]
+    token: Annotated[Line, StringConstraints(min_length=1, max_length=256)] = Field(repr=False)
+    claim_nonce: Annotated[Line, StringConstraints(min_length=16, max_length=128)] = Field(
+        repr=False
+    )
     hostname: Hostname
     protocol_version: Any = None
     agent_version: Version
@@ -122,18 +175,20 @@ class EnrollRequest(StrictModel):
 class AgentIntervals(BaseModel):
     heartbeat_interval_seconds: float
     telemetry_interval_seconds: float
+    #: The agent resends its inventory at least this often, even unchanged.
+    inventory_interval_seconds: float
 
 
 class EnrollResponse(AgentIntervals):
     node_id: str
-    credential: str
+    credential: str = Field(repr=False)
     labels: dict[str, str]
 
 
 class AgentHealth(StrictModel):
     status: Literal["healthy", "degraded", "unhealthy"]
     preflight: Literal["passed", "failed", "not_run"]
-    message: Annotated[str, StringConstraints(max_length=500)] | None = None
+    message: Annotated[Line, StringConstraints(max_length=500)] | None = None
 
 
 class HeartbeatRequest(StrictModel):
@@ -154,11 +209,11 @@ class HeartbeatResponse(AgentIntervals):
 
 class GpuInventory(StrictModel):
     index: int = Field(ge=0, le=255)
-    uuid: Annotated[str, StringConstraints(min_length=1, max_length=96)]
-    name: Annotated[str, StringConstraints(max_length=128)]
+    uuid: Annotated[Line, StringConstraints(min_length=1, max_length=96)]
+    name: Annotated[Line, StringConstraints(max_length=128)]
     memory_total_mb: NonNegative | None = None
-    driver_version: Annotated[str, StringConstraints(max_length=64)] | None = None
-    cuda_version: Annotated[str, StringConstraints(max_length=32)] | None = None
+    driver_version: Annotated[Line, StringConstraints(max_length=64)] | None = None
+    cuda_version: Annotated[Line, StringConstraints(max_length=32)] | None = None
 
 
 class RuntimeWorkerInventory(StrictModel):
@@ -169,19 +224,28 @@ class RuntimeWorkerInventory(StrictModel):
 
 class InventoryRequest(StrictModel):
     hostname: Hostname
-    os: Annotated[str, StringConstraints(max_length=200)]
+    os: Annotated[Line, StringConstraints(max_length=200)]
     agent_version: Version
     accelerator_mode: Literal["nvidia", "cpu"]
     cpu_count: int = Field(ge=1, le=100_000)
     memory_mb: int = Field(ge=1)
     gpus: Annotated[list[GpuInventory], Field(max_length=64)] = Field(default_factory=list)
     runtime_worker: RuntimeWorkerInventory | None = None
-    slurm: dict[str, str] | None = None
+    slurm: (
+        Annotated[
+            dict[
+                Annotated[Line, StringConstraints(max_length=64)],
+                Annotated[Line, StringConstraints(max_length=1024)],
+            ],
+            Field(max_length=64),
+        ]
+        | None
+    ) = None
 
 
 class GpuTelemetry(StrictModel):
     index: int = Field(ge=0, le=255)
-    uuid: Annotated[str, StringConstraints(min_length=1, max_length=96)]
+    uuid: Annotated[Line, StringConstraints(min_length=1, max_length=96)]
     utilization_percent: Annotated[float, Field(ge=0, le=100)] | None = None
     memory_used_mb: NonNegative | None = None
     memory_total_mb: NonNegative | None = None
@@ -411,12 +475,21 @@ class AgentJobControl(BaseModel):
 
 
 class AgentJobWatch(StrictModel):
-    job_ids: Annotated[list[str], Field(max_length=256)]
+    job_ids: Annotated[
+        list[Annotated[str, StringConstraints(max_length=64)]], Field(max_length=256)
+    ]
     hold_seconds: Annotated[float, Field(ge=0, le=60)] = 25.0
 
 
 class AgentJobCancellations(BaseModel):
     cancel: list[str]
+
+
+class JobErrorReport(StrictModel):
+    """A failed job's error as its node reports it; the message may span lines (a traceback)."""
+
+    code: Annotated[Line, StringConstraints(min_length=1, max_length=100)]
+    message: Annotated[Text, StringConstraints(max_length=65536)] = ""
 
 
 class AgentJobComplete(StrictModel):
@@ -425,7 +498,7 @@ class AgentJobComplete(StrictModel):
     outputs: Annotated[dict[Identifier, Digest], Field(max_length=100)] = Field(
         default_factory=dict
     )
-    error: JobError | None = None
+    error: JobErrorReport | None = None
 
 
 class ArtifactPublic(BaseModel):

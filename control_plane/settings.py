@@ -40,12 +40,21 @@ class Settings(BaseSettings):
     #: How often this process re-reads credential revocations made by other processes.
     credential_refresh_interval_seconds: float = Field(default=1.0, gt=0)
     telemetry_retention_seconds: float = Field(default=3600.0, gt=0)
+    #: Readiness fails once the stored inventory is older than this. Agents are told to resend
+    #: it, changed or not, every quarter of it, so only an agent that stopped reporting fails.
+    inventory_max_age_seconds: float = Field(default=3600.0, ge=60)
     #: How often an agent reports progress on a running job, and how long without any
     #: report fails it (heartbeats do not count).
     job_progress_interval_seconds: float = Field(default=10.0, gt=0)
     job_contact_timeout_seconds: float = Field(default=90.0, gt=0)
     #: A console session lasts this long from sign-in, then the admin token is asked again.
     console_session_seconds: float = Field(default=3600.0, ge=60, le=86400)
+    #: The largest request body accepted, in bytes, where no larger limit below applies.
+    max_body_bytes: int = Field(default=1024 * 1024, ge=16 * 1024, le=256 * 1024 * 1024)
+    #: Job submissions, and an agent's job progress reports and results.
+    max_job_body_bytes: int = Field(default=4 * 1024 * 1024, ge=16 * 1024, le=256 * 1024 * 1024)
+    #: Artifact uploads; they stream to disk, so this bounds disk use, not memory.
+    max_artifact_bytes: int = Field(default=64 * 1024**3, ge=1)
     #: The verified release manifest; when set, a node-agent entry pasted into the Enroll
     #: node wizard must match its node-agent image exactly.
     release_manifest: Path | None = None

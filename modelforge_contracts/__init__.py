@@ -10,5 +10,6 @@ more parts must agree on byte for byte:
 - `job_records`: the records a job's stream carries between runtime worker and node agent.
 - `files`: the owner-only atomic file writer for secrets and state.
 - `settings_errors`: one readable line per invalid setting, naming the variable to fix.
+- `text`: which characters text shown to people may not hold, and how a node cleans them.
 - `ipc`: HTTP over unix sockets between the processes of one node.
 """

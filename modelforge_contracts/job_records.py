@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from modelforge_contracts.text import clean_line, clean_text
+
 RESULT_NOT_JSON = "JOB_RESULT_NOT_JSON"
 
 
@@ -66,7 +68,9 @@ class JobError:
     message: str
 
     def as_json(self) -> dict[str, str]:
-        return {"code": self.code, "message": self.message}
+        """As reported: code and message cleaned of control and bidi characters (a job's
+        traceback may carry ANSI colours), so the report is always one the control plane takes."""
+        return {"code": clean_line(self.code), "message": clean_text(self.message)}
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,34 @@
-"""The release manifest: per image the exact tag, RootFS layers, architecture, OS and
-labels — the contract between the release tool, `verify`/`load`, and the console wizard.
+"""The release manifest: per image the exact tag, RootFS layers, architecture, OS, labels and
+config digest — the contract between the release tool, `verify`/`load`, and the console wizard.
 
-`config_digest` is informational (the build host's image ID): an engine may rewrite it on load,
-so it is never compared on a node. Comparison results name image, field, expected and found.
+`config_digest` is the SHA-256 of the image config in the images tar: `verify` requires the tar's
+config to hash to it, and a release manifest without it is refused. An engine may rewrite the
+image ID on load, so it is never compared on a node (`mismatches` ignores it, and a pasted wizard
+entry may leave it out). Comparison results name image, field, expected and found.
+
+Every JSON document is read with a size limit and a nesting limit, so a hostile file ends in a
+`ManifestError` that names it, never in a traceback.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 MANIFEST_FILE = "release-manifest.json"
+#: The largest release manifest read into memory (a real one is a few KiB).
+MAX_MANIFEST_BYTES = 1 << 20
+#: The deepest nesting of arrays and objects accepted in any JSON document of a bundle.
+MAX_JSON_DEPTH = 32
+#: What an image name in the manifest must look like, and the component it names.
+IMAGE_PREFIX = "modelforge-"
+COMPONENT_LABEL = "io.modelforge.component"
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 class ManifestError(Exception):
@@ -80,6 +95,43 @@ class Manifest:
         return json.dumps(self.as_json(), indent=2, sort_keys=True) + "\n"
 
 
+def parse_json(raw: bytes, what: str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse a JSON document; raise `ManifestError` naming `what` if it is not JSON, is not
+    UTF-8, or nests arrays and objects deeper than `max_depth`."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise ManifestError(
+            f"{what}: nested more than {max_depth} levels deep; not a document this tool writes"
+        ) from None
+    except ValueError as exc:  # also UnicodeDecodeError
+        raise ManifestError(f"{what} is not valid JSON ({exc})") from None
+    depth, pending = 0, [(value, 1)]
+    while pending:
+        node, level = pending.pop()
+        if isinstance(node, dict | list):
+            depth = max(depth, level)
+            if depth > max_depth:
+                raise ManifestError(
+                    f"{what}: nested more than {max_depth} levels deep; "
+                    "not a document this tool writes"
+                )
+            children = node.values() if isinstance(node, dict) else node
+            pending.extend((child, level + 1) for child in children)
+    return value
+
+
+def read_limited(path: Path, *, limit: int, what: str | None = None) -> bytes:
+    """The bytes of a file of at most `limit` bytes; `OSError` if it cannot be read, and
+    `ManifestError` naming it if it is larger (nothing larger is ever read into memory)."""
+    name = what or path.name
+    with path.open("rb") as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise ManifestError(f"{name} is larger than {limit} bytes; not a file this tool writes")
+    return data
+
+
 def manifest_for(images: Sequence[Any], *, version: str, protocol: int) -> Manifest:
     """Build the manifest from built images (`release.images.BuiltImage`)."""
     return Manifest(
@@ -141,17 +193,63 @@ def parse_image_entry(name: str, data: Any) -> ImageEntry:
 
 
 def load_manifest(path: Path) -> Manifest:
+    """Read and check a release manifest: every entry complete, its `config_digest` a sha256
+    digest, and its name, tag and component label in agreement (see `check_entry_names`)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ManifestError(f"cannot read {path.name}: {exc}") from None
+        raw = read_limited(path, limit=MAX_MANIFEST_BYTES)
+    except OSError as exc:
+        raise ManifestError(f"cannot read {path.name}: {exc.strerror or exc}") from None
+    return parse_manifest(raw, path.name)
+
+
+def parse_manifest(raw: bytes, name: str = MANIFEST_FILE) -> Manifest:
+    """`load_manifest` for bytes already read (and, by `verify`, already checksummed)."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{name} is larger than {MAX_MANIFEST_BYTES} bytes")
+    data = parse_json(raw, name)
     if not isinstance(data, dict) or not isinstance(data.get("images"), dict):
-        raise ManifestError(f"{path.name}: expected an object with 'version' and 'images'")
+        raise ManifestError(f"{name}: expected an object with 'version' and 'images'")
     version, protocol = data.get("version"), data.get("protocol")
-    if not isinstance(version, str) or not isinstance(protocol, int):
-        raise ManifestError(f"{path.name}: 'version' must be a string and 'protocol' an integer")
-    images = {name: parse_image_entry(name, entry) for name, entry in data["images"].items()}
-    return Manifest(version=version, protocol=protocol, images=images)
+    if not isinstance(version, str) or not isinstance(protocol, int) or isinstance(protocol, bool):
+        raise ManifestError(f"{name}: 'version' must be a string and 'protocol' an integer")
+    if not data["images"]:
+        raise ManifestError(f"{name}: 'images' lists no image")
+    images = {image: parse_image_entry(image, entry) for image, entry in data["images"].items()}
+    problems = []
+    for entry in images.values():
+        if entry.config_digest is None or not _DIGEST.fullmatch(entry.config_digest):
+            found = data["images"][entry.name].get("config_digest")
+            problems.append(
+                f"{entry.name}: field config_digest expected a digest 'sha256:<64 hex>' (the "
+                f"SHA-256 of the image config in the images tar), found {found!r}"
+            )
+    manifest = Manifest(version=version, protocol=protocol, images=images)
+    problems += check_entry_names(manifest)
+    if problems:
+        raise ManifestError(f"{name}: " + "; ".join(problems))
+    return manifest
+
+
+def check_entry_names(manifest: Manifest) -> list[str]:
+    """Each entry's name, tag and component label agree: the entry `modelforge-<component>` is
+    tagged `modelforge-<component>:<version>` and labelled `io.modelforge.component=<component>`,
+    so no entry can stand in for another image."""
+    problems = []
+    for name, entry in sorted(manifest.images.items()):
+        if not name.startswith(IMAGE_PREFIX) or name == IMAGE_PREFIX:
+            problems.append(f"image name {name!r} expected 'modelforge-<component>'")
+            continue
+        component = name.removeprefix(IMAGE_PREFIX)
+        if entry.tag != f"{name}:{manifest.version}":
+            problems.append(
+                f"{name}: tag expected {name + ':' + manifest.version!r}, found {entry.tag!r}"
+            )
+        label = entry.labels.get(COMPONENT_LABEL)
+        if label != component:
+            problems.append(
+                f"{name}: label {COMPONENT_LABEL} expected {component!r}, found {label!r}"
+            )
+    return problems
 
 
 def mismatches(entry: ImageEntry, found: ImageFacts) -> list[str]:
@@ -184,7 +282,11 @@ def mismatches(entry: ImageEntry, found: ImageFacts) -> list[str]:
 def check_images(manifest: Manifest, found: Sequence[ImageFacts]) -> None:
     """Raise `ManifestError` unless `found` holds exactly the manifest's images, all matching."""
     by_tag = {image.tag: image for image in found}
-    problems = []
+    problems = [
+        f"image {tag} appears {count} times; expected once"
+        for tag, count in sorted(Counter(image.tag for image in found).items())
+        if count > 1
+    ]
     for entry in manifest.images.values():
         image = by_tag.pop(entry.tag, None)
         if image is None:

@@ -2,9 +2,15 @@
 its loops until stopped, each on its own thread and schedule:
 
 - heartbeats, every interval the control plane gives;
-- the inventory, checked at the same interval and sent when it changed;
+- the inventory, checked at the same interval and sent when it changed, and at least every
+  inventory interval the control plane gives even unchanged (readiness judges its age);
 - telemetry, every telemetry interval;
 - the work slots and the cancellation watch (node_agent.work), once the node has reported itself.
+
+A runtime worker whose protocol the control plane refuses (426 naming `runtime-worker` on the
+inventory) is not the agent's failure: the agent logs once what to upgrade, keeps heartbeating
+(the node stays online, marked Needs upgrade), claims no work, and reports the inventory again
+as soon as the worker's answer changes; once it is accepted, the slots claim again.
 
 A loop retrying a failing call (node_agent.retry: backoff 1 s…16 s) delays only itself: a
 control plane that refuses telemetry for minutes still receives every heartbeat on time. A
@@ -15,17 +21,20 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from modelforge_contracts.protocol import PROTOCOL_VERSION
 from node_agent.artifact_cache import ArtifactCache
 from node_agent.client import ControlPlane
-from node_agent.config import AgentSettings
+from node_agent.config import AgentSettings, ConfigError, group_id
+from node_agent.hardening import private_paths, share_socket
 from node_agent.identity import Identity, IdentityStore
 from node_agent.inventory import Overrides, collect_inventory, collect_telemetry, machine_id
 from node_agent.local_api import serve_local_api
 from node_agent.preflight import PreflightResult
-from node_agent.retry import EXIT_CONFIG, AgentStopped, Interrupted
+from node_agent.retry import EXIT_CONFIG, AgentStopped, ControlPlaneError, Interrupted
 from node_agent.work import WorkRunner
 from node_agent.worker_link import query_runtime_worker
 
@@ -56,7 +65,14 @@ class Agent:
         self.parallel = parallel
         self.heartbeat_interval = 10.0
         self.telemetry_interval = 15.0
+        self.inventory_interval = 900.0
         self._last_inventory: dict[str, Any] | None = None
+        #: The inventory whose runtime worker the control plane refused; not sent again as is.
+        self._refused_inventory: dict[str, Any] | None = None
+        #: Cleared while the control plane refuses the runtime worker: the slots claim nothing.
+        self.worker_compatible = threading.Event()
+        self.worker_compatible.set()
+        self._inventory_sent_at = 0.0
         self._health_message: str | None = None
         self._last_worker: dict[str, Any] | None = None
         self._worker_misses = 0
@@ -116,6 +132,9 @@ class Agent:
         self.telemetry_interval = float(
             answer.get("telemetry_interval_seconds", self.telemetry_interval)
         )
+        self.inventory_interval = float(
+            answer.get("inventory_interval_seconds", self.inventory_interval)
+        )
 
     # -- the loops ------------------------------------------------------------------------------
 
@@ -134,6 +153,12 @@ class Agent:
         self.control_plane.use_credential(identity.credential)
         cache = ArtifactCache(self.settings.artifact_cache, self.settings.artifact_cache_bytes)
         local = serve_local_api(self.settings.socket, cache=cache, control_plane=self.control_plane)
+        if self.settings.socket_group is not None:
+            try:
+                self._share_socket(self.settings.socket_group)
+            except ConfigError:
+                local.server_close()
+                raise
         threading.Thread(target=local.serve_forever, daemon=True, name="local-api").start()
         nvml: Nvml | None = None
         if self.preflight.mode == "nvidia":
@@ -166,6 +191,10 @@ class Agent:
                 agent_socket=self.settings.socket,
                 parallel=self.parallel,
                 stop=self.stop,
+                worker_compatible=self.worker_compatible,
+                private_paths=private_paths(
+                    self.settings.state_volume, self.settings.enrollment_token_file
+                ),
             ).start()
             while not self.stop.wait(1.0):
                 pass
@@ -175,6 +204,19 @@ class Agent:
             self.settings.socket.unlink(missing_ok=True)
             if nvml is not None:
                 nvml.__exit__(None, None, None)
+
+    def _share_socket(self, group: str) -> None:
+        gid = group_id(group)
+        try:
+            if gid is None:
+                raise LookupError(f"no group {group!r}")
+            share_socket(self.settings.socket, gid)
+        except (OSError, LookupError) as exc:
+            self.settings.socket.unlink(missing_ok=True)
+            raise ConfigError(
+                f"MODELFORGE_AGENT_SOCKET_GROUP: cannot give group {group!r} the agent's socket "
+                f"{self.settings.socket} ({exc}); the agent's user must be a member of it"
+            ) from None
 
     def _loop(
         self,
@@ -223,10 +265,30 @@ class Agent:
             overrides=self.overrides,
             runtime_worker=self._runtime_worker(),
         )
-        if inventory == self._last_inventory:
+        if inventory == self._refused_inventory:
+            return  # the same worker, refused again: nothing new to say
+        changed = inventory != self._last_inventory
+        if not changed and time.monotonic() - self._inventory_sent_at < self.inventory_interval:
             return
-        if self.control_plane.put_inventory(inventory):
+        try:
+            sent = self.control_plane.put_inventory(inventory)
+        except ControlPlaneError as refusal:  # the runtime worker's protocol, not the agent's
+            self._worker_refused(inventory, refusal)
+            return
+        if sent:
+            self._refused_inventory = None
             self._last_inventory = inventory
+            self._inventory_sent_at = time.monotonic()
+            if not self.worker_compatible.is_set():
+                worker = inventory.get("runtime_worker")
+                if worker is None:
+                    log.info("the refused runtime worker no longer answers; claiming work again")
+                else:
+                    log.info("%s is compatible; claiming work again", _describe_worker(worker))
+                self.worker_compatible.set()
+            if not changed:
+                log.debug("inventory sent again, unchanged")
+                return
             log.info(
                 "inventory sent (%d CPUs, %d MB, %d GPUs, runtime worker %s)",
                 inventory["cpu_count"],
@@ -234,6 +296,22 @@ class Agent:
                 len(inventory["gpus"]),
                 (inventory.get("runtime_worker") or {}).get("version", "absent"),
             )
+
+    def _worker_refused(self, inventory: dict[str, Any], refusal: ControlPlaneError) -> None:
+        """The control plane refused the runtime worker's protocol: stop claiming, say so once
+        per worker, and send this inventory again only when the worker's answer changes."""
+        self.worker_compatible.clear()
+        self._refused_inventory = inventory
+        self._last_inventory = None  # the last accepted report no longer stands
+        log.error(
+            "%s at %s was refused by the control plane (%s): the runtime worker must be upgraded "
+            "to this agent's release (protocol %d, see docs/COMPATIBILITY.md). The node stays "
+            "online and takes no work until a compatible runtime worker answers",
+            _describe_worker(inventory.get("runtime_worker")),
+            self.settings.worker_socket,
+            refusal.code,
+            PROTOCOL_VERSION,
+        )
 
     def _runtime_worker(self) -> dict[str, Any] | None:
         """The worker's report; one missed answer (a busy moment) keeps the last one."""
@@ -252,3 +330,12 @@ class Agent:
             f"NVML returned no utilisation for GPU(s) {missing}" if missing else None
         )
         self.control_plane.post_telemetry(telemetry)
+
+
+def _describe_worker(report: dict[str, Any] | None) -> str:
+    if report is None:
+        return "the runtime worker"
+    return (
+        f"runtime worker {report.get('version', 'unknown')} "
+        f"(protocol {report.get('protocol_version')})"
+    )

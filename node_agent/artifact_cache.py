@@ -1,7 +1,11 @@
 """The node's artifact cache: files named by digest, size-bounded, least recently used evicted
 first. Storage only — it never talks to the network: a download streams into the partial file
 the cache hands out (resuming where it stopped), and is verified against its digest before it
-becomes visible. Content produced on the node is hashed as it is stored."""
+becomes visible. Content produced on the node is hashed as it is stored.
+
+A file name comes only from a checked digest (node_agent.digests): a value with slashes or `..`
+is refused with `InvalidDigest` before any path is built, so nothing outside the cache is ever
+resolved, touched or written."""
 
 from __future__ import annotations
 
@@ -13,18 +17,14 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from node_agent.digests import digest_hex
+
 log = logging.getLogger(__name__)
 _CHUNK = 1024 * 1024
 
 
 class ArtifactError(Exception):
     """An artifact could not be fetched or stored; the message names the digest."""
-
-
-def _hex(digest: str) -> str:
-    if not digest.startswith("sha256:") or len(digest) != 71:
-        raise ArtifactError(f"{digest!r} is not a sha256: digest")
-    return digest.removeprefix("sha256:")
 
 
 class ArtifactCache:
@@ -40,18 +40,19 @@ class ArtifactCache:
             return self._locks.setdefault(digest, threading.Lock())
 
     def path(self, digest: str) -> Path:
-        return self.root / _hex(digest)
+        """Where `digest` lives in the cache; `InvalidDigest` unless it is one."""
+        return self.root / digest_hex(digest)
 
     def fetch(self, digest: str, download: Callable[[str, Path], None]) -> Path:
         """The local path of `digest`; on a miss `download(digest, partial)` fills `partial`,
         appending to what an interrupted download left there."""
-        target = self.path(digest)
+        target = self.path(digest)  # checks the digest before anything else
         with self._lock(digest):
             if target.is_file():
                 os.utime(target)  # most recently used
                 return target
             self._partial.mkdir(parents=True, exist_ok=True)
-            partial = self._partial / _hex(digest)
+            partial = self._partial / target.name
             download(digest, partial)
             found = _sha256(partial)
             if found != digest:

@@ -21,6 +21,7 @@ from node_agent import AGENT_VERSION
 from node_agent.agent import Agent
 from node_agent.client import connect
 from node_agent.config import AgentSettings, ConfigError, PreflightSettings
+from node_agent.hardening import make_undumpable
 from node_agent.identity import IdentityStore, StateVolumeError
 from node_agent.inventory import Overrides
 from node_agent.preflight import EXIT_PREFLIGHT, run_preflight
@@ -66,6 +67,8 @@ def _die(code: int, message: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # First: the environment may hold the enrollment token, and soon memory the credential.
+    make_undumpable()
     args = parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,

@@ -5,7 +5,8 @@ the one `RetryRule` (node_agent.retry), so a transient failure is retried with b
 terminal one stops the agent wherever it happens — a heartbeat, a claim, an artifact fetch for
 job code. What a non-retryable refusal means is decided here, per endpoint. No loops live here.
 
-It never puts the credential in a log line, an exception, or its own `repr()`.
+It never puts the credential in a log line, an exception, or its own `repr()`, and never builds
+a URL from an artifact digest it has not checked (node_agent.digests).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from modelforge_contracts.errors import error_code
 from modelforge_contracts.job_records import dumps_strict
 from modelforge_contracts.protocol import PROTOCOL_VERSION
 from node_agent import AGENT_VERSION
+from node_agent.digests import check_digest
 from node_agent.retry import (
     EXIT_ENROLLMENT,
+    RUNTIME_WORKER,
     AgentStopped,
     ControlPlaneError,
     RetryRule,
@@ -58,12 +61,21 @@ def make_http(
 
 
 def error_from(response: httpx.Response, method: str, path: str) -> ControlPlaneError:
-    """The refusal as an exception: status and the machine-readable code, never the body."""
+    """The refusal as an exception: status, the machine-readable code and the component a
+    protocol refusal names — never the rest of the body."""
     try:
-        code = error_code(response.json())
+        body = response.json()
     except ValueError:
-        code = None
-    return ControlPlaneError(response.status_code, code or "HTTP_ERROR", method, path)
+        body = None
+    error = body.get("error") if isinstance(body, dict) else None
+    component = error.get("component") if isinstance(error, dict) else None
+    return ControlPlaneError(
+        response.status_code,
+        error_code(body) or "HTTP_ERROR",
+        method,
+        path,
+        component=component if isinstance(component, str) else None,
+    )
 
 
 def _json(response: httpx.Response) -> dict[str, Any]:
@@ -170,7 +182,19 @@ class ControlPlane:
         return self._publish("POST", "/api/v1/agent/heartbeat", body)
 
     def put_inventory(self, inventory: dict[str, Any]) -> bool:
-        return self._publish("PUT", "/api/v1/agent/inventory", inventory) is not None
+        """Report the inventory; False when this report was refused and dropped.
+
+        A refusal of the runtime worker's protocol (426 naming `runtime-worker`) concerns the
+        worker, not this report: it is raised as `ControlPlaneError` for the agent to act on."""
+        path = "/api/v1/agent/inventory"
+        try:
+            self._call("PUT", path, inventory)
+        except ControlPlaneError as exc:
+            if exc.component == RUNTIME_WORKER:
+                raise
+            log.error("%s; this publication is dropped", exc)
+            return False
+        return True
 
     def post_telemetry(self, telemetry: dict[str, Any]) -> bool:
         return self._publish("POST", "/api/v1/agent/telemetry", telemetry) is not None
@@ -223,9 +247,10 @@ class ControlPlane:
     def download_artifact(self, digest: str, partial: Path) -> None:
         """Stream the artifact into `partial`, resuming after what it already holds.
 
-        Raises `ControlPlaneError` when the control plane refuses it (unknown digest, say).
+        Raises `InvalidDigest` for anything but a digest (nothing is sent), and
+        `ControlPlaneError` when the control plane refuses it (unknown digest, say).
         """
-        path = f"/api/v1/agent/artifacts/{digest}"
+        path = f"/api/v1/agent/artifacts/{check_digest(digest)}"
 
         def attempt() -> None:
             offset = partial.stat().st_size if partial.exists() else 0
@@ -248,8 +273,9 @@ class ControlPlane:
         self.retry.run("GET", path, attempt)
 
     def upload_artifact(self, digest: str, source: Path) -> None:
-        """Stream the file to the control plane, which refuses it unless it hashes to `digest`."""
-        path = f"/api/v1/agent/artifacts/{digest}"
+        """Stream the file to the control plane, which refuses it unless it hashes to `digest`;
+        `InvalidDigest` for anything but a digest (nothing is sent)."""
+        path = f"/api/v1/agent/artifacts/{check_digest(digest)}"
 
         def body() -> Iterator[bytes]:
             with source.open("rb") as handle:

@@ -7,6 +7,7 @@ secret: it never appears in `repr()` or logs.
 
 from __future__ import annotations
 
+import grp
 import ipaddress
 import socket
 import tempfile
@@ -48,6 +49,8 @@ class AgentSettings(PreflightSettings):
     worker_socket: Path = DEFAULT_WORKER_SOCKET
     #: Where job code on this node reaches the agent (artifact helpers).
     socket: Path = DEFAULT_AGENT_SOCKET
+    #: With the runtime worker under a user of its own: the group that may use that socket.
+    socket_group: str | None = None
     artifact_cache: Path = Field(
         default_factory=lambda: Path(tempfile.gettempdir()) / "modelforge-artifacts",
         validation_alias="MODELFORGE_ARTIFACT_CACHE",
@@ -69,6 +72,11 @@ class AgentSettings(PreflightSettings):
                 "MODELFORGE_AGENT_CA_CERT_PATH is set but MODELFORGE_AGENT_TLS_VERIFY=false would "
                 "ignore it; keep verification on and trust the private CA instead"
             )
+        if self.socket_group is not None and group_id(self.socket_group) is None:
+            problems.append(
+                f"MODELFORGE_AGENT_SOCKET_GROUP: no group {self.socket_group!r} on this host; "
+                "create it (see docs/nodes.md, separate users) or unset the variable"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         self.control_plane_url = self.control_plane_url.rstrip("/")
@@ -85,6 +93,16 @@ class AgentSettings(PreflightSettings):
                     f"MODELFORGE_AGENT_ENROLLMENT_TOKEN_FILE: cannot read "
                     f"{self.enrollment_token_file} ({exc.strerror})"
                 ) from None
+        return None
+
+
+def group_id(group: str) -> int | None:
+    """The id of `group` (a name or a number), None when this host has no such group."""
+    try:
+        return (
+            grp.getgrnam(group).gr_gid if not group.isdigit() else grp.getgrgid(int(group)).gr_gid
+        )
+    except KeyError:
         return None
 
 

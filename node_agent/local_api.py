@@ -1,6 +1,9 @@
 """The agent's local endpoint for job code on this node (unix socket, mode 0600): fetch an
 artifact into the cache, upload one. The node credential stays inside the agent: job code gets
-the artifact, or an error saying why not — never the credential, never a control plane body."""
+the artifact, or an error saying why not — never the credential, never a control plane body.
+
+A digest from job code is checked before anything else sees it (`INVALID_DIGEST`, 400): a
+"digest" with slashes or `..` never reaches the cache or the control plane."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from pathlib import Path
 from modelforge_contracts.ipc import JsonHandler, UnixHTTPServer, serve_unix
 from node_agent.artifact_cache import ArtifactCache, ArtifactError
 from node_agent.client import ControlPlane
+from node_agent.digests import InvalidDigest, check_digest
 from node_agent.retry import AgentStopped, ControlPlaneError, Interrupted
 
 log = logging.getLogger(__name__)
@@ -39,11 +43,26 @@ class _Handler(JsonHandler):
             self.send_error_json(404, "NOT_FOUND", self.path)
             return
         try:
-            digest = str(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["digest"])
-            path = self.server.cache.fetch(digest, self.server.control_plane.download_artifact)
-        except (ValueError, KeyError, TypeError) as exc:
-            self.send_error_json(400, "INVALID_REQUEST", str(exc))
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            digest = check_digest(body["digest"])
+        except InvalidDigest as exc:
+            self.send_error_json(
+                400,
+                "INVALID_DIGEST",
+                str(exc),
+                "pass a digest as the job received it (inputs(), save_artifact(), the job spec)",
+            )
             return
+        except (ValueError, KeyError, TypeError) as exc:
+            self.send_error_json(
+                400,
+                "INVALID_REQUEST",
+                f"{type(exc).__name__}: {exc}",
+                'send a JSON object {"digest": "sha256:…"}',
+            )
+            return
+        try:
+            path = self.server.cache.fetch(digest, self.server.control_plane.download_artifact)
         except (ArtifactError, ControlPlaneError) as exc:
             self.send_error_json(502, "ARTIFACT_UNAVAILABLE", str(exc))
             return

@@ -4,11 +4,14 @@
   as the agent is not stopping. Each retry is logged as
   `ConnectError on POST /api/v1/agent/heartbeat (backoff 1s…16s); next attempt in 2s; last
   success 40s ago`, with a hint once when TLS verification is the cause.
-- A revoked, expired or invalid credential, a refused protocol (426, `TOO_OLD`, `TOO_NEW`,
-  `UNKNOWN`) and a refused enrollment token: terminal. Retrying cannot fix them, so the first
-  one is recorded, the agent's stop event is set and `AgentStopped` is raised — from whichever
-  thread met it — and every later call fails at once with the same outcome.
-- Any other refusal (4xx): raised as `ControlPlaneError` for the endpoint to interpret.
+- A revoked, expired or invalid credential, a refusal of the agent's own protocol (426,
+  `TOO_OLD`, `TOO_NEW`, `UNKNOWN`) and a refused enrollment token: terminal. Retrying cannot fix
+  them, so the first one is recorded, the agent's stop event is set and `AgentStopped` is
+  raised — from whichever thread met it — and every later call fails at once with the same
+  outcome.
+- Any other refusal (4xx): raised as `ControlPlaneError` for the endpoint to interpret. So is a
+  426 that names the runtime worker (`"component": "runtime-worker"`): upgrading the worker fixes
+  it, and the agent keeps the node online meanwhile (node_agent.agent).
 
 Messages name the status or exception, the method and the path: never a body, never the
 credential.
@@ -36,17 +39,24 @@ EXIT_ENROLLMENT = 6
 
 BACKOFF = "(backoff 1s…16s)"
 _PROTOCOL_CODES = {"TOO_OLD", "TOO_NEW", "UNKNOWN"}
+#: The `component` of a protocol refusal that concerns the runtime worker, not the agent.
+RUNTIME_WORKER = "runtime-worker"
 
 
 class ControlPlaneError(Exception):
-    """The control plane answered with a refusal: its status and stable code, never the body."""
+    """The control plane answered with a refusal: its status, stable code and (for a protocol
+    refusal) the component it names — never the rest of the body."""
 
-    def __init__(self, status: int, code: str, method: str, path: str) -> None:
-        super().__init__(f"HTTP {status} {code} on {method} {path}")
+    def __init__(
+        self, status: int, code: str, method: str, path: str, *, component: str | None = None
+    ) -> None:
+        named = f" ({component})" if component else ""
+        super().__init__(f"HTTP {status} {code}{named} on {method} {path}")
         self.status = status
         self.code = code
         self.method = method
         self.path = path
+        self.component = component
 
 
 class AgentStopped(Exception):
@@ -72,6 +82,8 @@ def is_retryable(exc: BaseException) -> bool:
 
 def terminal_outcome(exc: ControlPlaneError) -> AgentStopped | None:
     """The stop a refusal calls for, or None when the refusal concerns this call only."""
+    if exc.component == RUNTIME_WORKER:
+        return None  # the worker's protocol: the agent stays up (node_agent.agent)
     if exc.status == 426 or exc.code in _PROTOCOL_CODES:
         return AgentStopped(
             EXIT_PROTOCOL,

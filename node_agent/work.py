@@ -1,7 +1,11 @@
 """Running work: `--parallel` slots each hold a long-poll claim; a claimed job is handed to the
 local runtime worker, whose stream of records is relayed to the control plane in order. A watch
 long-poll learns of cancellations at once; cancelling — or this agent dying — closes the stream
-to the worker, which kills the job's process group.
+to the worker, which ends the job and everything it started. With each job the agent names its
+private files (`private_paths`), which the worker hides from the job.
+
+While the control plane refuses the runtime worker's protocol the slots claim nothing (the
+agent clears `worker_compatible`); they resume when it is set again.
 
 A record that is not strict JSON fails its job (`JOB_RESULT_NOT_JSON`) instead of reaching the
 control plane. A work thread never ends on an unexpected error: it logs it with the job id and
@@ -84,12 +88,19 @@ class WorkRunner:
         agent_socket: Path,
         parallel: int,
         stop: threading.Event,
+        worker_compatible: threading.Event | None = None,
+        private_paths: list[str] | None = None,
     ) -> None:
         self.control_plane = control_plane
         self.worker_socket = worker_socket
         self.agent_socket = agent_socket
         self.parallel = parallel
         self.stop = stop
+        #: The agent's files no job may read: the worker hides them from each job.
+        self.private_paths = list(private_paths or [])
+        self.worker_compatible = worker_compatible or threading.Event()
+        if worker_compatible is None:
+            self.worker_compatible.set()
         self._active: dict[str, _Running] = {}
         self._lock = threading.Lock()
         self._changed = threading.Event()
@@ -106,6 +117,10 @@ class WorkRunner:
 
     def _slot(self) -> None:
         while not self.stop.is_set():
+            if not self.worker_compatible.is_set():
+                # No claim for a worker the control plane refused; look again shortly.
+                self.stop.wait(_PAUSE_AFTER_ERROR)
+                continue
             try:
                 assignment = self.control_plane.claim(_HOLD)
                 if assignment:
@@ -168,7 +183,13 @@ class WorkRunner:
     def _run(self, job_id: str, assignment: dict[str, Any]) -> None:
         log.info("running job %s", job_id)
         progress_every = float(assignment.get("progress_interval_seconds", 10.0))
-        spec = json.dumps(dict(assignment, agent_socket=str(self.agent_socket)))
+        spec = json.dumps(
+            dict(
+                assignment,
+                agent_socket=str(self.agent_socket),
+                private_paths=self.private_paths,
+            )
+        )
         connection = UnixHTTPConnection(self.worker_socket)
         running = _Running(job_id)
         with self._lock:

@@ -1,34 +1,45 @@
-"""Running one job: a process group of its own, a filtered environment,
-its output and events collected, its timeout and silence timeout enforced. The group is killed
-when the job ends, times out, falls silent, is abandoned by the agent, or the worker stops —
-nothing a job started outlives it.
+"""Running one job: a supervisor process of its own (runtime_worker.supervisor) that runs it in a
+process group of its own, a filtered environment, a fresh work directory, its output and events
+collected, its timeout and silence timeout enforced.
+
+The job ends — everything it started, daemons included — when it finishes, times out, falls
+silent, is abandoned by the agent, or the worker stops: the worker asks the supervisor (SIGTERM).
+When the worker dies without asking (SIGKILL, a crash), the kernel tells the supervisor, which
+ends the job and removes its work directory all the same. A worker starting finds the work
+directories of the one before it in its jobs directory and removes what is left.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import queue
 import re
-import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterable
 from pathlib import Path
 from typing import IO, Any
 
 from modelforge_contracts import job_records as records
+from runtime_worker.supervisor import remove_tree
 
+log = logging.getLogger("modelforge.runtime_worker")
 #: Variables that look like credentials never reach job code.
 _CREDENTIAL_LIKE = re.compile(
     r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|ACCESS_?KEY|PRIVATE|AUTH|COOKIE|SESSION|CERT",
     re.IGNORECASE,
 )
-_KILL_GRACE = 0.5
+#: How long a supervisor asked to stop may take (its job gets half a second's grace) before it
+#: is killed with its process group.
+_STOP_TIMEOUT = 10.0
 #: The records job code may write to its events pipe.
 _FROM_JOB = (records.EventRecord, records.OutputRecord, records.ResultRecord, records.ErrorRecord)
 
@@ -47,28 +58,75 @@ def job_environment(base: dict[str, str], extra: dict[str, str]) -> dict[str, st
     return env
 
 
-def kill_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the whole group, SIGKILL what is left after a short grace."""
+def jobs_directory(socket_path: Path) -> Path:
+    """Where this worker's jobs get their work directories: one per worker socket, so that a
+    worker starting again on the same socket finds what the one before it left."""
+    key = hashlib.sha256(str(socket_path.absolute()).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"modelforge-jobs-{key}"
+
+
+class JobsDirectoryError(Exception):
+    """The jobs directory is not this worker's own; the message names it and the cause."""
+
+
+def prepare_jobs_directory(path: Path) -> int:
+    """Create `path` (0700, ours) or empty it of work directories a previous worker left;
+    returns how many it removed."""
     try:
-        os.killpg(process.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + _KILL_GRACE
-    while time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.02)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = path.lstat()
+    except OSError as exc:
+        raise JobsDirectoryError(f"cannot create {path} ({exc.strerror})") from None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        raise JobsDirectoryError(
+            f"{path} is not a directory owned by this user; remove it, or point TMPDIR elsewhere"
+        )
+    path.chmod(0o700)
+    removed = 0
+    for entry in path.iterdir():
+        remove_tree(entry)
+        removed += 1
+    return removed
+
+
+def stop_job(process: subprocess.Popen[bytes]) -> None:
+    """Ask the job's supervisor to end it (SIGTERM) and wait; one that does not answer in time
+    is killed with its process group."""
     try:
-        os.killpg(process.pid, signal.SIGKILL)
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=_STOP_TIMEOUT)
     except ProcessLookupError:
         pass
+    except subprocess.TimeoutExpired:
+        log.error("the supervisor of a job did not stop in %.0f s; killing it", _STOP_TIMEOUT)
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     process.wait()
 
 
-def kill_all() -> None:
-    """The worker is stopping: no job survives it."""
+def stop_all() -> None:
+    """The worker is stopping: no job survives it. All are asked at once, then awaited."""
     with _running_lock:
         processes = list(_running.values())
     for process in processes:
-        kill_group(process)
+        if process.poll() is None:
+            try:
+                process.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    for process in processes:
+        stop_job(process)
+
+
+def _readable(path: str) -> bool:
+    """Whether this worker's user — and so a job — can read what is at `path`."""
+    try:
+        is_dir = stat.S_ISDIR(os.stat(path).st_mode)
+    except OSError:
+        return False
+    return os.access(path, os.X_OK if is_dir else os.R_OK)
 
 
 def _pump(stream: IO[bytes], source: str, out: queue.Queue[records.Record]) -> None:
@@ -93,15 +151,23 @@ def _pump(stream: IO[bytes], source: str, out: queue.Queue[records.Record]) -> N
 
 
 def run_job(
-    spec: dict[str, Any], *, agent_socket: str, tick: float = 0.25
+    spec: dict[str, Any],
+    *,
+    agent_socket: str,
+    jobs_dir: Path,
+    private_paths: Iterable[str] = (),
+    tick: float = 0.25,
 ) -> Generator[records.Record, None, None]:
     """Start the job and yield its records; the last one is an `ExitRecord`.
 
     Records: `event`, `log`, `output` as they happen, `tick` at least every `tick` seconds (so
     the caller notices a vanished agent), then `exit` with the state. Closing the generator
-    early (the agent went away or cancelled) kills the job's process group.
+    early (the agent went away or cancelled) ends the job and everything it started.
+    `private_paths` (the agent's) are hidden from the job when this worker can read them.
     """
-    workdir = Path(tempfile.mkdtemp(prefix=f"modelforge-{spec['job_id']}-"))
+    jobs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # a tmp cleaner may have pruned it
+    workdir = Path(tempfile.mkdtemp(prefix=f"{spec['job_id']}-", dir=jobs_dir))
+    hide = [path for path in private_paths if _readable(path)]
     read_fd, write_fd = os.pipe()
     env = job_environment(
         dict(os.environ),
@@ -113,7 +179,7 @@ def run_job(
         },
     )
     process = subprocess.Popen(
-        [sys.executable, "-m", "runtime_worker.job_host"],
+        [sys.executable, "-m", "runtime_worker.supervisor"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -136,8 +202,12 @@ def run_job(
         reader.start()
     stdin = process.stdin
     if stdin is not None:
-        stdin.write(json.dumps(spec).encode())
-        stdin.close()
+        envelope = {"worker_pid": os.getpid(), "hide": hide, "spec": spec}
+        try:
+            stdin.write(json.dumps(envelope).encode())
+            stdin.close()
+        except BrokenPipeError:
+            pass  # the supervisor is gone already; its exit status tells the rest
 
     started = last_output = time.monotonic()
     timeout = float(spec.get("timeout_seconds") or 3600)
@@ -164,9 +234,7 @@ def run_job(
                 record = None
             now = time.monotonic()
             if record is None and process.poll() is not None:
-                # The job process ended: leftovers in its group go too, then drain.
-                if _group_alive(process.pid):
-                    kill_group(process)
+                # The supervisor ended its job's leftovers before exiting: drain.
                 for reader in readers:
                     reader.join(timeout=1.0)
                 while not pipe.empty():
@@ -181,11 +249,11 @@ def run_job(
                 if passed_on(record):
                     yield record
             if now - started >= timeout:
-                kill_group(process)
+                stop_job(process)
                 yield records.failed("JOB_TIMEOUT", f"ran longer than its timeout of {timeout:g} s")
                 return
             if now - last_output >= silence:
-                kill_group(process)
+                stop_job(process)
                 yield records.failed("JOB_SILENT", f"no output or event for {silence:g} s")
                 return
         code = process.wait()
@@ -196,19 +264,9 @@ def run_job(
         else:
             yield records.failed("JOB_EXITED", f"the job process ended with exit code {code}")
     finally:
-        # Normal end, timeout, or the caller closed us (cancel, agent gone): the group goes.
-        if process.poll() is None or _group_alive(process.pid):
-            kill_group(process)
+        # Normal end, timeout, or the caller closed us (cancel, agent gone): the job goes.
+        if process.poll() is None:
+            stop_job(process)
         with _running_lock:
             _running.pop(process.pid, None)
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        remove_tree(workdir)  # the supervisor's job; this is a backstop

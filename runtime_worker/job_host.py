@@ -1,7 +1,8 @@
 """The process a job runs in, leader of its own process group. Reads the job spec from stdin,
 runs the entrypoint, writes the outcome to the events pipe as a strict JSON record: a return
 value (or an event the job let fail) that is not strict JSON fails the job with
-`JOB_RESULT_NOT_JSON`. Started by `runtime_worker.execution`; never run by hand."""
+`JOB_RESULT_NOT_JSON`. Started by the job's supervisor (`runtime_worker.supervisor`); never run
+by hand."""
 
 from __future__ import annotations
 

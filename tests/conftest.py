@@ -26,6 +26,7 @@ _TABLES = [
     "console_sessions",
     "job_events",
     "jobs",
+    "artifact_uploads",
     "artifacts",
     "telemetry_samples",
     "node_events",

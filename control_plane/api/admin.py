@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request, status
+from fastapi import APIRouter, Query, Request, Response, status
 
 from control_plane.api.deps import AdminDep, ContextDep, SessionDep
 from control_plane.console_schemas import (
@@ -70,9 +70,13 @@ def _node_views(ctx: AppContext, session: SessionDep, rows: list[Node]) -> list[
     "/node-enrollments", status_code=status.HTTP_201_CREATED, response_model=EnrollmentMinted
 )
 def mint_enrollment(
-    body: EnrollmentCreate, request: Request, ctx: ContextDep, session: SessionDep
+    body: EnrollmentCreate,
+    request: Request,
+    response: Response,
+    ctx: ContextDep,
+    session: SessionDep,
 ) -> EnrollmentMinted:
-    row, token = enrollments.mint_enrollment(
+    minted = enrollments.mint_enrollment(
         session=session,
         clock=ctx.clock,
         display_name=body.display_name,
@@ -81,8 +85,10 @@ def mint_enrollment(
         production_eligible=body.production_eligible,
     )
     origin = ctx.settings.public_url or str(request.base_url).rstrip("/")
-    public = _enrollment_public(ctx, row)
-    return EnrollmentMinted(**public.model_dump(), token=token, api_origin=origin)
+    public = _enrollment_public(ctx, minted.enrollment)
+    # The one-time token: no cache (browser, proxy) may keep a copy.
+    response.headers["Cache-Control"] = "no-store"
+    return EnrollmentMinted(**public.model_dump(), token=minted.token, api_origin=origin)
 
 
 @router.get("/node-enrollments", response_model=list[EnrollmentPublic])
@@ -228,6 +234,7 @@ def node_readiness(node_id: ResourceId, ctx: ContextDep, session: SessionDep) ->
         now=ctx.clock.now(),
         stale_after=ctx.thresholds.stale_after,
         telemetry_max_age=ctx.telemetry_max_age,
+        inventory_max_age=timedelta(seconds=ctx.settings.inventory_max_age_seconds),
     )
 
 

@@ -1,9 +1,16 @@
 """Agent API under /api/v1/agent: enroll (enrollment token), then heartbeat, inventory and
-telemetry authenticated by the node credential."""
+telemetry authenticated by the node credential.
+
+The protocol verdict on enroll and heartbeat comes first, judged from the raw JSON before the
+body is validated: an agent of another protocol, whose body has another shape, still learns
+TOO_OLD / TOO_NEW (426) instead of a validation error."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
 from control_plane.api.deps import ContextDep, NodeDep, SessionDep
@@ -29,7 +36,39 @@ def _intervals(ctx: AppContext) -> dict[str, float]:
     return {
         "heartbeat_interval_seconds": ctx.settings.heartbeat_interval_seconds,
         "telemetry_interval_seconds": ctx.settings.telemetry_interval_seconds,
+        "inventory_interval_seconds": ctx.settings.inventory_max_age_seconds / 4,
     }
+
+
+async def _raw_protocol(request: Request) -> tuple[bool, Any]:
+    """(found, value) of `protocol_version` in the raw JSON object; (False, None) for a body
+    that is not a JSON object, which body validation then refuses."""
+    try:
+        raw = json.loads(await request.body())
+    except (ValueError, RecursionError):
+        return False, None
+    if not isinstance(raw, dict):
+        return False, None
+    return True, raw.get("protocol_version")
+
+
+async def enroll_protocol(request: Request) -> int | None:
+    """Judged before the body is validated and before the token is touched: an incompatible
+    agent consumes nothing."""
+    found, value = await _raw_protocol(request)
+    return judge_protocol(value, component="agent") if found else None
+
+
+async def heartbeat_protocol(request: Request, node: NodeDep, ctx: ContextDep) -> int | None:
+    """Judged after the credential, before the body is validated; a refusal is recorded."""
+    found, value = await _raw_protocol(request)
+    if not found:
+        return None
+    try:
+        return judge_protocol(value, component="agent")
+    except ProtocolIncompatible as refusal:
+        await run_in_threadpool(_refuse, ctx, node.node_id, refusal)
+        raise
 
 
 def _refuse(ctx: AppContext, node_id: str, refusal: ProtocolIncompatible) -> None:
@@ -40,8 +79,12 @@ def _refuse(ctx: AppContext, node_id: str, refusal: ProtocolIncompatible) -> Non
 
 
 @router.post("/enroll", response_model=EnrollResponse)
-def enroll(body: EnrollRequest, ctx: ContextDep) -> EnrollResponse:
-    # Judged before the token is touched: an incompatible agent consumes nothing.
+def enroll(
+    _protocol: Annotated[int | None, Depends(enroll_protocol)],
+    body: EnrollRequest,
+    response: Response,
+    ctx: ContextDep,
+) -> EnrollResponse:
     protocol = judge_protocol(body.protocol_version, component="agent")
     result = enrollments.claim_enrollment(
         session_factory=ctx.session_factory,
@@ -54,6 +97,8 @@ def enroll(body: EnrollRequest, ctx: ContextDep) -> EnrollResponse:
         protocol_version=protocol,
         fingerprint=body.fingerprint.model_dump() if body.fingerprint else None,
     )
+    # It carries the node credential: no cache may keep a copy.
+    response.headers["Cache-Control"] = "no-store"
     return EnrollResponse(
         node_id=result.node_id,
         credential=result.credential,
@@ -63,7 +108,12 @@ def enroll(body: EnrollRequest, ctx: ContextDep) -> EnrollResponse:
 
 
 @router.post("/heartbeat", response_model=HeartbeatResponse)
-async def heartbeat(body: HeartbeatRequest, node: NodeDep, ctx: ContextDep) -> HeartbeatResponse:
+async def heartbeat(
+    _protocol: Annotated[int | None, Depends(heartbeat_protocol)],
+    body: HeartbeatRequest,
+    node: NodeDep,
+    ctx: ContextDep,
+) -> HeartbeatResponse:
     # The hot path of a fleet: no database round trip (see services/heartbeats.py).
     try:
         return accept_heartbeat(

@@ -8,6 +8,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 
 from control_plane.api.deps import ContextDep, NodeDep
+from control_plane.api.ranges import artifact_response
 from control_plane.context import AppContext
 from control_plane.models import Job
 from control_plane.schemas import (
@@ -61,6 +62,8 @@ async def claim_work(body: WorkClaim, node: NodeDep, ctx: ContextDep) -> JobAssi
     """Long poll: answers with a job as soon as one this node may run is queued."""
 
     async def attempt() -> JobAssignment | None:
+        # A credential revoked while the claim waits ends it, and hands it nothing.
+        ctx.authority.recheck(node)
         return await run_in_threadpool(_claim, ctx, node.node_id)
 
     found = await ctx.dispatcher.poll(body.hold_seconds, attempt)
@@ -77,6 +80,7 @@ async def watch_jobs(body: AgentJobWatch, node: NodeDep, ctx: ContextDep) -> Age
         return stop or None
 
     async def attempt() -> list[str] | None:
+        ctx.authority.recheck(node)
         return await run_in_threadpool(check)
 
     return AgentJobCancellations(cancel=await ctx.dispatcher.poll(body.hold_seconds, attempt) or [])
@@ -126,8 +130,8 @@ async def upload_artifact(
 
     def record() -> ArtifactPublic:
         with ctx.session_factory.begin() as session:
-            row = artifacts.record_artifact(
-                session=session, clock=ctx.clock, digest=stored, size=size
+            row = artifacts.record_upload(
+                session=session, clock=ctx.clock, digest=stored, size=size, node_id=node.node_id
             )
             return ArtifactPublic(
                 digest=row.digest, size_bytes=row.size_bytes, created_at=row.created_at
@@ -137,12 +141,17 @@ async def upload_artifact(
 
 
 @router.get("/artifacts/{digest}", response_class=FileResponse)
-def download_artifact(digest: Digest, node: NodeDep, ctx: ContextDep) -> FileResponse:
-    """Streaming download with HTTP range requests, so an interrupted transfer resumes."""
+def download_artifact(
+    digest: Digest, request: Request, node: NodeDep, ctx: ContextDep
+) -> FileResponse:
+    """Streaming download with HTTP range requests, so an interrupted transfer resumes. Only
+    what this node's jobs name, or what it uploaded; anything else is 404 ARTIFACT_NOT_FOUND."""
     with ctx.session_factory() as session:
-        artifacts.get_artifact(session=session, store=ctx.artifacts, digest=digest)
-    return FileResponse(
-        ctx.artifacts.path_for(digest),
-        media_type="application/octet-stream",
-        headers={"X-ModelForge-Digest": digest},
-    )
+        artifacts.get_artifact_for_node(
+            session=session,
+            store=ctx.artifacts,
+            clock=ctx.clock,
+            digest=digest,
+            node_id=node.node_id,
+        )
+    return artifact_response(ctx.artifacts.path_for(digest), digest=digest, headers=request.headers)

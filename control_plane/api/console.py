@@ -51,14 +51,7 @@ def _is_tls(request: Request, public_url: str | None) -> bool:
 def sign_in(
     body: SignInRequest, request: Request, response: Response, ctx: ContextDep, session: SessionDep
 ) -> ConsoleSessionInfo:
-    address = request.client.host if request.client else "unknown"
-    ctx.sign_in_throttle.check(address, ctx.clock.now())
-    try:
-        check_admin_token(ctx, body.admin_token.get_secret_value())
-    except AdminAuthError:
-        ctx.sign_in_throttle.failed(address, ctx.clock.now())
-        raise
-    ctx.sign_in_throttle.succeeded(address)
+    check_admin_token(request, ctx, body.admin_token.get_secret_value(), then="sign in")
     lifetime = ctx.settings.console_session_seconds
     signed_in = console_sessions.start_session(
         session=session, clock=ctx.clock, lifetime=timedelta(seconds=lifetime)
@@ -90,7 +83,9 @@ def sign_out(request: Request, ctx: ContextDep, session: SessionDep) -> Response
     session_id = _cookie(request)
     console_session(request, ctx, session_id)  # a DELETE: the CSRF token is required
     console_sessions.end_session(session=session, session_id=session_id)
-    response = Response(status_code=status.HTTP_204_NO_CONTENT)
+    response = Response(
+        status_code=status.HTTP_204_NO_CONTENT, headers={"Cache-Control": "no-store"}
+    )
     response.delete_cookie(
         SESSION_COOKIE,
         path="/",

@@ -48,7 +48,7 @@ def require_admin(
     """The admin token header (scripts), or a console session cookie plus, for any change, the
     session's CSRF token. A cookie alone never authorises a change."""
     if token:
-        check_admin_token(ctx, token)
+        check_admin_token(request, ctx, token, then="send the X-ModelForge-Admin-Token header")
         return
     session_id = request.cookies.get(SESSION_COOKIE)
     if not session_id:
@@ -72,13 +72,24 @@ def console_session(request: Request, ctx: AppContext, session_id: str) -> Signe
     return signed_in
 
 
-def check_admin_token(ctx: AppContext, token: str) -> None:
+def client_address(request: Request) -> str:
+    return request.client.host if request.client else "unknown"
+
+
+def check_admin_token(request: Request, ctx: AppContext, token: str, *, then: str) -> None:
+    """The one check of a presented admin token (header or console sign-in), throttled per
+    client address: refused with 429 after too many wrong ones, before the token is compared,
+    so that a right token answers the same as a wrong one until the wait is over."""
+    address = client_address(request)
+    ctx.sign_in_throttle.check(address, ctx.clock.now(), then=then)
     if not ctx.admin_token.matches(token):
+        ctx.sign_in_throttle.failed(address, ctx.clock.now())
         raise AdminAuthError(
             "The admin token is not valid.",
             f"Use the token from {ctx.admin_token.origin}.",
             code="ADMIN_TOKEN_INVALID",
         )
+    ctx.sign_in_throttle.succeeded(address)
 
 
 AdminDep = Depends(require_admin)

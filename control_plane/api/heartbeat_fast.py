@@ -1,13 +1,14 @@
-"""The heartbeat fast path (HB-4): a thin pure-ASGI seam in front of the FastAPI app that
-answers the common heartbeat — a credential already verified and known active, a body the
-route's own `HeartbeatRequest` model accepts, a protocol in range — without FastAPI's routing
-and dependency injection.
+"""The heartbeat fast path (HB-4): a thin pure-ASGI seam in front of the FastAPI app, just inside
+the edge (which bounds the body), that answers the common heartbeat — a credential already
+verified and known active, a body the route's own `HeartbeatRequest` model accepts, a protocol
+in range — without FastAPI's routing and dependency injection.
 
 It is not a second implementation: it validates with the route's model, calls the same service
 function (`accept_heartbeat`) and answers with the route's response model. Anything else (an
 unknown or revoked credential, another protocol, a body the model refuses, a body larger than
-it reads) goes to the FastAPI app with the original, complete body, so every refusal still comes
-from the one error hierarchy.
+it reads) goes on towards the FastAPI app — through the JSON guard, which reads the body this
+seam parsed only when the seam could not answer — with the original, complete body, so every
+refusal still comes from the one error hierarchy.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ _JSON_TYPES = (b"application/json", b"")
 
 
 class HeartbeatFastPath:
-    """The served ASGI app: heartbeats answered here, everything else passed to `app`."""
+    """Heartbeats answered here, everything else passed to `app` (the JSON guard)."""
 
     def __init__(self, app: ASGIApp, ctx: AppContext) -> None:
         self.app = app

@@ -9,6 +9,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 
 from control_plane.api.deps import AdminDep, ContextDep, SessionDep
+from control_plane.api.ranges import artifact_response
 from control_plane.context import AppContext
 from control_plane.schemas import (
     ArtifactPublic,
@@ -98,10 +99,9 @@ def _record(ctx: AppContext, digest: str, size: int) -> ArtifactPublic:
 
 
 @router.get("/artifacts/{digest}", response_class=FileResponse)
-def download_artifact(digest: Digest, ctx: ContextDep, session: SessionDep) -> FileResponse:
+def download_artifact(
+    digest: Digest, request: Request, ctx: ContextDep, session: SessionDep
+) -> FileResponse:
+    """Streaming download with HTTP range requests (`Range: bytes=<first>-<last>`)."""
     artifacts.get_artifact(session=session, store=ctx.artifacts, digest=digest)
-    return FileResponse(
-        ctx.artifacts.path_for(digest),
-        media_type="application/octet-stream",
-        headers={"X-ModelForge-Digest": digest},
-    )
+    return artifact_response(ctx.artifacts.path_for(digest), digest=digest, headers=request.headers)

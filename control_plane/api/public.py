@@ -15,6 +15,8 @@ router = APIRouter(prefix="/api/v1", tags=["public"])
 
 @router.get("/health", response_model=Health)
 def health(session: SessionDep) -> Health:
+    """200 when the database answers; 503 `DATABASE_UNAVAILABLE` during an outage (the app's
+    database handler), so a load balancer or orchestrator sees it."""
     session.execute(text("SELECT 1"))
     return Health(status="ok", database="ok")
 

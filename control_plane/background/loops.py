@@ -1,5 +1,10 @@
 """The periodic work of a control plane process: heartbeat flush, liveness sweep, credential
-refresh, telemetry and console-session retention, job sweep."""
+refresh, telemetry and console-session retention, job sweep.
+
+A loop never dies of a failure and never floods the log with one: a database outage is reported
+once for the whole process by `ctx.database`, and any other failure is logged with its traceback
+the first time, then only as it keeps recurring (the 10th, 100th, ... time) and when it stops.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from datetime import timedelta
 from anyio import to_thread
 
 from control_plane.context import AppContext
+from control_plane.db import DatabaseAvailability, is_database_unavailable
 from control_plane.services import jobs
 from control_plane.services.console_sessions import prune_sessions
 from control_plane.services.nodes import sweep_liveness
@@ -20,23 +26,40 @@ from control_plane.services.reports import prune_telemetry
 log = logging.getLogger(__name__)
 
 
-async def _every(name: str, interval: float, work: Callable[[], object]) -> None:
+async def _every(
+    name: str, interval: float, work: Callable[[], object], database: DatabaseAvailability
+) -> None:
     failures = 0
     while True:
         await asyncio.sleep(interval * random.uniform(0.9, 1.0))  # noqa: S311 - jitter only
         try:
             await to_thread.run_sync(work)
-            failures = 0
         except Exception as exc:
+            if is_database_unavailable(exc):
+                # The next round retries; pending heartbeats stay in memory until then.
+                database.failed(exc)
+                continue
             failures += 1
-            # One line per failure kind; the traceback only on the first so logs stay readable.
-            log.warning(
-                "%s failed (%s, %d in a row)",
-                name,
-                type(exc).__name__,
-                failures,
-                exc_info=failures == 1,
-            )
+            if _worth_logging(failures):
+                log.warning(
+                    "%s failed (%s, %d in a row); retrying every %g s",
+                    name,
+                    type(exc).__name__,
+                    failures,
+                    interval,
+                    exc_info=failures == 1,
+                )
+            continue
+        if failures:
+            log.warning("%s works again after %d failures in a row", name, failures)
+            failures = 0
+
+
+def _worth_logging(failures: int) -> bool:
+    """The 1st, 10th, 100th, ... failure in a row."""
+    while failures % 10 == 0:
+        failures //= 10
+    return failures == 1
 
 
 def flush_heartbeats(ctx: AppContext) -> int:
@@ -78,7 +101,9 @@ def start_loops(ctx: AppContext) -> list[asyncio.Task[None]]:
         ("retention", 60.0, lambda: prune(ctx)),
         ("job sweep", s.liveness_sweep_interval_seconds, lambda: sweep_jobs(ctx)),
     ]
-    return [asyncio.create_task(_every(name, i, fn), name=name) for name, i, fn in specs]
+    return [
+        asyncio.create_task(_every(name, i, fn, ctx.database), name=name) for name, i, fn in specs
+    ]
 
 
 async def stop_loops(ctx: AppContext, tasks: list[asyncio.Task[None]]) -> None:
@@ -86,4 +111,13 @@ async def stop_loops(ctx: AppContext, tasks: list[asyncio.Task[None]]) -> None:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     # The last word: heartbeats answered 2xx reach the database before the process exits.
-    await to_thread.run_sync(lambda: flush_heartbeats(ctx))
+    try:
+        await to_thread.run_sync(lambda: flush_heartbeats(ctx))
+    except Exception as exc:
+        if not is_database_unavailable(exc):
+            raise
+        # Only liveness is lost: the agents' next heartbeats, to the next start, bring it back.
+        log.warning(
+            "%d heartbeats were not written at shutdown: the database is unavailable",
+            len(ctx.heartbeats),
+        )

@@ -7,15 +7,23 @@ import hashlib
 import os
 import secrets
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 
+from sqlalchemy import or_, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
 from control_plane.errors import InvalidRequest, NotFound
-from control_plane.models import Artifact
+from control_plane.models import Artifact, ArtifactUpload, Job
 
 DIGEST_PREFIX = "sha256:"
+#: A node may still fetch the inputs of a job that finished this recently (a download resumed
+#: after the job ended, a job being wound down).
+RECENT_JOB_WINDOW = timedelta(hours=1)
+_DIR_MODE = 0o700
+_FILE_MODE = 0o600
 
 
 class ArtifactStore:
@@ -34,11 +42,13 @@ class ArtifactStore:
         self, chunks: AsyncIterator[bytes], *, expected: str | None
     ) -> tuple[str, int]:
         """Stream a body to disk; verify `expected` (if given) before it becomes visible."""
-        self._tmp.mkdir(parents=True, exist_ok=True)
+        _private_dirs(self._tmp)
         tmp = self._tmp / f"upload-{secrets.token_hex(8)}"
         hasher, size = hashlib.sha256(), 0
         try:
-            with tmp.open("wb") as handle:
+            # Owner-only whatever the umask: job inputs and results are nobody else's to read.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
+            with os.fdopen(fd, "wb") as handle:
                 async for chunk in chunks:
                     hasher.update(chunk)
                     handle.write(chunk)
@@ -48,16 +58,25 @@ class ArtifactStore:
             digest = DIGEST_PREFIX + hasher.hexdigest()
             if expected is not None and digest != expected:
                 raise InvalidRequest(
-                    f"The uploaded content has digest {digest}, not {expected}.",
+                    "The uploaded content does not hash to the digest it was sent for.",
                     "Upload the file again; it was corrupted or truncated on the way.",
                     code="ARTIFACT_DIGEST_MISMATCH",
                 )
             target = self.path_for(digest)
-            target.parent.mkdir(parents=True, exist_ok=True)
+            _private_dirs(target.parent)
             os.replace(tmp, target)
             return digest, size
         finally:
             tmp.unlink(missing_ok=True)
+
+
+def _private_dirs(directory: Path) -> None:
+    """`directory` and any missing parents, each created 0700 (`mkdir(parents=True)` would give
+    the parents the umask's default mode)."""
+    if directory.is_dir():
+        return
+    _private_dirs(directory.parent)
+    directory.mkdir(mode=_DIR_MODE, exist_ok=True)
 
 
 def record_artifact(*, session: Session, clock: Clock, digest: str, size: int) -> Artifact:
@@ -73,8 +92,61 @@ def get_artifact(*, session: Session, store: ArtifactStore, digest: str) -> Arti
     artifact = session.get(Artifact, digest)
     if artifact is None or not store.exists(digest):
         raise NotFound(
-            f"No artifact {digest}.",
+            "No artifact with this digest.",
             "Upload it first (POST /api/v1/artifacts).",
             code="ARTIFACT_NOT_FOUND",
         )
     return artifact
+
+
+def record_upload(
+    *, session: Session, clock: Clock, digest: str, size: int, node_id: str
+) -> Artifact:
+    """An artifact a node uploaded: recorded, and remembered as that node's to download."""
+    artifact = record_artifact(session=session, clock=clock, digest=digest, size=size)
+    if session.get(ArtifactUpload, (digest, node_id)) is None:
+        try:
+            with session.begin_nested():  # the same node uploading it twice at once
+                session.add(ArtifactUpload(digest=digest, node_id=node_id, uploaded_at=clock.now()))
+        except IntegrityError:
+            pass
+    return artifact
+
+
+def get_artifact_for_node(
+    *, session: Session, store: ArtifactStore, clock: Clock, digest: str, node_id: str
+) -> Artifact:
+    """An artifact this node may download: one it uploaded itself, or one named as an input
+    (or model) by a job assigned to it that is running or finished within RECENT_JOB_WINDOW.
+    Anything else is answered exactly like a digest that does not exist, so that a node
+    learns nothing about other nodes' artifacts."""
+    artifact = session.get(Artifact, digest)
+    if (
+        artifact is None
+        or not store.exists(digest)
+        or not (
+            session.get(ArtifactUpload, (digest, node_id)) is not None
+            or _named_by_jobs_of(session, clock=clock, digest=digest, node_id=node_id)
+        )
+    ):
+        raise NotFound(
+            "No artifact with this digest for this node.",
+            "A node fetches only artifacts that its own jobs name as inputs, or that it uploaded; "
+            "check the job's inputs, and that the artifact was uploaded (POST /api/v1/artifacts).",
+            code="ARTIFACT_NOT_FOUND",
+        )
+    return artifact
+
+
+def _named_by_jobs_of(session: Session, *, clock: Clock, digest: str, node_id: str) -> bool:
+    since = clock.now() - RECENT_JOB_WINDOW
+    rows = session.execute(
+        select(Job.inputs, Job.entrypoint).where(
+            Job.node_id == node_id,
+            or_(Job.state == "running", Job.finished_at >= since),
+        )
+    )
+    for inputs, entrypoint in rows:
+        if digest in (inputs or {}).values() or (entrypoint or {}).get("model") == digest:
+            return True
+    return False

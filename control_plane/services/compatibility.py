@@ -24,10 +24,10 @@ def judge_protocol(value: Any, *, component: str) -> int:
         message = f"The {component} did not report a protocol version this control plane can read."
     elif value < lo:
         code = "TOO_OLD"
-        message = f"The {component} speaks protocol {value}, older than {lo}."
+        message = f"The {component} speaks a protocol older than {lo}."
     elif value > hi:
         code = "TOO_NEW"
-        message = f"The {component} speaks protocol {value}, newer than {hi}."
+        message = f"The {component} speaks a protocol newer than {hi}."
     else:
         return value
     next_step = _NEXT_STEP[code].format(component=component, lo=lo, hi=hi)

@@ -38,9 +38,11 @@ class SignedIn:
 
 
 class SignInThrottle:
-    """Slows down guessing the admin token at the console's sign-in: after `limit` wrong tokens
-    from one client address within `window`, that address is refused until the oldest of them
-    leaves the window. In memory, per process; a right token clears the address's record."""
+    """Slows down guessing the admin token, wherever it is presented (the console's sign-in and
+    the X-ModelForge-Admin-Token header share one count): after `limit` wrong tokens from one
+    client address within `window`, that address is refused — even with the right token, so the
+    refusal tells a guesser nothing — until the oldest of them leaves the window. In memory, per
+    process; a right token (accepted while not refused) clears the address's record."""
 
     def __init__(self, *, limit: int = 10, window: timedelta = timedelta(minutes=5)) -> None:
         self.limit = limit
@@ -48,7 +50,9 @@ class SignInThrottle:
         self._failures: dict[str, deque[datetime]] = {}
         self._lock = threading.Lock()
 
-    def check(self, address: str, now: datetime) -> None:
+    def check(self, address: str, now: datetime, *, then: str = "sign in") -> None:
+        """`TooManyRequests` while `address` is refused; `then` completes the next step
+        ("Wait N s, then <then> with the token from …")."""
         with self._lock:
             failures = self._recent(address, now)
             if len(failures) < self.limit:
@@ -57,7 +61,7 @@ class SignInThrottle:
         raise TooManyRequests(
             f"Too many wrong admin tokens from this address ({self.limit} within "
             f"{int(self.window.total_seconds() // 60)} minutes).",
-            f"Wait {wait} s, then sign in with the token from the control plane's admin-token "
+            f"Wait {wait} s, then {then} with the token from the control plane's admin-token "
             "file or MODELFORGE_ADMIN_TOKEN.",
             code="SIGN_IN_RATE_LIMITED",
         )

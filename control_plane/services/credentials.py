@@ -6,6 +6,10 @@ once is kept in memory, and the status of each `jti` is cached, so a steady-stat
 two dict look-ups and no database round trip (`cached_active` is that check alone, for callers
 that must not block). Revocations made in this process apply at once; those made
 by another process are picked up by `refresh()`, which the app runs every second.
+
+Revocations are durable: a revoked credential's row stays (also after its node was deleted),
+so every replica's refresh sees it. A request that was authenticated and then waits (a long
+poll) asks `still_active` before each attempt, so a revocation ends it too.
 """
 
 from __future__ import annotations
@@ -211,6 +215,16 @@ class CredentialAuthority:
         if principal is None or self._jti_active.get(principal.jti) is not True:
             return None
         return principal
+
+    def still_active(self, principal: NodePrincipal) -> bool:
+        """Whether a principal authenticated earlier is still unrevoked as far as this process
+        knows (revoked here, or picked up by `refresh`). Memory only: never blocks."""
+        return self._jti_active.get(principal.jti) is not False
+
+    def recheck(self, principal: NodePrincipal) -> None:
+        """`CredentialRevoked` once `still_active` says no; for requests that wait."""
+        if not self.still_active(principal):
+            raise _revoked()
 
     def _verify_signature(self, token: str) -> NodePrincipal:
         try:

@@ -1,13 +1,15 @@
 """Enrollment tokens: mint, list, revoke, and the atomic claim.
 
 The claim is decided by one conditional UPDATE: the row count picks the single winner,
-never a read followed by a write. Tokens and claim nonces are stored only as SHA-256 hashes.
+never a read followed by a write; a revoke is the same kind of conditional UPDATE, so a claim and
+a revoke racing for one token end with exactly one of them applied. Tokens and claim nonces are
+stored only as SHA-256 hashes, and no object here shows a token or credential in `repr()`.
 """
 
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -24,7 +26,7 @@ from control_plane.errors import (
     NotFound,
     ServiceUnavailable,
 )
-from control_plane.models import Node, NodeEnrollment
+from control_plane.models import Node, NodeCredential, NodeEnrollment
 from control_plane.security import new_enrollment_token, new_id, sha256_hex
 from control_plane.services.credentials import CredentialAuthority
 from control_plane.services.nodes import fingerprint_hash, record_event
@@ -36,6 +38,13 @@ def enrollment_state(enrollment: NodeEnrollment, now: datetime) -> str:
     return enrollment.state
 
 
+@dataclass(frozen=True)
+class MintedEnrollment:
+    enrollment: NodeEnrollment
+    #: Returned to the caller once, never stored.
+    token: str = field(repr=False)
+
+
 def mint_enrollment(
     *,
     session: Session,
@@ -44,8 +53,8 @@ def mint_enrollment(
     expires_in_seconds: int,
     labels: dict[str, str],
     production_eligible: bool,
-) -> tuple[NodeEnrollment, str]:
-    """Create a pending enrollment and reserve its node ID. Returns (row, token)."""
+) -> MintedEnrollment:
+    """Create a pending enrollment and reserve its node ID."""
     now = clock.now()
     token = new_enrollment_token()
     enrollment = NodeEnrollment(
@@ -61,7 +70,7 @@ def mint_enrollment(
     )
     session.add(enrollment)
     session.flush()
-    return enrollment, token
+    return MintedEnrollment(enrollment, token)
 
 
 def list_enrollments(*, session: Session) -> list[NodeEnrollment]:
@@ -72,7 +81,7 @@ def get_enrollment(*, session: Session, enrollment_id: str) -> NodeEnrollment:
     enrollment = session.get(NodeEnrollment, enrollment_id)
     if enrollment is None:
         raise NotFound(
-            f"No enrollment with id {enrollment_id!r}.",
+            "No enrollment with this id.",
             "List enrollments with GET /api/v1/admin/node-enrollments.",
             code="ENROLLMENT_NOT_FOUND",
         )
@@ -80,36 +89,36 @@ def get_enrollment(*, session: Session, enrollment_id: str) -> NodeEnrollment:
 
 
 def revoke_enrollment(*, session: Session, clock: Clock, enrollment_id: str) -> NodeEnrollment:
-    """An unused token becomes unclaimable; a used one is refused."""
-    now = clock.now()
+    """An unused token becomes unclaimable; a used one is refused.
+
+    The conditional UPDATE decides against a claim racing this revoke (on PostgreSQL it waits
+    for the claim's transaction and then re-checks the state): whichever commits first wins, and
+    the loser is judged by the state read after the UPDATE, in the same transaction.
+    """
     enrollment = get_enrollment(session=session, enrollment_id=enrollment_id)
-    if enrollment.state == "claimed":
+    result = session.execute(
+        update(NodeEnrollment)
+        .where(NodeEnrollment.id == enrollment_id, NodeEnrollment.state == "pending")
+        .values(state="revoked", revoked_at=clock.now())
+        .execution_options(synchronize_session=False)
+    )
+    revoked_now = rowcount(result) == 1
+    session.refresh(enrollment)
+    if not revoked_now and enrollment.state == "claimed":
         raise Conflict(
             "This enrollment token was already used to enroll a node; revoking it changes nothing.",
             f"Revoke the node's credential instead: POST /api/v1/admin/nodes/"
             f"{enrollment.node_id}/credential/revoke.",
             code="ENROLLMENT_ALREADY_CLAIMED",
         )
-    if enrollment.state == "revoked":
-        return enrollment
-    # Conditional, so a claim racing this revoke either wins before it or loses after it.
-    result = session.execute(
-        update(NodeEnrollment)
-        .where(NodeEnrollment.id == enrollment_id, NodeEnrollment.state == "pending")
-        .values(state="revoked", revoked_at=now)
-    )
-    if rowcount(result) != 1:
-        session.rollback()
-        return revoke_enrollment(session=session, clock=clock, enrollment_id=enrollment_id)
-    session.refresh(enrollment)
-    return enrollment
+    return enrollment  # revoked now, or by an earlier revoke
 
 
 @dataclass(frozen=True)
 class ClaimResult:
     node_id: str
-    credential: str
-    labels: dict[str, str]
+    credential: str = field(repr=False)
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 def claim_enrollment(
@@ -173,10 +182,19 @@ def claim_enrollment(
             same_claimant = enrollment.claim_nonce_hash is not None and hmac.compare_digest(
                 enrollment.claim_nonce_hash, nonce_hash
             )
-            node = session.get(Node, enrollment.node_id)
-            if same_claimant and node is not None and now < enrollment.expires_at:
+            node = session.get(Node, enrollment.node_id) if same_claimant else None
+            if node is not None and not _has_active_credential(session, node.id):
+                raise EnrollmentTokenUsed(
+                    "This enrollment token was already used, and the credential of the node it "
+                    "enrolled was revoked since; a retry cannot bring it back.",
+                    "Mint a new enrollment token for this host and start the agent with it.",
+                    code="ENROLLMENT_TOKEN_USED",
+                )
+            if node is not None:
                 # The claimant lost our answer; give it the same identity again, with a
-                # fresh credential (the one we sent before is revoked by `issue`).
+                # fresh credential (the one we sent before is revoked by `issue`). The token's
+                # expiry does not matter here: it bounds who may claim, and this claim was won
+                # before it.
                 credential = authority.issue(session, node_id=node.id, labels=node.labels)
                 record_event(
                     session,
@@ -202,6 +220,17 @@ def claim_enrollment(
         "The enrollment could not be completed because of a concurrent change.",
         "Retry the enrollment with the same claim nonce.",
         code="ENROLLMENT_RETRY",
+    )
+
+
+def _has_active_credential(session: Session, node_id: str) -> bool:
+    return (
+        session.scalar(
+            select(NodeCredential.jti).where(
+                NodeCredential.node_id == node_id, NodeCredential.revoked_at.is_(None)
+            )
+        )
+        is not None
     )
 
 

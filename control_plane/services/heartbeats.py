@@ -73,6 +73,7 @@ def accept_heartbeat(
     return HeartbeatResponse(
         heartbeat_interval_seconds=settings.heartbeat_interval_seconds,
         telemetry_interval_seconds=settings.telemetry_interval_seconds,
+        inventory_interval_seconds=settings.inventory_max_age_seconds / 4,
         compatibility=Compatibility(
             status="compatible", protocol_version=protocol, accepted=accepted()
         ),

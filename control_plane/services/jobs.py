@@ -50,7 +50,7 @@ def get_job(*, session: Session, job_id: str) -> Job:
     job = session.get(Job, job_id)
     if job is None:
         raise NotFound(
-            f"No job with id {job_id!r}.", "List jobs with GET /api/v1/jobs.", code="JOB_NOT_FOUND"
+            "No job with this id.", "List jobs with GET /api/v1/jobs.", code="JOB_NOT_FOUND"
         )
     return job
 
@@ -168,7 +168,7 @@ def cancel_job(*, session: Session, clock: Clock, job_id: str) -> Job:
     now = clock.now()
     if job.state in FINISHED:
         raise Conflict(
-            f"Job {job_id} already ended ({job.state}).",
+            f"This job already ended ({job.state}).",
             "Nothing to cancel; delete it with DELETE /api/v1/jobs/{job_id}.",
             code="JOB_FINISHED",
         )
@@ -195,8 +195,8 @@ def delete_job(*, session: Session, job_id: str) -> None:
     job = get_job(session=session, job_id=job_id)
     if job.state not in FINISHED:
         raise Conflict(
-            f"Job {job_id} is still {job.state}.",
-            f"Cancel it first: POST /api/v1/jobs/{job_id}/cancel.",
+            f"This job is still {job.state}.",
+            "Cancel it first: POST /api/v1/jobs/{job_id}/cancel.",
             code="JOB_ACTIVE",
         )
     session.delete(job)
@@ -209,13 +209,13 @@ def _owned_running(session: Session, job_id: str, node_id: str) -> Job:
     job = session.get(Job, job_id)
     if job is None or job.node_id != node_id:
         raise NotFound(
-            f"Job {job_id!r} is not assigned to this node.",
+            "This job is not assigned to this node.",
             "Drop it: the control plane does not expect this node to run it.",
             code="JOB_NOT_ASSIGNED",
         )
     if job.state != "running":
         raise Conflict(
-            f"Job {job_id} is {job.state}.",
+            f"This job is {job.state}.",
             "Stop running it and kill its processes.",
             code="JOB_NOT_RUNNING",
         )

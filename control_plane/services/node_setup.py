@@ -7,11 +7,11 @@ Nothing here ever sees the token: the start command reads it at a hidden prompt 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from control_plane import RELEASE_VERSION
 from control_plane.errors import InvalidRequest
@@ -31,11 +31,12 @@ _REGISTRY_REF = re.compile(
     r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+)?(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)+"
     r"@sha256:[0-9a-f]{64}$"
 )
-#: A DNS name, an IPv4 address or (unbracketed by urlsplit) an IPv6 address: nothing else can
-#: reach a `.env` line.
-_HOST = re.compile(
-    r"^(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9-]+)*|[0-9a-fA-F:.]+)$"
+#: scheme://host[:port][/], nothing more; the host and port are judged on their own below.
+_ORIGIN = re.compile(
+    r"(?P<scheme>[A-Za-z]+)://(?P<host>\[[^\]/]*\]|[^/:\[\]@?#]*)(?::(?P<port>[^/]*))?/?"
 )
+_DNS_LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+_PORT = re.compile(r"[0-9]{1,5}")
 _PASTE_STEP = (
     f"Paste `images.{NODE_AGENT}` from the release-manifest.json of the bundle you loaded on "
     "the node (`jq '.images.\"modelforge-node-agent\"' release-manifest.json`)."
@@ -53,29 +54,17 @@ class ImageChoice:
 
 
 def check_api_origin(api_origin: str, request_origin: str | None) -> str:
-    """The node talks to the console's own origin, nothing else."""
-    try:
-        parts = urlsplit(api_origin)
-        hostname = parts.hostname
-    except ValueError:  # e.g. an unclosed IPv6 bracket
-        hostname = None
-    if (
-        hostname is None
-        or not _HOST.match(hostname)
-        or parts.scheme not in ("http", "https")
-        or parts.path not in ("", "/")
-        or parts.query
-        or parts.fragment
-        or parts.username
-        or parts.password
-    ):
+    """The node talks to the console's own origin, nothing else. Returns it in canonical form
+    (lower-case scheme and host), the only form that reaches a `.env` line."""
+    origin = canonical_origin(api_origin)
+    if origin is None:
         raise InvalidRequest(
-            "api_origin must be an origin like https://modelforge.example:8000 (no path).",
+            "api_origin must be an origin like https://modelforge.example:8000: scheme http or "
+            "https, a host name or IP address, an optional port 1..65535, and no path.",
             "Open the wizard from the console served by this control plane.",
             code="API_ORIGIN_INVALID",
         )
-    origin = f"{parts.scheme}://{parts.netloc}"
-    if request_origin is not None and request_origin.rstrip("/") != origin:
+    if request_origin is not None and canonical_origin(request_origin) != origin:
         raise InvalidRequest(
             "api_origin differs from the origin this request came from; the node's API origin "
             "is locked to the console's own origin.",
@@ -83,6 +72,44 @@ def check_api_origin(api_origin: str, request_origin: str | None) -> str:
             code="API_ORIGIN_MISMATCH",
         )
     return origin
+
+
+def canonical_origin(text: str) -> str | None:
+    """`scheme://host[:port]` for a strictly valid origin, None for anything else."""
+    match = _ORIGIN.fullmatch(text)
+    if match is None:
+        return None
+    scheme = match["scheme"].lower()
+    host = _canonical_host(match["host"])
+    port = match["port"]
+    if scheme not in ("http", "https") or host is None:
+        return None
+    if port is None:
+        return f"{scheme}://{host}"
+    if not _PORT.fullmatch(port) or not 1 <= int(port) <= 65535:
+        return None
+    return f"{scheme}://{host}:{int(port)}"
+
+
+def _canonical_host(host: str) -> str | None:
+    if host.startswith("["):
+        if "%" in host:  # a zone index names an interface of one host, not an origin
+            return None
+        try:
+            return f"[{ipaddress.IPv6Address(host[1:-1]).compressed}]"
+        except ValueError:
+            return None
+    try:
+        return str(ipaddress.IPv4Address(host))
+    except ValueError:
+        pass
+    name = host.lower().removesuffix(".")
+    labels = name.split(".")
+    if not name or len(name) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in labels):
+        return None
+    if labels[-1].isdigit():  # all-numeric: a mistyped IPv4 address, not a name
+        return None
+    return name
 
 
 def choose_image(

@@ -60,7 +60,7 @@ def get_node(*, session: Session, node_id: str) -> Node:
     node = session.get(Node, node_id)
     if node is None:
         raise NotFound(
-            f"No node with id {node_id!r}.",
+            "No node with this id.",
             "List nodes with GET /api/v1/admin/nodes; a node exists once its token was claimed.",
             code="NODE_NOT_FOUND",
         )

@@ -21,11 +21,16 @@ def _age(since: datetime | None, now: datetime) -> str:
 
 
 def assess_readiness(
-    node: NodePublic, *, now: datetime, stale_after: timedelta, telemetry_max_age: timedelta
+    node: NodePublic,
+    *,
+    now: datetime,
+    stale_after: timedelta,
+    telemetry_max_age: timedelta,
+    inventory_max_age: timedelta,
 ) -> Readiness:
     checks = [
         _connected(node, now, stale_after),
-        _inventory(node, now),
+        _inventory(node, now, inventory_max_age),
         _protocol(node),
         _agent_health(node),
         _telemetry(node, now, telemetry_max_age),
@@ -55,14 +60,25 @@ def _connected(node: NodePublic, now: datetime, stale_after: timedelta) -> Readi
     return _check("connected", "pass", f"Last heartbeat {_age(node.last_heartbeat_at, now)}.")
 
 
-def _inventory(node: NodePublic, now: datetime) -> ReadinessCheck:
-    if node.inventory is None:
+def _inventory(node: NodePublic, now: datetime, max_age: timedelta) -> ReadinessCheck:
+    if node.inventory is None or node.inventory_at is None:
         return _check(
             "inventory",
             "fail",
             "The agent has not reported its inventory yet.",
             "Wait for the agent to finish starting; if this persists, check the agent log for "
             "errors on PUT /api/v1/agent/inventory.",
+        )
+    if now - node.inventory_at > max_age:
+        # Agents resend it well within this bound, changed or not: it is old only when the
+        # agent stopped reporting it (its inventory loop fails, or an old agent runs).
+        return _check(
+            "inventory",
+            "fail",
+            f"Inventory reported {_age(node.inventory_at, now)}; it must be newer than "
+            f"{max_age.total_seconds():g} s (MODELFORGE_INVENTORY_MAX_AGE_SECONDS).",
+            "Check the agent log for errors on PUT /api/v1/agent/inventory, and that the agent "
+            "runs this control plane's release; restarting the agent sends it again.",
         )
     return _check("inventory", "pass", f"Inventory reported {_age(node.inventory_at, now)}.")
 

@@ -12,15 +12,20 @@ SIGTERM.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from dataclasses import dataclass
 
+from control_plane.errors import InvalidRequest
 from modelforge_contracts.release_manifest import ImageEntry
 
 ENV_FILE = "modelforge-node.env"
 TOKEN_VARIABLE = "MODELFORGE_AGENT_ENROLLMENT_TOKEN"  # noqa: S105 - a variable name
 PROJECT = "modelforge-node"
 _ENV_END = "MODELFORGE_NODE_ENV"
+#: The only shape of API origin written into a `.env` (node_setup.check_api_origin produces
+#: it): a lower-case scheme, a host name or IP address, an optional port of digits.
+_SAFE_ORIGIN = re.compile(r"https?://(?:[a-z0-9.-]+|\[[0-9a-f:.]+\])(?::[0-9]{1,5})?")
 
 _PRELUDE = r"""{ set +x; } 2>/dev/null; (
 set +x
@@ -85,6 +90,14 @@ class NodeStart:
     entry: ImageEntry | None
     #: Bundle mode: the release's runtime worker, started alongside (readiness needs it).
     worker_image: str | None
+
+    def __post_init__(self) -> None:
+        if not _SAFE_ORIGIN.fullmatch(self.api_origin):
+            raise InvalidRequest(
+                "The API origin cannot be written into the node's settings.",
+                "Open the wizard from the console served by this control plane.",
+                code="API_ORIGIN_INVALID",
+            )
 
     @property
     def services(self) -> list[str]:

@@ -3,6 +3,7 @@ and PostgreSQL."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -252,3 +253,151 @@ def test_duplicate_fingerprint_flags_both_nodes(tmp_path: Path, database_url: st
         assert deleted.status_code == 204
         assert cp.node(second["node_id"])["duplicate_identity"] is None
         assert cp.heartbeat(first["credential"]).json()["error"]["code"] == "CREDENTIAL_REVOKED"
+
+
+@pytest.mark.parametrize(("protocol", "code"), [(2, "TOO_NEW"), (0, "TOO_OLD")])
+def test_another_protocols_body_still_learns_the_verdict(
+    tmp_path: Path, database_url: str, protocol: int, code: str
+) -> None:
+    """An agent of another protocol sends another body shape: the protocol verdict (426)
+    comes before body validation, on enroll and on heartbeat."""
+    with control_plane(tmp_path, database_url) as cp:
+        minted = cp.mint()
+        other_enroll = {
+            "protocol_version": protocol,
+            "enrollment_token": minted["token"],  # renamed in that protocol
+            "nonce": "n" * 20,
+            "host": {"name": "h"},
+        }
+        refused = cp.client.post("/api/v1/agent/enroll", json=other_enroll)
+        assert refused.status_code == 426, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == code and error["component"] == "agent" and error["next_step"]
+        assert minted["token"] not in refused.text
+        assert cp.enroll_raw(minted["token"]).status_code == 200  # the token was not consumed
+
+        enrolled = cp.enroll()
+        other_heartbeat = {"protocol_version": protocol, "health": "ok", "uptime_s": 12}
+        refused = cp.client.post(
+            "/api/v1/agent/heartbeat",
+            headers=cp.agent(enrolled["credential"]),
+            json=other_heartbeat,
+        )
+        assert refused.status_code == 426, refused.text
+        assert refused.json()["error"]["code"] == code
+        assert refused.json()["error"]["component"] == "agent"
+        assert cp.node(enrolled["node_id"])["needs_upgrade"]["code"] == code
+        # A body of this protocol that is invalid is still a validation error, and a
+        # credential is still checked first.
+        invalid = cp.client.post(
+            "/api/v1/agent/heartbeat",
+            headers=cp.agent(enrolled["credential"]),
+            json={"protocol_version": 1, "health": "ok"},
+        )
+        assert invalid.status_code == 422
+        assert invalid.json()["error"]["code"] == "INVALID_REQUEST"
+        anonymous = cp.client.post("/api/v1/agent/heartbeat", json=other_heartbeat)
+        assert anonymous.status_code == 401
+
+
+def test_readiness_fails_on_an_old_inventory(tmp_path: Path, database_url: str) -> None:
+    with control_plane(tmp_path, database_url, inventory_max_age_seconds=3600) as cp:
+        enrolled = cp.enroll()
+        headers = cp.agent(enrolled["credential"])
+        cp.client.put("/api/v1/agent/inventory", headers=headers, json=inventory_body("cpu"))
+
+        def inventory_check() -> dict[str, Any]:
+            cp.heartbeat(enrolled["credential"])
+            checks = {c["name"]: c for c in cp.readiness(enrolled["node_id"])["checks"]}
+            return dict(checks["inventory"])
+
+        assert inventory_check()["status"] == "pass"
+        cp.clock.advance(3600)
+        assert inventory_check()["status"] == "pass"  # exactly at the bound
+        cp.clock.advance(30 * 86400)  # connected all along, the inventory 30 days old
+        check = inventory_check()
+        assert check["status"] == "fail"
+        assert "MODELFORGE_INVENTORY_MAX_AGE_SECONDS" in check["detail"]
+        assert "PUT /api/v1/agent/inventory" in check["next_step"]
+        assert cp.readiness(enrolled["node_id"])["ready"] is False
+        cp.client.put("/api/v1/agent/inventory", headers=headers, json=inventory_body("cpu"))
+        assert inventory_check()["status"] == "pass"  # resent: fresh again
+        # Agents are told to resend it, changed or not, well within the bound.
+        assert enrolled["inventory_interval_seconds"] == 900
+        assert cp.heartbeat(enrolled["credential"]).json()["inventory_interval_seconds"] == 900
+
+
+def _upload(cp: Any, credential: str, data: bytes) -> str:
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    response = cp.client.put(
+        f"/api/v1/agent/artifacts/{digest}", headers=cp.agent(credential), content=data
+    )
+    assert response.status_code == 201, response.text
+    return digest
+
+
+def test_a_node_downloads_only_its_own_artifacts(tmp_path: Path, database_url: str) -> None:
+    """What it uploaded, or what its running (or recently finished) jobs name; everything else
+    is answered like a digest that does not exist."""
+    with control_plane(tmp_path, database_url) as cp:
+        nodes = []
+        for _ in range(2):
+            enrolled = cp.enroll()
+            headers = cp.agent(enrolled["credential"])
+            cp.client.put("/api/v1/agent/inventory", headers=headers, json=inventory_body())
+            cp.heartbeat(enrolled["credential"])
+            nodes.append(enrolled)
+        first, second = nodes
+        mine = _upload(cp, first["credential"], b"made on the first node")
+        model = cp.client.post("/api/v1/artifacts", headers=cp.admin, content=b"an onnx model")
+        weights = cp.client.post("/api/v1/artifacts", headers=cp.admin, content=b"job weights")
+        model_digest, weights_digest = model.json()["digest"], weights.json()["digest"]
+        never = "sha256:" + "0" * 64
+
+        def fetch(enrolled: dict[str, Any], digest: str) -> Any:
+            return cp.client.get(
+                f"/api/v1/agent/artifacts/{digest}", headers=cp.agent(enrolled["credential"])
+            )
+
+        assert fetch(first, mine).content == b"made on the first node"
+        missing = fetch(second, never)
+        for digest in (mine, weights_digest, model_digest):
+            refused = fetch(second, digest)
+            assert refused.status_code == 404
+            assert refused.json()["error"]["code"] == "ARTIFACT_NOT_FOUND"
+            # Indistinguishable from a digest that does not exist.
+            assert (
+                refused.json()["error"]["message"].replace(digest, never)
+                == (missing.json()["error"]["message"])
+            )
+            assert refused.json()["error"]["next_step"] == missing.json()["error"]["next_step"]
+
+        job = cp.client.post(
+            "/api/v1/jobs",
+            headers=cp.admin,
+            json={
+                "entrypoint": {"kind": "onnx", "model": model_digest},
+                "inputs": {"weights": weights_digest},
+            },
+        ).json()
+        claimed = cp.client.post(
+            "/api/v1/agent/work/claim",
+            headers=cp.agent(second["credential"]),
+            json={"hold_seconds": 0},
+        )
+        assert claimed.status_code == 200 and claimed.json()["job_id"] == job["job_id"]
+        assert fetch(second, weights_digest).content == b"job weights"
+        assert fetch(second, model_digest).content == b"an onnx model"
+        assert fetch(first, weights_digest).status_code == 404  # not the first node's job
+        assert fetch(second, mine).status_code == 404
+
+        completed = cp.client.post(
+            f"/api/v1/agent/jobs/{job['job_id']}/complete",
+            headers=cp.agent(second["credential"]),
+            json={"state": "succeeded", "result": None, "outputs": {}},
+        )
+        assert completed.status_code == 200, completed.text
+        cp.clock.advance(1800)
+        assert fetch(second, weights_digest).status_code == 200  # finished recently
+        cp.clock.advance(1801)
+        assert fetch(second, weights_digest).status_code == 404  # finished over an hour ago

@@ -211,6 +211,16 @@ def test_a_pasted_entry_that_differs_is_rejected_naming_the_field(
         ({"image_source": "registry", "registry_image": "reg.example/agent:1.0"}, None),
         ({"api_origin": "http://testserver/console"}, "API_ORIGIN_INVALID"),
         ({"api_origin": "http://test$(id)server"}, "API_ORIGIN_INVALID"),
+        ({"api_origin": "http://testserver:$(id)"}, "API_ORIGIN_INVALID"),
+        ({"api_origin": "http://testserver:abc"}, "API_ORIGIN_INVALID"),
+        ({"api_origin": "http://testserver:99999"}, "API_ORIGIN_INVALID"),
+        ({"api_origin": "http://testserver:0"}, "API_ORIGIN_INVALID"),
+        ({"api_origin": "http://testserver:+80"}, "API_ORIGIN_INVALID"),
+        ({"api_origin": "ftp://testserver"}, "API_ORIGIN_INVALID"),
+        ({"api_origin": "http://user@testserver"}, "API_ORIGIN_INVALID"),
+        ({"api_origin": "http://test_server"}, "API_ORIGIN_INVALID"),
+        ({"api_origin": "http://999.0.0.1"}, "API_ORIGIN_INVALID"),
+        ({"api_origin": "http://[fe80::1%eth0]:8000"}, "API_ORIGIN_INVALID"),
         ({"api_origin": "http://elsewhere.example"}, "API_ORIGIN_MISMATCH"),
     ],
 )
@@ -223,6 +233,26 @@ def test_bad_node_setup_input_gets_a_specific_code(
         response = setup_request(cp, enrollment_id, **payload)
         assert response.status_code == 422
         assert response.json()["error"]["code"] == (code or "REGISTRY_IMAGE_NOT_PINNED")
+
+
+@pytest.mark.parametrize(
+    ("api_origin", "written"),
+    [
+        ("http://testserver", "http://testserver"),
+        ("http://testserver/", "http://testserver"),
+        ("HTTP://TestServer", "http://testserver"),
+    ],
+)
+def test_a_valid_api_origin_is_written_in_canonical_form(
+    tmp_path: Path, database_url: str, api_origin: str, written: str
+) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        enrollment_id = cp.mint()["enrollment_id"]
+        response = setup_request(
+            cp, enrollment_id, api_origin=api_origin, manifest_entry=json.dumps(node_agent_entry())
+        )
+        assert response.status_code == 200, response.text
+        assert f"MODELFORGE_AGENT_CONTROL_PLANE_URL={written}\n" in response.json()["env_file"]
 
 
 def test_registry_image_pinned_by_digest(tmp_path: Path, database_url: str) -> None:

@@ -195,3 +195,52 @@ def test_nul_characters_are_refused_not_500(
         response = cp.client.request(method, path, headers=cp.admin, json=body)
         assert response.status_code == 422, response.text
         assert response.json()["error"]["code"] == "INVALID_REQUEST"
+
+
+def test_same_claimant_gets_its_node_back_after_the_token_expired(
+    tmp_path: Path, database_url: str
+) -> None:
+    """It won the claim in time and lost our answer; the expiry bounds who may claim, not
+    the winner's retry. Anyone else still gets ENROLLMENT_TOKEN_USED."""
+    with control_plane(tmp_path, database_url) as cp:
+        minted = cp.mint(expires_in_seconds=300)
+        nonce = "claimant-nonce-0123456789"
+        first = cp.enroll_raw(minted["token"], nonce=nonce)
+        assert first.status_code == 200
+        cp.clock.advance(3600)
+        retry = cp.enroll_raw(minted["token"], nonce=nonce)
+        assert retry.status_code == 200, retry.text
+        assert retry.json()["node_id"] == minted["node_id"]
+        assert cp.heartbeat(retry.json()["credential"]).status_code == 200
+        other = cp.enroll_raw(minted["token"], nonce="someone-else-0123456789")
+        assert (other.status_code, other.json()["error"]["code"]) == (409, "ENROLLMENT_TOKEN_USED")
+        assert _count(cp, "/api/v1/admin/nodes") == 1
+
+
+def test_same_claimant_cannot_undo_a_revocation(tmp_path: Path, database_url: str) -> None:
+    """A retry re-issues only the credential the claimant never received: once an administrator
+    revoked the node's credential (or rotated the key), the token and nonce bring nothing back."""
+    with control_plane(tmp_path, database_url) as cp:
+        minted = cp.mint()
+        nonce = "claimant-nonce-0123456789"
+        assert cp.enroll_raw(minted["token"], nonce=nonce).status_code == 200
+        revoked = cp.client.post(
+            f"/api/v1/admin/nodes/{minted['node_id']}/credential/revoke", headers=cp.admin
+        )
+        assert revoked.json()["revoked"] == 1
+        retry = cp.enroll_raw(minted["token"], nonce=nonce)
+        assert (retry.status_code, retry.json()["error"]["code"]) == (409, "ENROLLMENT_TOKEN_USED")
+        assert "revoked" in retry.json()["error"]["message"]
+        assert retry.json()["error"]["next_step"]
+
+
+def test_revoking_twice_answers_the_same(tmp_path: Path, database_url: str) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        minted = cp.mint()
+        url = f"/api/v1/admin/node-enrollments/{minted['enrollment_id']}/revoke"
+        first = cp.client.post(url, headers=cp.admin)
+        again = cp.client.post(url, headers=cp.admin)
+        assert first.status_code == again.status_code == 200
+        assert first.json()["state"] == again.json()["state"] == "revoked"
+        assert first.json()["revoked_at"] == again.json()["revoked_at"]
+        assert cp.enroll_raw(minted["token"]).json()["error"]["code"] == "ENROLLMENT_TOKEN_REVOKED"

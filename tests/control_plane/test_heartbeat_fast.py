@@ -4,19 +4,22 @@ not certain about to that route with the complete body (HB-4)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from control_plane.api.edge import Edge
 from control_plane.api.heartbeat_fast import FAST_BODY_LIMIT, HeartbeatFastPath
 from modelforge_contracts import protocol
 from tests.factories import ControlPlane, control_plane, heartbeat_body
 
 
 def _fast_path(cp: ControlPlane) -> HeartbeatFastPath:
-    app = cp.client.app
-    assert isinstance(app, HeartbeatFastPath)  # the served app: the seam is outermost
-    return app
+    served = cp.client.app
+    assert isinstance(served, Edge)  # the served app: the edge is outermost, then the fast path
+    assert isinstance(served.app, HeartbeatFastPath)
+    return served.app
 
 
 def test_fast_and_full_paths_answer_alike(tmp_path: Path, database_url: str) -> None:
@@ -112,6 +115,38 @@ def test_deeply_nested_heartbeat_is_refused_with_a_code(
         nested = "[" * depth + "]" * depth
         for body in (nested, json.dumps(heartbeat_body())[:-1] + ',"x":' + nested + "}"):
             response = cp.client.post("/api/v1/agent/heartbeat", headers=headers, content=body)
-            assert 400 <= response.status_code < 500, response.text
-            assert response.json()["error"]["code"] in ("INVALID_JSON", "INVALID_REQUEST")
+            assert response.status_code == 422, response.text
+            assert response.json()["error"]["code"] == "JSON_TOO_DEEP"
         assert cp.heartbeat(credential).status_code == 200  # the server is fine
+
+
+def test_the_edge_bounds_heartbeats_and_heads_their_answers(
+    tmp_path: Path, database_url: str
+) -> None:
+    """The edge is in front of the fast path: a heartbeat over the body limit is refused even
+    chunked, one the fast path answers still gets the security headers, and a non-finite
+    number reaches the JSON guard, not the service."""
+    with control_plane(tmp_path, database_url, max_body_bytes=64 * 1024) as cp:
+        credential = cp.enroll()["credential"]
+        cp.heartbeat(credential)
+        fast = _fast_path(cp)
+        answered = cp.heartbeat(credential)
+        assert fast.answered == 1
+        assert "default-src 'none'" in answered.headers["content-security-policy"]
+        headers = {**cp.agent(credential), "content-type": "application/json"}
+        body = _padded(65 * 1024)
+
+        def chunked() -> Iterator[bytes]:
+            for start in range(0, len(body), 4096):
+                yield body[start : start + 4096]
+
+        for content in (body, chunked()):
+            response = cp.client.post("/api/v1/agent/heartbeat", headers=headers, content=content)
+            assert response.status_code == 413, response.text
+            assert response.json()["error"]["code"] == "REQUEST_TOO_LARGE"
+        nan = json.dumps(heartbeat_body()).replace(
+            '"protocol_version": 1', '"protocol_version": NaN'
+        )
+        response = cp.client.post("/api/v1/agent/heartbeat", headers=headers, content=nan)
+        assert (response.status_code, response.json()["error"]["code"]) == (422, "JSON_NOT_FINITE")
+        assert fast.answered == 1

@@ -241,6 +241,9 @@ def test_artifacts_are_content_addressed(tmp_path: Path, database_url: str) -> N
         digest = "sha256:" + hashlib.sha256(payload).hexdigest()
         uploaded = cp.client.post("/api/v1/artifacts", headers=cp.admin, content=payload)
         assert uploaded.status_code == 201 and uploaded.json()["digest"] == digest
+        # A node downloads what its jobs name: this node runs a job with it as an input.
+        _submit(cp, inputs={"weights": digest})
+        assert _claim(cp, node) is not None
         got = cp.client.get(f"/api/v1/agent/artifacts/{digest}", headers=headers)
         assert got.content == payload and got.headers["X-ModelForge-Digest"] == digest
         ranged = cp.client.get(

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from control_plane.errors import InvalidRequest
 from control_plane.services import node_setup
 from tests.factories import node_agent_entry
 
@@ -297,3 +298,36 @@ def test_compose_v1_gets_no_pull_flag_and_the_empty_array_survives_set_u(node: N
     assert_token_never_leaked(node, result.stdout, result.stderr)
     node.log.unlink()
     assert run_bash(node, recreate, stdin="", extra_env=v1).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "api_origin",
+    [
+        "http://127.0.0.1:$(id)",
+        "http://127.0.0.1:8000\nMODELFORGE_AGENT_TLS_VERIFY=false",
+        "http://127.0.0.1:8000/path",
+        "http://a b",
+        "http://127.0.0.1:123456",
+    ],
+)
+def test_nothing_but_a_plain_origin_reaches_the_env_file(api_origin: str) -> None:
+    """The wizard's check refuses these first; the script itself also refuses to write one."""
+    image = node_setup.choose_image(
+        image_source="bundle",
+        manifest_entry=json.dumps(node_agent_entry()),
+        registry_image=None,
+        release_manifest=None,
+    )
+    for render in (
+        lambda: node_setup.check_api_origin(api_origin, None),
+        lambda: node_setup.render(
+            enrollment_id="enr_test",
+            display_name="GPU node 7",
+            api_origin=api_origin,
+            accelerator_mode="cpu",
+            image=image,
+        ),
+    ):
+        with pytest.raises(InvalidRequest) as refused:
+            render()
+        assert refused.value.code == "API_ORIGIN_INVALID"

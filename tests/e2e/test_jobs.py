@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
+import shutil
 import signal
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +21,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from runtime_worker.execution import jobs_directory
 from tests.e2e.node import Node, wait_until
 from tests.e2e.server import LiveServer
 
@@ -72,6 +76,10 @@ def not_a_number():
     return {"loss": float("nan")}
 
 
+def colourful_failure():
+    raise RuntimeError("\x1b[31mred\x1b[0m \u202eevil\u202c")
+
+
 def infinite_event():
     emit({"loss": float("inf")})
     return "not reached"
@@ -89,6 +97,77 @@ def careful():
     except ValueError as exc:
         emit({"refused": str(exc)})
     return "ok"
+
+
+def traverse(digests):
+    from runtime_worker.job import load_artifact
+
+    answers = []
+    for digest in digests:
+        try:
+            answers.append("served " + str(load_artifact(digest)))
+        except RuntimeError as exc:
+            answers.append(str(exc))
+    return answers
+
+
+def pry(agent_pid, worker_pid, state_dir):
+    # Everything a job running as the agent's user might try to get at the credential.
+    import ctypes
+    import errno
+
+    attempts = {
+        "agent environ": f"/proc/{agent_pid}/environ",
+        "agent mem": f"/proc/{agent_pid}/mem",
+        "agent root": f"/proc/{agent_pid}/root{state_dir}/identity.json",
+        "agent cwd": f"/proc/{agent_pid}/cwd",
+        "worker root": f"/proc/{worker_pid}/root{state_dir}/identity.json",
+        "identity file": f"{state_dir}/identity.json",
+    }
+    outcome = {}
+    for name, path in attempts.items():
+        try:
+            if os.path.isdir(path):
+                outcome[name] = "listed " + ",".join(os.listdir(path))
+                continue
+            with open(path, "rb") as handle:
+                outcome[name] = "opened " + handle.read(1 << 16).decode(errors="replace")
+        except OSError as exc:
+            outcome[name] = "refused " + errno.errorcode.get(exc.errno or 0, "?")
+    libc = ctypes.CDLL(None, use_errno=True)
+    ptrace_seize = 0x4206  # does not stop the tracee; it is let go when this job exits
+    if libc.ptrace(ptrace_seize, agent_pid, None, None) == 0:
+        outcome["agent ptrace"] = "attached"
+    else:
+        outcome["agent ptrace"] = "refused " + errno.errorcode.get(ctypes.get_errno(), "?")
+    return outcome
+
+
+def daemonise():
+    # A grandchild that detaches itself (double fork, setsid), then the job waits.
+    import time
+
+    read_end, write_end = os.pipe()
+    first = os.fork()
+    if first == 0:
+        try:
+            os.setsid()
+            if os.fork() > 0:
+                os._exit(0)
+            os.chdir("/")
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.write(write_end, str(os.getpid()).encode())
+            os.closerange(3, 4096)
+            time.sleep(300)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    os.waitpid(first, 0)
+    daemon = int(os.read(read_end, 32))
+    emit({"daemon": daemon, "job": os.getpid(), "workdir": os.getcwd()})
+    time.sleep(300)
 """
 HELPERS = "def shout(text):\n    return text.upper() + '!'\n"
 SOURCE = {"pipeline.py": PIPELINE, "helpers.py": HELPERS}
@@ -274,6 +353,188 @@ def test_agent_killed_mid_job_fails_it_and_leaves_nothing(tmp_path: Path) -> Non
             assert node.worker is not None and node.worker.poll() is None  # the worker lives on
 
 
+def _event_with(server: LiveServer, job_id: str, key: str) -> dict[str, Any] | None:
+    for event in _events(server, job_id):
+        if event["kind"] == "event" and key in (event["data"] or {}):
+            return dict(event["data"])
+    return None
+
+
+def test_job_code_cannot_make_the_agent_touch_files_outside_its_cache(
+    stack: tuple[LiveServer, Node],
+) -> None:
+    """A "digest" with slashes or `..` names no file: the agent's local socket refuses it with
+    INVALID_DIGEST, touches nothing and asks the control plane nothing."""
+    server, node = stack
+    victim = node.root / "victim.txt"
+    victim.write_text("not an artifact")
+    os.utime(victim, (1_000_000, 1_000_000))
+    relative = os.path.relpath(victim, node.root / "cache")
+    padded = "." + "/" * (64 - 1 - len(relative)) + relative  # 64 characters, like a digest
+    assert len(padded) == 64
+    digests = [
+        "sha256:" + padded,
+        "sha256:" + "../" * 21 + "x",
+        "sha256:" + "A" * 64,  # hex, but not lowercase
+        "sha256:" + "a" * 63 + "\n",
+    ]
+    job = _submit(server, "traverse", params={"digests": digests})
+    done = _wait_state(server, job["job_id"], {"succeeded", "failed"}, 30)
+    assert done["state"] == "succeeded", done["error"]
+    for digest, answer in zip(digests, done["result"], strict=True):
+        assert answer.startswith("INVALID_DIGEST: "), (digest, answer)
+        assert "64 lowercase hex" in answer
+    assert victim.stat().st_mtime == 1_000_000  # not touched
+    assert victim.read_text() == "not an artifact"
+
+
+def test_job_code_cannot_read_the_node_credential(stack: tuple[LiveServer, Node]) -> None:
+    """Jobs run as the agent's user: the agent's environment, memory and state directory stay
+    out of their reach (the agent is not dumpable; the job's view hides the state directory)."""
+    server, node = stack
+    assert node.agent is not None and node.worker is not None
+    identity = (node.state / "identity.json").read_text()
+    credential = json.loads(identity)["credential"]
+    job = _submit(
+        server,
+        "pry",
+        params={
+            "agent_pid": node.agent.pid,
+            "worker_pid": node.worker.pid,
+            "state_dir": str(node.state),
+        },
+    )
+    done = _wait_state(server, job["job_id"], {"succeeded", "failed"}, 30)
+    assert done["state"] == "succeeded", done["error"]
+    outcome = done["result"]
+    leaks = {name: result for name, result in outcome.items() if not result.startswith("refused")}
+    assert set(outcome) >= {"agent environ", "agent mem", "agent ptrace", "identity file"}
+    assert leaks == {}, outcome
+    everything = json.dumps(done) + json.dumps(_events(server, job["job_id"]))
+    assert credential not in everything
+    assert node.token is not None and node.token not in everything
+    # The agent is unharmed and the job's helpers still work.
+    after = _submit(server, "run", params={"n": 1, "text": "fine"})
+    assert _wait_state(server, after["job_id"], {"succeeded", "failed"}, 30)["state"] == "succeeded"
+
+
+def test_worker_killed_leaves_no_job_process_and_no_work_directory(tmp_path: Path) -> None:
+    """SIGKILL gives the runtime worker no chance to clean up: the job's processes, a daemonised
+    grandchild included, end anyway, and its work directory does not outlive the worker."""
+    with LiveServer(
+        tmp_path / "cp", f"sqlite:///{tmp_path / 'cp.db'}", env_overrides=FAST
+    ) as server:
+        with Node(tmp_path / "node", server.url, token=server.mint()["token"]) as node:
+            node.start_worker().start_agent()
+            node_id = node.node_id()
+            wait_until(
+                lambda: server.get(f"/api/v1/admin/nodes/{node_id}/readiness")["ready"],
+                30,
+                "node readiness",
+            )
+            job = _submit(server, "daemonise")
+            wait_until(
+                lambda: _event_with(server, job["job_id"], "daemon") is not None,
+                30,
+                "the daemonised grandchild",
+            )
+            seen = _event_with(server, job["job_id"], "daemon")
+            assert seen is not None
+            worker = node.worker
+            assert worker is not None
+            pids = {seen["job"], seen["daemon"]} | _ancestors_below(seen["job"], worker.pid)
+            workdir = Path(seen["workdir"])
+            assert all(_alive(pid) for pid in pids) and workdir.is_dir()
+            assert _parent(seen["daemon"]) != 1  # not left to init while its job runs
+
+            assert node.stop_worker(signal.SIGKILL) == -signal.SIGKILL
+            wait_until(lambda: not any(_alive(pid) for pid in pids), 5, "the job's processes gone")
+            failed = _wait_state(server, job["job_id"], {"failed"}, 15)
+            assert failed["error"]["code"] in ("JOB_WORKER_LOST", "JOB_CONTACT_LOST"), failed
+
+            node.start_worker()
+            wait_until(lambda: not workdir.exists(), 10, "the work directory removed")
+            # The restarted worker runs jobs again.
+            wait_until(
+                lambda: server.get(f"/api/v1/admin/nodes/{node_id}/readiness")["ready"],
+                30,
+                "node readiness after the restart",
+            )
+            after = _submit(server, "run", params={"n": 1, "text": "again"})
+            done = _wait_state(server, after["job_id"], {"succeeded", "failed"}, 30)
+            assert done["state"] == "succeeded", done
+
+
+def test_without_user_namespaces_a_job_that_could_read_the_credential_does_not_run(
+    tmp_path: Path,
+) -> None:
+    """Agent and worker as one user on a host that refuses user namespaces: the worker cannot
+    hide the agent's state directory, so the job fails with JOB_ISOLATION_UNAVAILABLE, saying
+    what to do, instead of running next to a readable credential."""
+    with LiveServer(
+        tmp_path / "cp", f"sqlite:///{tmp_path / 'cp.db'}", env_overrides=FAST
+    ) as server:
+        with Node(tmp_path / "node", server.url, token=server.mint()["token"]) as node:
+            node.start_worker_without_user_namespaces().start_agent()
+            node_id = node.node_id()
+            wait_until(
+                lambda: server.get(f"/api/v1/admin/nodes/{node_id}/readiness")["ready"],
+                30,
+                "node readiness",
+            )
+            job = _submit(server, "run", params={"n": 3, "text": "never"})
+            failed = _wait_state(server, job["job_id"], {"failed", "succeeded"}, 30)
+            assert failed["state"] == "failed", failed
+            assert failed["error"]["code"] == "JOB_ISOLATION_UNAVAILABLE", failed["error"]
+            message = failed["error"]["message"]
+            assert str(node.state) in message and "docs/nodes.md" in message
+            assert not [e for e in _events(server, job["job_id"]) if e["kind"] == "event"]
+            assert node.agent is not None and node.agent.poll() is None
+
+
+def test_a_worker_start_removes_work_directories_left_behind(tmp_path: Path) -> None:
+    """A supervisor killed together with its worker cannot clean up: the next worker on the
+    same socket removes what is left in its jobs directory, unwritable parts included."""
+    node = Node(tmp_path / "node", "http://127.0.0.1:9")
+    jobs = jobs_directory(node.socket)
+    left = jobs / "job_gone-abc123"
+    (left / "src" / "locked").mkdir(parents=True)
+    (left / "src" / "locked" / "weights.bin").write_bytes(b"x" * 1000)
+    (left / "src" / "locked").chmod(0)
+    try:
+        with node:
+            node.start_worker()
+            wait_until(lambda: not left.exists(), 10, "the leftover work directory removed")
+            assert jobs.is_dir() and stat.S_IMODE(jobs.stat().st_mode) == 0o700
+            assert list(jobs.iterdir()) == []
+            wait_until(
+                lambda: (
+                    "removed 1 work directories a previous runtime worker left" in node.worker_log()
+                ),
+                5,
+                "the log line",
+            )
+    finally:
+        if left.exists():
+            (left / "src" / "locked").chmod(0o700)
+        shutil.rmtree(jobs, ignore_errors=True)
+
+
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def _ancestors_below(pid: int, top: int) -> set[int]:
+    """The processes between `pid` and its ancestor `top` (the worker), both excluded."""
+    found: set[int] = set()
+    parent = _parent(pid)
+    while parent not in (top, 0, 1):
+        found.add(parent)
+        parent = _parent(parent)
+    return found
+
+
 def test_values_that_are_not_json_fail_their_job_and_the_agent_serves_on(
     stack: tuple[LiveServer, Node],
 ) -> None:
@@ -300,3 +561,17 @@ def test_values_that_are_not_json_fail_their_job_and_the_agent_serves_on(
     done = _wait_state(server, after["job_id"], {"succeeded", "failed"}, 30)
     assert done["state"] == "succeeded", done
     assert "Traceback" not in node.log()
+
+
+def test_a_failure_message_with_escapes_is_reported_cleaned(stack: tuple[LiveServer, Node]) -> None:
+    """A job's exception carrying ANSI colours and bidi controls still fails its job at once
+    (the control plane refuses such text, so the node cleans it before reporting)."""
+    server, node = stack
+    job = _submit(server, "colourful_failure")
+    done = _wait_state(server, job["job_id"], {"succeeded", "failed"}, 30)
+    assert done["state"] == "failed", done
+    assert done["error"]["code"] == "JOB_EXCEPTION"
+    message = done["error"]["message"]
+    assert "red" in message and "evil" in message
+    assert "\x1b" not in message and "\u202e" not in message
+    assert node.agent is not None and node.agent.poll() is None, node.log()

@@ -3,8 +3,12 @@ agent — in cpu mode and in nvidia mode over the substitute NVML."""
 
 from __future__ import annotations
 
+import grp
 import re
 import signal
+import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -190,3 +194,99 @@ def test_control_plane_outage_backs_off_and_recovers(tmp_path: Path) -> None:
     finally:
         if server.process is not None and server.process.poll() is None:
             server.stop()
+
+
+def test_an_incompatible_runtime_worker_marks_the_node_and_keeps_it_online(
+    tmp_path: Path,
+) -> None:
+    """A runtime worker of another protocol: the node stays online and heartbeating, shows
+    Needs upgrade naming the runtime worker (heartbeats do not clear it), the agent says once
+    what to upgrade; a compatible worker clears the mark and the node becomes ready."""
+    with LiveServer(
+        tmp_path / "cp", f"sqlite:///{tmp_path / 'cp.db'}", env_overrides=FAST
+    ) as server:
+        with Node(tmp_path / "node", server.url, token=server.mint()["token"]) as node:
+            node.start_fake_worker(protocol=99, version="9.9.9").start_agent()
+            node_id = node.node_id()
+
+            def marked() -> dict[str, Any] | None:
+                mark = _node_view(server, node_id)["needs_upgrade"]
+                return dict(mark) if mark and mark["component"] == "runtime-worker" else None
+
+            wait_until(lambda: marked() is not None, 20, "Needs upgrade for the runtime worker")
+            assert (marked() or {})["code"] == "TOO_NEW"
+            first = _node_view(server, node_id)["last_heartbeat_at"]
+            time.sleep(3)  # six heartbeat intervals
+            view = _node_view(server, node_id)
+            assert view["state"] == "online"
+            assert view["last_heartbeat_at"] != first
+            assert marked() is not None  # heartbeats leave the worker's mark alone
+            assert node.agent is not None and node.agent.poll() is None, node.log()
+            readiness = server.get(f"/api/v1/admin/nodes/{node_id}/readiness")
+            protocol = next(c for c in readiness["checks"] if c["name"] == "protocol")
+            assert protocol["status"] == "fail" and "runtime-worker" in protocol["detail"]
+            log = node.log()
+            assert log.count("must be upgraded") == 1, log
+            assert "runtime worker 9.9.9 (protocol 99)" in log
+            events = server.get(f"/api/v1/admin/nodes/{node_id}/events")
+            assert [e["kind"] for e in events].count("needs_upgrade") == 1
+
+            node.stop_worker()
+            node.start_worker()
+            wait_until(
+                lambda: server.get(f"/api/v1/admin/nodes/{node_id}/readiness")["ready"],
+                30,
+                "readiness with a compatible worker",
+            )
+            assert _node_view(server, node_id)["needs_upgrade"] is None
+            assert node.agent.poll() is None
+            assert "is compatible" in node.log()
+
+
+def test_sockets_shared_with_a_group_for_a_worker_under_its_own_user(tmp_path: Path) -> None:
+    """Separate users on bare metal: each socket is 0660 for the group named, and the node works
+    through them."""
+    group = grp.getgrgid(65534).gr_name
+    with LiveServer(
+        tmp_path / "cp", f"sqlite:///{tmp_path / 'cp.db'}", env_overrides=FAST
+    ) as server:
+        node = Node(
+            tmp_path / "node",
+            server.url,
+            token=server.mint()["token"],
+            extra_env={
+                "MODELFORGE_AGENT_SOCKET_GROUP": group,
+                "MODELFORGE_WORKER_SOCKET_GROUP": group,
+            },
+        )
+        with node:
+            node.start_worker().start_agent()
+            node_id = node.node_id()
+            wait_until(
+                lambda: server.get(f"/api/v1/admin/nodes/{node_id}/readiness")["ready"],
+                30,
+                "readiness",
+            )
+            for path in (node.socket, node.root / "agent.sock"):
+                info = path.stat()
+                assert stat.S_IMODE(info.st_mode) == 0o660, path
+                assert info.st_gid == 65534, path
+
+
+def test_a_worker_socket_group_that_does_not_exist_stops_the_worker(tmp_path: Path) -> None:
+    node = Node(
+        tmp_path / "node",
+        "http://127.0.0.1:9",
+        extra_env={"MODELFORGE_WORKER_SOCKET_GROUP": "no-such-group-modelforge"},
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "runtime_worker"],
+        env=node.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "MODELFORGE_WORKER_SOCKET_GROUP" in result.stderr
+    assert "no group 'no-such-group-modelforge'" in result.stderr
+    assert not node.socket.exists()

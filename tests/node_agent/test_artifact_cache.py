@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from node_agent.artifact_cache import ArtifactCache, ArtifactError
+from node_agent.digests import InvalidDigest
 from node_agent.retry import ControlPlaneError
 from tests.e2e.server import LiveServer
 from tests.node_agent.conftest import control_plane_client
@@ -31,8 +32,12 @@ def test_fetch_resume_upload_and_evict(tmp_path: Path) -> None:
         download = control_plane.download_artifact
 
         def upload(data: bytes) -> str:
-            response = http.post("/api/v1/artifacts", headers=server.admin, content=data)
-            return str(response.json()["digest"])
+            """Uploaded by this node, so that it may download it (a node fetches only what its
+            jobs name or what it uploaded)."""
+            source = tmp_path / "upload"
+            source.write_bytes(data)
+            control_plane.upload_artifact(_digest(data), source)
+            return _digest(data)
 
         payload = os.urandom(300_000)
         digest = upload(payload)
@@ -74,7 +79,26 @@ def test_fetch_resume_upload_and_evict(tmp_path: Path) -> None:
         assert not cache.path(unknown).exists()
 
 
-def test_bad_digest_is_refused(tmp_path: Path) -> None:
-    cache = ArtifactCache(tmp_path, max_bytes=10)
-    with pytest.raises(ArtifactError, match="not a sha256"):
-        cache.path("md5:abc")
+@pytest.mark.parametrize(
+    "digest",
+    [
+        "md5:abc",
+        "sha256:" + "../" * 21 + "x",  # the right length, but a path
+        "sha256:" + "a" * 60 + "/../",
+        "sha256:" + "A" * 64,  # hex, not lowercase
+        "sha256:" + "a" * 63 + "\n",
+        "sha256:" + "a" * 65,
+        "sha256:" + "g" * 64,
+    ],
+)
+def test_anything_but_a_sha256_digest_is_refused(tmp_path: Path, digest: str) -> None:
+    cache = ArtifactCache(tmp_path / "cache", max_bytes=10)
+    victim = tmp_path / "victim"
+    victim.write_text("x")
+    asked: list[str] = []
+    with pytest.raises(InvalidDigest, match="64 lowercase hex"):
+        cache.path(digest)
+    with pytest.raises(InvalidDigest):
+        cache.fetch(digest, lambda d, _partial: asked.append(d))
+    assert asked == []
+    assert not (tmp_path / "cache").exists()  # nothing created, nothing touched

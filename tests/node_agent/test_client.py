@@ -5,7 +5,9 @@ credential never shows in a repr, an error or a log line."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -13,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from modelforge_contracts.errors import error_body
+from modelforge_contracts.ipc import UnixHTTPConnection
 from node_agent.artifact_cache import ArtifactCache
+from node_agent.digests import InvalidDigest
 from node_agent.local_api import serve_local_api
 from node_agent.retry import AgentStopped, ControlPlaneError, Interrupted
 from runtime_worker import job
@@ -99,6 +103,52 @@ def test_a_revoked_credential_during_an_artifact_fetch_stops_the_agent(
     assert "credential was revoked" in str(refused.value)
     assert CREDENTIAL not in str(refused.value)
     assert server.paths() == [ARTIFACT]  # one request: no retries
+
+
+def test_job_code_gets_invalid_digest_for_a_path_and_nothing_is_touched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Job code names a "digest" that is a path out of the cache: the agent's local socket
+    refuses it with INVALID_DIGEST, before the cache or the control plane sees it."""
+    server = _serve({})
+    socket_path = tmp_path / "agent.sock"
+    cache_root = tmp_path / "cache"
+    victim = tmp_path / "victim"
+    victim.write_text("not an artifact")
+    os.utime(victim, (1_000_000, 1_000_000))
+    control_plane = control_plane_client(server.url)
+    control_plane.use_credential(CREDENTIAL)
+    local = serve_local_api(
+        socket_path, cache=ArtifactCache(cache_root, 10**6), control_plane=control_plane
+    )
+    threading.Thread(target=local.serve_forever, daemon=True).start()
+    monkeypatch.setenv("MODELFORGE_AGENT_SOCKET", str(socket_path))
+    relative = "../victim"
+    traversal = "sha256:." + "/" * (64 - 1 - len(relative)) + relative
+    try:
+        with pytest.raises(RuntimeError) as refused:
+            job.load_artifact(traversal)
+        connection = UnixHTTPConnection(socket_path, timeout=10)
+        connection.request("POST", "/v1/artifacts/fetch", body=json.dumps({"digest": 7}))
+        response = connection.getresponse()
+        not_text = (response.status, json.loads(response.read()))
+        connection.close()
+        # The client refuses to build a request from one, too.
+        with pytest.raises(InvalidDigest):
+            control_plane.download_artifact(traversal, tmp_path / "partial")
+        with pytest.raises(InvalidDigest):
+            control_plane.upload_artifact("sha256:../../admin", victim)
+    finally:
+        local.shutdown()
+        local.server_close()
+        control_plane.close()
+        server.stop()
+    assert str(refused.value).startswith("INVALID_DIGEST: ")
+    assert "64 lowercase hex" in str(refused.value)
+    assert not_text[0] == 400 and not_text[1]["error"]["code"] == "INVALID_DIGEST"
+    assert not_text[1]["error"]["next_step"]
+    assert victim.stat().st_mtime == 1_000_000 and victim.read_text() == "not an artifact"
+    assert server.requests == []  # the control plane was never asked
 
 
 def test_a_failing_download_backs_off_and_resumes(

@@ -141,3 +141,18 @@ def test_corrupt_identity_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "identity.json").write_text("{not json")
     with pytest.raises(StateVolumeError, match="cannot read"):
         IdentityStore(tmp_path).load()
+
+
+def test_an_unknown_socket_group_is_refused(
+    tmp_path: Path, recording_server: RecordingServer
+) -> None:
+    env = agent_env(
+        tmp_path / "state",
+        url=recording_server.url,
+        MODELFORGE_AGENT_SOCKET_GROUP="no-such-group-modelforge",
+    )
+    result = run_agent(env)
+    assert result.returncode == 2
+    assert "MODELFORGE_AGENT_SOCKET_GROUP" in result.stderr
+    assert "no group 'no-such-group-modelforge'" in result.stderr
+    assert recording_server.requests == []
