@@ -1,10 +1,13 @@
 """Deterministic bytes for release artefacts: tar entries and canonical JSON.
 
-Every entry gets one fixed mtime, numeric owners (0:0 unless told otherwise), no user or group
-names and no atime/ctime/xattr records; a tree is written in sorted path order. The same input
-therefore always gives the same bytes, and the same sha256.
+Every entry gets one fixed mtime, numeric owners (0:0 unless told otherwise), a mode decided
+here (directories 0755, files 0644 or 0755 by their executable bits, unless told
+otherwise), no user or group names and no atime/ctime/xattr records; a tree is written in the
+byte order of its UTF-8 path names. The same input therefore always gives the same bytes, and the
+same sha256, whatever the umask, the locale or the file system encoding of the build host.
 
-This module must never read the clock, follow a symlink, or record a host user, group or path.
+This module must never read the clock, follow a symlink, or record a host user, group, mode or
+path.
 """
 
 from __future__ import annotations
@@ -51,7 +54,10 @@ def sha256_file(path: Path) -> str:
 
 
 def open_writer(path: Path) -> tarfile.TarFile:
-    return tarfile.open(path, mode="w", format=tarfile.PAX_FORMAT)
+    # Names are encoded as UTF-8 whatever the locale (bytes that are not UTF-8 stay as they are).
+    return tarfile.open(
+        path, mode="w", format=tarfile.PAX_FORMAT, encoding="utf-8", errors="surrogateescape"
+    )
 
 
 def _info(name: str, *, mtime: int, mode: int, uid: int = 0, gid: int = 0) -> tarfile.TarInfo:
@@ -81,31 +87,38 @@ def write_tree(
     *,
     mtime: int,
     owners: Mapping[str, tuple[int, int]] | None = None,
-    normalize_modes: bool = False,
+    modes: Mapping[str, int] | None = None,
 ) -> str:
     """Write everything below `root` as an image layer tar at `out`; return its "sha256:<hex>".
 
     Paths in the tar are relative to `root` ("usr/bin/python3"). `owners` maps a relative path to
-    the numeric (uid, gid) it gets; everything else is 0:0. With `normalize_modes`, files become
-    0644 or 0755 and directories 0755, so the host's umask cannot leak into the layer. Hard links
-    inside the tree stay hard links (the first path in sorted order carries the data).
-    Device nodes, fifos and sockets are refused: a layer must not carry them.
+    the numeric (uid, gid) it gets; everything else is 0:0. `modes` maps a relative path to its
+    mode (/tmp's 1777, /root's 0700); everything else is normalised — directories 0755, files
+    0755 if anyone may execute them, else 0644 — so neither the host's umask nor a special
+    bit (setuid, setgid, sticky) leaks into the layer. Hard links inside the tree stay hard links
+    (the first path in sorted order carries the data). Device nodes, fifos and sockets are
+    refused: a layer must not carry them.
     """
     owners = owners or {}
+    modes = modes or {}
+    base = os.fsencode(root)
+    # Walked and sorted as bytes, named as UTF-8: no dependence on locale or file system encoding.
     paths = sorted(
-        (os.path.relpath(os.path.join(parent, name), root), os.path.join(parent, name))
-        for parent, dirs, files in os.walk(root)
+        (os.path.relpath(os.path.join(parent, name), base), os.path.join(parent, name))
+        for parent, dirs, files in os.walk(base)
         for name in (*dirs, *files)
     )
     first_link: dict[tuple[int, int], str] = {}
     with open_writer(out) as tar:
         for relative, absolute in paths:
-            arcname = Path(relative).as_posix()
+            arcname = relative.decode("utf-8", "surrogateescape")
             st = os.lstat(absolute)
-            mode = stat.S_IMODE(st.st_mode)
-            if normalize_modes:
-                executable = stat.S_ISDIR(st.st_mode) or mode & 0o111
-                mode = 0o755 if executable else 0o644
+            if arcname in modes:
+                mode = modes[arcname]
+            elif stat.S_ISDIR(st.st_mode) or st.st_mode & 0o111:
+                mode = 0o755
+            else:
+                mode = 0o644
             uid, gid = owners.get(arcname, (0, 0))
             info = _info(arcname, mtime=mtime, mode=mode, uid=uid, gid=gid)
             if stat.S_ISDIR(st.st_mode):
@@ -114,7 +127,7 @@ def write_tree(
             elif stat.S_ISLNK(st.st_mode):
                 info.type = tarfile.SYMTYPE
                 info.mode = 0o777
-                info.linkname = os.readlink(absolute)
+                info.linkname = os.readlink(absolute).decode("utf-8", "surrogateescape")
                 tar.addfile(info)
             elif stat.S_ISREG(st.st_mode):
                 inode = (st.st_dev, st.st_ino)
@@ -128,5 +141,6 @@ def write_tree(
                 with open(absolute, "rb") as stream:
                     tar.addfile(info, stream)
             else:
-                raise ValueError(f"{absolute}: not a file, directory or symlink")
+                name = os.fsdecode(absolute)
+                raise ValueError(f"{name}: not a file, directory or symlink")
     return "sha256:" + sha256_file(out)

@@ -4,9 +4,11 @@ Layout: `manifest.json` ([{"Config", "RepoTags", "Layers"}]), one `<sha256 hex>.
 image, and one `<diff_id hex>/layer.tar` per distinct layer, so a layer shared by several images
 is stored once. The bytes are deterministic: fixed entry order, mtime and owners.
 
-Reading never needs Docker and never trusts a name: every referenced layer entry is hashed again
-(streaming, constant memory) and compared with the config's rootfs.diff_ids. This module must never
-extract an entry to disk or load a layer into memory.
+Reading never needs Docker and never trusts a name: names are resolved as the engine resolves
+them (`release._entries`), every referenced layer entry is hashed again (streaming, constant
+memory) and compared with the config's rootfs.diff_ids, and an entry manifest.json does not
+reference refuses the tar. This module must never extract an entry to disk or load a layer or
+an oversized JSON entry into memory.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from modelforge_contracts.release_manifest import ManifestError, parse_json
+from release._entries import EntryError, EntryIndex, check_end, clean, resolve
 from release._tar import CHUNK, add_bytes, add_stream, canonical_json, open_writer, sha256_stream
 
 if TYPE_CHECKING:
     from release.images import BuiltImage
 
 MANIFEST = "manifest.json"
-_MAX_JSON_BYTES = 16 << 20
+_MAX_JSON_BYTES = 4 << 20
 
 
 class ArchiveError(Exception):
@@ -36,12 +40,17 @@ class ArchiveError(Exception):
 
 @dataclass(frozen=True)
 class ArchivedImage:
-    tag: str
+    repo_tags: tuple[str, ...]
     config_digest: str
     diff_ids: tuple[str, ...]
     architecture: str
     os: str
     labels: dict[str, str]
+
+    @property
+    def tag(self) -> str:
+        """The first of RepoTags: the name `docker image load` gives the image first."""
+        return self.repo_tags[0]
 
 
 def write_images_tar(images: Sequence[BuiltImage], path: Path) -> None:
@@ -101,34 +110,46 @@ def read_images_tar(
 ) -> list[ArchivedImage]:
     """Parse and check a docker-archive without Docker; every referenced layer is re-hashed.
 
-    `entry_digests` (entry name -> digest, from `scan_tar`) saves that second read when the
-    caller already streamed the whole file once.
+    Names are resolved as `docker image load` resolves them (`release._entries`); an entry the
+    engine could read but this check would not (a duplicate after cleaning, a link, a device,
+    anything manifest.json does not reference, data after the end) refuses the whole tar.
+    `entry_digests` (cleaned entry name -> digest, from `scan_tar`) saves the second read of the
+    layers when the caller already streamed the whole file once.
     """
     try:
         with tarfile.open(path, mode="r:") as tar:
-            return _check_archive(tar, path.name, progress, entry_digests or {})
+            index = EntryIndex(path.name)
+            index.add_all(tar.getmembers())  # headers only: the data stays in the file
+            check_end(path, tar.offset, path.name)
+            return _check_archive(tar, index, progress, entry_digests or {})
+    except EntryError as exc:
+        raise ArchiveError(str(exc)) from None
     except (OSError, EOFError, tarfile.TarError) as exc:
         raise ArchiveError(f"{path.name}: not a readable tar archive ({exc})") from None
 
 
 def _check_archive(
     tar: tarfile.TarFile,
-    archive: str,
+    index: EntryIndex,
     progress: Callable[[str], None] | None,
     entry_digests: Mapping[str, str],
 ) -> list[ArchivedImage]:
-    entries = tar.getmembers()  # headers only: the data stays in the file
-    members = {member.name.removeprefix("./"): member for member in entries}
-    counts = Counter(member.name.removeprefix("./") for member in entries)
-    reader = _EntryReader(tar, members, counts, archive, entry_digests)
+    archive = index.archive
+    reader = _EntryReader(tar, index, entry_digests)
     manifest = reader.json(MANIFEST, what="manifest.json")
     if not isinstance(manifest, list) or not manifest:
         raise ArchiveError(f"{archive}: manifest.json is not a non-empty list of images")
     layer_digests: dict[str, str] = {}
-    return [
+    images = [
         _check_image(reader, entry, position, layer_digests, progress)
         for position, entry in enumerate(manifest, start=1)
     ]
+    if extra := index.unreferenced(reader.referenced):
+        raise ArchiveError(
+            f"{archive}: entries not referenced by manifest.json: {extra}; an images tar holds "
+            "only manifest.json, the configs and the layers it names"
+        )
+    return images
 
 
 def _check_image(
@@ -154,7 +175,7 @@ def _check_image(
         raise ArchiveError(f"image {tag}: Layers expected a list of entries, found {layer_names!r}")
     raw = reader.read(config_name, what=f"image {tag}: config")
     config_digest = "sha256:" + hashlib.sha256(raw).hexdigest()
-    named = config_name.removeprefix("blobs/sha256/").removesuffix(".json")
+    named = clean(config_name).removeprefix("blobs/sha256/").removesuffix(".json")
     if len(named) == 64 and "sha256:" + named != config_digest:
         raise ArchiveError(
             f"image {tag}: config {config_name}: expected sha256:{named}, found {config_digest}"
@@ -169,15 +190,17 @@ def _check_image(
             f"image {tag}: number of layers: config rootfs.diff_ids has {len(diff_ids)}, "
             f"manifest.json Layers lists {len(layer_names)}"
         )
-    for index, (name, expected) in enumerate(zip(layer_names, diff_ids, strict=True), start=1):
-        if name not in layer_digests:
+    for number, (name, expected) in enumerate(zip(layer_names, diff_ids, strict=True), start=1):
+        what = f"image {tag}: layer {number}"
+        resolved = reader.resolve(name, what=what)
+        if resolved not in layer_digests:
             if progress is not None:
-                progress(f"{tag}: hashing layer {index}/{len(diff_ids)} ({name})")
-            layer_digests[name] = reader.digest(name, what=f"image {tag}: layer {index}")
-        if layer_digests[name] != expected:
+                progress(f"{tag}: hashing layer {number}/{len(diff_ids)} ({name})")
+            layer_digests[resolved] = reader.digest(name, what=what)
+        if layer_digests[resolved] != expected:
             raise ArchiveError(
-                f"image {tag}: layer {index}/{len(diff_ids)} ({name}): diff_id expected "
-                f"{expected}, found {layer_digests[name]}"
+                f"image {tag}: layer {number}/{len(diff_ids)} ({name}): diff_id expected "
+                f"{expected}, found {layer_digests[resolved]}"
             )
     settings = config.get("config") or {}
     labels = (settings.get("Labels") or {}) if isinstance(settings, dict) else None
@@ -188,7 +211,7 @@ def _check_image(
         if not isinstance(value, str):
             raise ArchiveError(f"image {tag}: config {key} expected a string, found {value!r}")
     return ArchivedImage(
-        tag=tag,
+        repo_tags=tuple(tags),
         config_digest=config_digest,
         diff_ids=tuple(diff_ids),
         architecture=str(fields["architecture"]),
@@ -198,42 +221,54 @@ def _check_image(
 
 
 class _EntryReader:
-    def __init__(
-        self,
-        tar: tarfile.TarFile,
-        members: dict[str, tarfile.TarInfo],
-        counts: Counter[str],
-        archive: str,
-        known_digests: Mapping[str, str],
-    ) -> None:
-        self.tar, self.members, self.counts, self.archive = tar, members, counts, archive
-        self.known_digests = known_digests
+    """Reads the entries manifest.json names, by cleaned name, and remembers which it named."""
 
-    def _open(self, name: str, what: str) -> IO[bytes]:
-        member = self.members.get(name.removeprefix("./"))
-        if member is None or not member.isfile():
-            raise ArchiveError(f"{what}: entry {name} is missing from {self.archive}")
-        if self.counts[member.name.removeprefix("./")] > 1:
-            raise ArchiveError(f"{what}: entry {name} appears more than once in {self.archive}")
+    def __init__(
+        self, tar: tarfile.TarFile, index: EntryIndex, known_digests: Mapping[str, str]
+    ) -> None:
+        self.tar, self.index, self.known_digests = tar, index, known_digests
+        self.referenced: set[str] = set()
+
+    def resolve(self, name: str, *, what: str) -> str:
+        try:
+            resolved = resolve(name, what=f"{what}: entry")
+        except EntryError as exc:
+            raise ArchiveError(str(exc)) from None
+        self.referenced.add(resolved)
+        return resolved
+
+    def _member(self, name: str, what: str) -> tarfile.TarInfo:
+        member = self.index.files.get(self.resolve(name, what=what))
+        if member is None:
+            raise ArchiveError(f"{what}: entry {name} is missing from {self.index.archive}")
+        return member
+
+    def _open(self, member: tarfile.TarInfo, name: str, what: str) -> IO[bytes]:
         stream = self.tar.extractfile(member)
         if stream is None:
-            raise ArchiveError(f"{what}: entry {name} cannot be read from {self.archive}")
+            raise ArchiveError(f"{what}: entry {name} cannot be read from {self.index.archive}")
         return stream
 
     def read(self, name: str, *, what: str) -> bytes:
-        member = self.members.get(name.removeprefix("./"))
-        if member is not None and member.size > _MAX_JSON_BYTES:
-            raise ArchiveError(f"{what}: entry {name} is {member.size} bytes, too large for JSON")
-        with self._open(name, what) as stream:
+        member = self._member(name, what)
+        if member.size > _MAX_JSON_BYTES:
+            raise ArchiveError(
+                f"{what}: entry {name} is {member.size} bytes; a JSON entry of an images tar "
+                f"is at most {_MAX_JSON_BYTES} bytes"
+            )
+        with self._open(member, name, what) as stream:
             return stream.read()
 
     def json(self, name: str, *, what: str) -> Any:
-        return _parse(self.read(name, what=what), f"{self.archive}: {what}")
+        return _parse(self.read(name, what=what), f"{self.index.archive}: {what}")
 
     def digest(self, name: str, *, what: str) -> str:
-        with self._open(name, what) as stream:
-            known = self.known_digests.get(name.removeprefix("./"))
-            return known if known is not None else "sha256:" + sha256_stream(stream)
+        member = self._member(name, what)
+        known = self.known_digests.get(clean(name))
+        if known is not None:
+            return known
+        with self._open(member, name, what) as stream:
+            return "sha256:" + sha256_stream(stream)
 
 
 def scan_tar(
@@ -242,7 +277,8 @@ def scan_tar(
     """One streaming pass, constant memory: the SHA-256 of the whole file and of every entry.
 
     This is what lets `verify` check the bundle's checksum and every layer's diff_id while
-    reading the (large) images tar only once.
+    reading the (large) images tar only once. Entries are keyed by their cleaned names; an entry
+    `release._entries` refuses stops the pass with ArchiveError before its data is read.
     """
     total = path.stat().st_size
     whole = hashlib.sha256()
@@ -259,13 +295,17 @@ def scan_tar(
             return data
 
     entries: dict[str, str] = {}
+    index = EntryIndex(path.name)
     with path.open("rb") as handle:
         try:
             with tarfile.open(fileobj=_Tee(), mode="r|", bufsize=CHUNK) as tar:  # type: ignore[call-overload]
                 for member in tar:
+                    name = index.add(member)
                     stream = tar.extractfile(member) if member.isfile() else None
                     if stream is not None:
-                        entries[member.name.removeprefix("./")] = "sha256:" + sha256_stream(stream)
+                        entries[name] = "sha256:" + sha256_stream(stream)
+        except EntryError as exc:
+            raise ArchiveError(str(exc)) from None
         except (EOFError, tarfile.TarError) as exc:
             raise ArchiveError(f"{path.name}: not a readable tar archive ({exc})") from None
         tee = _Tee()
@@ -290,9 +330,9 @@ class _HashingReader:
 
 def _parse(raw: bytes, what: str) -> Any:
     try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise ArchiveError(f"{what} is not valid JSON ({exc})") from None
+        return parse_json(raw, what)
+    except ManifestError as exc:
+        raise ArchiveError(str(exc)) from None
 
 
 def _layer_name(diff_id: str) -> str:

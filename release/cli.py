@@ -102,28 +102,16 @@ def cmd_keygen(args: argparse.Namespace) -> None:
 
 
 def cmd_sign(args: argparse.Namespace) -> None:
-    from release.signing import detached_signature, sign_blob, sigstore_bundle
+    from modelforge_contracts.release_manifest import read_limited
+    from release.signing import detached_signature, public_key_pem, sign_blob, sigstore_bundle
     from release.verify import SIGNATURE_FILE, SIGSTORE_BUNDLE_FILE, SUMS_FILE
 
-    data = (args.bundle / SUMS_FILE).read_bytes()
+    data = read_limited(args.bundle / SUMS_FILE, limit=1 << 20)
     signature = sign_blob(data, args.key, password_env=args.password_env)
     (args.bundle / SIGNATURE_FILE).write_bytes(detached_signature(signature))
-    public_pem = _public_pem(args.key, args.password_env)
-    bundle = sigstore_bundle(data, signature, public_pem)
+    bundle = sigstore_bundle(data, signature, public_key_pem(args.key, args.password_env))
     (args.bundle / SIGSTORE_BUNDLE_FILE).write_text(json.dumps(bundle, indent=2) + "\n")
     _say(f"signed {SUMS_FILE}: {SIGNATURE_FILE}, {SIGSTORE_BUNDLE_FILE}")
-
-
-def _public_pem(private_key: Path, password_env: str | None) -> bytes:
-    import os
-
-    from cryptography.hazmat.primitives import serialization
-
-    password = os.environ[password_env].encode() if password_env else None
-    key = serialization.load_pem_private_key(private_key.read_bytes(), password=password)
-    return key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
 
 
 def cmd_verify(args: argparse.Namespace) -> None:
@@ -144,20 +132,44 @@ def cmd_load(args: argparse.Namespace) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> None:
-    from release.docker import up
+    from release.up import up
 
-    up(args.bundle, args.compose_file, project=args.project, services=args.services, say=_say)
+    up(
+        args.bundle,
+        args.compose_file,
+        project=args.project,
+        public_key=args.key,
+        services=args.services,
+        say=_say,
+    )
 
 
 def cmd_down(args: argparse.Namespace) -> None:
-    from release.docker import down
+    from release.up import down
 
     down(args.compose_file, project=args.project)
 
 
+class _IntermixedParser(argparse.ArgumentParser):
+    """Options and positional arguments in any order (`up BUNDLE -f FILE service …`)."""
+
+    _parsing = False
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if self._parsing:  # parse_known_intermixed_args calls back in here
+            return super().parse_known_args(args, namespace)
+        self._parsing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._parsing = False
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="modelforge-release", description=__doc__)
-    sub = root.add_subparsers(dest="command", required=True)
+    sub = root.add_subparsers(dest="command", required=True, parser_class=_IntermixedParser)
 
     build = sub.add_parser("build", help="build the three images and write the bundle files")
     build.add_argument("--out", type=Path, required=True, help="bundle directory to write")
@@ -195,6 +207,7 @@ def parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start Compose from the loaded, verified images")
     up.add_argument("bundle", type=Path)
+    up.add_argument("--key", type=Path, required=True, help="pinned public key (PEM)")
     up.add_argument("--compose-file", "-f", type=Path, action="append", required=True)
     up.add_argument("--project", "-p", default="modelforge")
     up.add_argument("services", nargs="*")
@@ -222,10 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         OSError,
     )
     try:
+        from release.cosign_key import CosignKeyError
         from release.docker import DockerError
+        from release.state import StateError
         from release.verify import VerificationError
 
-        known += (DockerError, VerificationError)
+        known += (CosignKeyError, DockerError, StateError, VerificationError)
         args.run(args)
     except known as exc:
         _say(f"modelforge-release {args.command}: {exc}")

@@ -1,12 +1,17 @@
 """Build the three ModelForge images without a Docker daemon and without a registry.
 
 Each image has three layers: a Debian bookworm root filesystem made from Debian's packages by
-mmdebstrap and pruned to what python3 needs at run time (shared, byte for byte, by all three);
-the component's dependencies from its hash-locked wheels under `locks/`; the project's own wheel.
-`release.recipes` says which components exist and what each runs, `release.rootfs` makes the
-Debian base, `release.oci` the Python layers and the image configs; this module checks the
-arguments and puts the pieces together. Layers and configs are deterministic, so two builds of
-the same inputs give the same diff_ids and image IDs.
+mmdebstrap and pruned to what python3 and the C++ runtime need at run time (shared, byte for
+byte, by all three); the component's dependencies from its hash-locked wheels under `locks/`;
+the project's own wheel. `release.recipes` says which components exist and what each runs,
+`release.rootfs` makes the Debian base, `release.oci` the Python layers and the image configs;
+this module checks the arguments and puts the pieces together. Layers and configs are
+deterministic, so two builds of the same inputs give the same diff_ids and image IDs.
+
+Every image is checked before it is returned (`release.elfcheck`): each ELF file's interpreter
+and DT_NEEDED libraries must resolve inside the image, except the few its recipe says the
+NVIDIA Container Toolkit provides at run time; otherwise the build fails naming each file and
+library.
 
 It must never pull from a container registry, talk to a Docker daemon, leave a shell, apt or
 dpkg in an image, or let the build host's paths, users or clock into a layer or a config.
@@ -20,7 +25,7 @@ import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from release import sbom
+from release import elfcheck, sbom
 from release._tar import canonical_json
 from release.oci import (
     ARCHITECTURE,
@@ -41,7 +46,7 @@ from release.recipes import (
     image_name,
     recipe,
 )
-from release.rootfs import DEBIAN_SOURCES, DEBIAN_SUITE, USER_ID, debian_base
+from release.rootfs import DEBIAN_SOURCES, DEBIAN_SUITE, USER_DIRS, USER_ID, debian_base
 
 # The public names of the image build, wherever they are defined.
 __all__ = [
@@ -103,7 +108,11 @@ def build_images(
         if component not in components:
             continue
         component_recipe = recipe(component, worker_flavour)
-        deps, dists = steps.dependencies(project_dir / "locks" / component_recipe.lock)
+        deps, dists = steps.dependencies(
+            project_dir / "locks" / component_recipe.lock,
+            unshipped=component_recipe.unshipped,
+            directories=_owned(component_recipe.own_directories),
+        )
         name = image_name(component)
         labels = image_labels(
             component,
@@ -114,17 +123,25 @@ def build_images(
             source=source,
         )
         layers = (base, deps, app)
-        config = canonical_json(
-            image_config(
-                layers=layers,
-                user=USER_ID,
-                cmd=component_recipe.cmd,
-                env=component_recipe.env,
-                ports=component_recipe.ports,
-                labels=labels,
-                epoch=source_date_epoch,
-            )
+        config_fields = image_config(
+            layers=layers,
+            user=USER_ID,
+            cmd=component_recipe.cmd,
+            env=component_recipe.env,
+            ports=component_recipe.ports,
+            labels=labels,
+            epoch=source_date_epoch,
         )
+        config = canonical_json(config_fields)
+        checked = elfcheck.check_image(
+            name,
+            [layer.path for layer in layers],
+            config_fields["config"]["Env"],
+            dict(component_recipe.provided_at_run_time),
+        )
+        if not checked.ok:
+            raise ImageBuildError(elfcheck.failure_message(checked))
+        progress(checked.summary())
         images.append(
             BuiltImage(
                 name=name,
@@ -152,3 +169,17 @@ def build_images(
         )
     shutil.rmtree(scratch, ignore_errors=True)
     return images
+
+
+def _owned(directories: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """Owners for an image's own directories and the directories above them in its layer: the
+    image's user for those and for the base's volume mount points (a layer's entry for a
+    directory replaces the base's owner and mode), root for the rest."""
+    owners: dict[str, tuple[int, int]] = {}
+    for directory in directories:
+        parts = directory.split("/")
+        for depth in range(1, len(parts) + 1):
+            path = "/".join(parts[:depth])
+            mine = path == directory or path in USER_DIRS
+            owners[path] = (USER_ID, USER_ID) if mine else (0, 0)
+    return owners

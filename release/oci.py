@@ -3,7 +3,8 @@
 A layer is a directory tree written by `release._tar.write_tree` (sorted entries, one fixed
 mtime, numeric owners) and stored under `work_dir/layers/<digest>.tar`; its diff_id is the
 sha256 of that tar. The two Python layers are installed under SITE_DIR: a component's
-dependencies from its hash-locked wheels, and the project's own wheel (with the web console,
+dependencies from its hash-locked wheels (less what its recipe leaves out), and the project's
+own wheel (with the web console,
 built from its sources in a copy of the project). The image config is canonical JSON whose
 every timestamp is SOURCE_DATE_EPOCH.
 
@@ -169,7 +170,7 @@ class Steps:
         root = self.scratch / "application"
         self.pip([str(wheel)], root / SITE_DIR, log="application")
         dists = sbom.python_distributions(root / SITE_DIR)
-        return self.layer(root, f"pip install --no-deps {wheel.name}", normalize_modes=True), dists
+        return self.layer(root, f"pip install --no-deps {wheel.name}"), dists
 
     def console(self, project_dir: Path, console: Path) -> None:
         """Build the web console from its sources in the copy (never a stale `dist/` from the
@@ -187,8 +188,16 @@ class Steps:
             self.run([npm, "ci", "--no-audit", "--no-fund"], log="console-npm-ci", cwd=console)
         self.run([npm, "run", "build"], log="console-build", cwd=console)
 
-    def dependencies(self, lock: Path) -> tuple[Layer, list[sbom.PythonDistribution]]:
-        """The wheels pinned, with hashes, by `lock`, for CPython 3.11 on bookworm's glibc."""
+    def dependencies(
+        self,
+        lock: Path,
+        *,
+        unshipped: Sequence[str] = (),
+        directories: Mapping[str, tuple[int, int]] | None = None,
+    ) -> tuple[Layer, list[sbom.PythonDistribution]]:
+        """The wheels pinned, with hashes, by `lock`, for CPython 3.11 on bookworm's glibc,
+        without the paths the `unshipped` glob patterns (relative to SITE_DIR) match, and the
+        `directories` (relative path -> owner uid, gid) the image alone has."""
         self.progress(f"dependencies: {lock.name} ...")
         root = self.scratch / f"deps-{lock.stem}"
         shutil.rmtree(root, ignore_errors=True)
@@ -199,9 +208,35 @@ class Steps:
             root / SITE_DIR,
             log=f"deps-{lock.stem}",
         )
-        dists = sbom.python_distributions(root / SITE_DIR)
         created_by = f"pip install --require-hashes --no-deps -r locks/{lock.name}"
-        return self.layer(root, created_by, normalize_modes=True), dists
+        if unshipped:
+            self._remove(root / SITE_DIR, unshipped)
+            created_by += ", without " + " ".join(unshipped)
+        dists = sbom.python_distributions(root / SITE_DIR)
+        for directory in directories or {}:
+            (root / directory).mkdir(parents=True)
+        return self.layer(root, created_by, owners=directories), dists
+
+    def _remove(self, site: Path, patterns: Sequence[str]) -> None:
+        """Remove what `patterns` match below `site` (and its RECORD rows); a pattern that
+        matches nothing is an error, so a lock update cannot silently make one stale."""
+        for pattern in patterns:
+            matches = sorted(site.glob(pattern))
+            if not matches:
+                raise ImageBuildError(
+                    f"unshipped pattern {pattern!r} matches nothing under {SITE_DIR}; "
+                    "update the recipe in release/recipes.py"
+                )
+            size = 0
+            for path in matches:
+                if path.is_dir() and not path.is_symlink():
+                    size += sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+                    shutil.rmtree(path)
+                else:
+                    size += path.lstat().st_size
+                    path.unlink()
+            self.progress(f"  left out {pattern}: {len(matches)} paths, {size / 1e6:.1f} MB")
+        _scrub_site(site)
 
     def pip(self, args: Sequence[str], target: Path, *, log: str) -> None:
         options = "--disable-pip-version-check --no-input --no-deps --no-compile".split()

@@ -1,9 +1,11 @@
 """What each image is: the components, and per component its lock file, command, environment,
-exposed ports and labels.
+exposed ports, labels, what is left out of its dependencies layer, and the libraries it may need
+without carrying them.
 
-The runtime worker comes in two flavours: `cuda` (the release default, with NVIDIA's CUDA
-runtime libraries from `locks/runtime-worker-cuda.lock`) and `cpu`; both get the same tag and
-differ in the `io.modelforge.flavour` label.
+The runtime worker comes in two flavours: `cuda` (the release default: onnxruntime's CUDA build
+with NVIDIA's CUDA 12 libraries, from `locks/runtime-worker-cuda.lock`) and `cpu`
+(`locks/runtime-worker.lock`); both get the same tag and differ in the `io.modelforge.flavour`
+label.
 """
 
 from __future__ import annotations
@@ -28,6 +30,44 @@ class Recipe:
     env: tuple[str, ...] = ()
     ports: tuple[str, ...] = ()
     labels: tuple[tuple[str, str], ...] = ()
+    #: Glob patterns under SITE_DIR removed from the installed dependencies: what nothing in the
+    #: image loads at run time (headers, static archives, providers whose libraries it lacks).
+    unshipped: tuple[str, ...] = ()
+    #: Libraries the image's ELF files may need without the image carrying them, each with the
+    #: reason it is there at run time (see release.elfcheck); everything else must be inside.
+    provided_at_run_time: tuple[tuple[str, str], ...] = ()
+    #: Directories only this image has, owned by the image's user (mount points of volumes
+    #: no other component uses), made in its dependencies layer; the shared base has the rest.
+    own_directories: tuple[str, ...] = ()
+
+
+# The NVIDIA wheels' library directories: onnxruntime's CUDA provider carries no RUNPATH, so
+# the loader finds cudart, cuBLAS, cuDNN, cuFFT and cuRAND here; cuBLAS and cuFFT load NVRTC
+# and nvJitLink by name at run time.
+_NVIDIA_LIBRARIES = (
+    "cuda_runtime",
+    "cublas",
+    "cudnn",
+    "cufft",
+    "curand",
+    "cuda_nvrtc",
+    "nvjitlink",
+)
+_CUDA_UNSHIPPED = (
+    "nvidia/*/include",  # C headers
+    "nvidia/*/lib/*.a",  # static archives (cudart_static, cudadevrt, culibos)
+    # TensorRT's provider: it needs libnvinfer, which the image does not carry.
+    "onnxruntime/capi/libonnxruntime_providers_tensorrt.so",
+    # NVRTC's alternative build, the FFTW and NVBLAS front ends: nothing loads them.
+    "nvidia/cuda_nvrtc/lib/*.alt.so*",
+    "nvidia/cufft/lib/libcufftw.so*",
+    "nvidia/cublas/lib/libnvblas.so*",
+)
+_LIBCUDA = (
+    "libcuda.so.1",
+    "the NVIDIA driver's CUDA library, needed by cuDNN's runtime-compiled engines; the NVIDIA "
+    "Container Toolkit injects it with the driver (NVIDIA_DRIVER_CAPABILITIES=compute)",
+)
 
 
 def recipe(component: str, flavour: str) -> Recipe:
@@ -44,15 +84,24 @@ def recipe(component: str, flavour: str) -> Recipe:
             "node-agent.lock",
             ("python3", "-m", "node_agent"),
             env=("NVIDIA_DRIVER_CAPABILITIES=utility",),
+            # Its state volume: the agent names this path private in every job it hands over,
+            # and a runtime worker that finds it readable must hide it from the job, which a
+            # container without privileges cannot. So no other image has the directory.
+            own_directories=("var/lib/modelforge/agent",),
         )
-    cuda_env = (
-        "NVIDIA_DRIVER_CAPABILITIES=compute,utility",
-        f"LD_LIBRARY_PATH=/{SITE_DIR}/nvidia/cuda_runtime/lib",
-    )
+    if flavour == "cuda":
+        library_path = ":".join(f"/{SITE_DIR}/nvidia/{name}/lib" for name in _NVIDIA_LIBRARIES)
+        return Recipe(
+            "runtime-worker-cuda.lock",
+            ("python3", "-m", "runtime_worker"),
+            env=("NVIDIA_DRIVER_CAPABILITIES=compute,utility", f"LD_LIBRARY_PATH={library_path}"),
+            labels=(("io.modelforge.flavour", flavour),),
+            unshipped=_CUDA_UNSHIPPED,
+            provided_at_run_time=(_LIBCUDA,),
+        )
     return Recipe(
-        "runtime-worker-cuda.lock" if flavour == "cuda" else "runtime-worker.lock",
+        "runtime-worker.lock",
         ("python3", "-m", "runtime_worker"),
-        env=cuda_env if flavour == "cuda" else (),
         labels=(("io.modelforge.flavour", flavour),),
     )
 

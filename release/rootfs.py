@@ -1,4 +1,5 @@
-"""The images' shared base layer: a Debian bookworm root file system pruned to what python3 needs.
+"""The images' shared base layer: a Debian bookworm root file system pruned to what python3 and
+the C++ runtime need.
 
 mmdebstrap installs `_BASE_PACKAGES` from Debian's packages (honouring SOURCE_DATE_EPOCH);
 the tree is then cut down to those packages' run-time dependency closure, without dpkg's
@@ -35,9 +36,11 @@ DEBIAN_SOURCES = (
 #: The uid and gid the images run as; its home and the volumes' mount points belong to it.
 USER_ID = 10001
 
-# What the images run on: python3 with its standard library, CA certificates, /etc/services.
+# What the images run on: python3 with its standard library, CA certificates, /etc/services,
+# and the C++ runtime (libstdc++.so.6; libgcc_s.so.1 comes with libc6) that manylinux wheels
+# built from C++ (numpy, onnxruntime, protobuf's upb) link against and may not bundle.
 _BASE_PACKAGES = tuple(
-    "base-files netbase ca-certificates python3-minimal libpython3.11-stdlib".split()
+    "base-files netbase ca-certificates python3-minimal libpython3.11-stdlib libstdc++6".split()
 )
 # Needed to install or configure the packages above, never by them at run time.
 _INSTALL_TIME_ONLY = frozenset({"dpkg", "debconf", "openssl", "mawk"})
@@ -50,19 +53,22 @@ _STRIPPED = re.compile(
 )
 # Written by maintainer scripts, owned by no package, needed at run time.
 _GENERATED = ("etc/ssl/certs", "etc/ca-certificates.conf", "etc/ld.so.conf", "etc/ld.so.cache")
-# Mount points of named volumes: a fresh volume takes these owners from the image.
-_USER_DIRS = (
+#: Mount points of named volumes: a fresh volume takes these owners from the image. The node
+#: agent's state directory (var/lib/modelforge/agent) is not among them: only the agent's image
+#: has it (its recipe), so a runtime worker's container has no such path to hide from jobs.
+USER_DIRS = (
     "var/lib/modelforge",
-    "var/lib/modelforge/agent",
     "var/cache/modelforge/artifacts",
     "run/modelforge",
 )
 _SKELETON = {
     **dict.fromkeys(
-        ("dev", "proc", "sys", "run", "home", "opt", "var/lib/dpkg", *_USER_DIRS), 0o755
+        ("dev", "proc", "sys", "run", "home", "opt", "var/lib/dpkg", *USER_DIRS), 0o755
     ),
     **{"tmp": 0o1777, "var/tmp": 0o1777, "root": 0o700},
 }
+#: The modes a layer keeps as they are; `write_tree` decides every other mode itself.
+SPECIAL_MODES = {path: mode for path, mode in _SKELETON.items() if mode != 0o755}
 _PASSWD = (
     "root:x:0:0:root:/root:/usr/sbin/nologin\n"
     "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
@@ -115,8 +121,10 @@ def debian_base(steps: Steps, sources: tuple[str, ...]) -> tuple[Layer, list[sbo
         steps.progress(f"debian base: kept {len(packages)} packages")
         staged = steps.scratch / "debian-base"
         staged.mkdir()
-        owners = dict.fromkeys(_USER_DIRS, (USER_ID, USER_ID))
-        diff_id = write_tree(rootfs, staged / "layer.tar", mtime=steps.epoch, owners=owners)
+        owners = dict.fromkeys(USER_DIRS, (USER_ID, USER_ID))
+        diff_id = write_tree(
+            rootfs, staged / "layer.tar", mtime=steps.epoch, owners=owners, modes=SPECIAL_MODES
+        )
         size = (staged / "layer.tar").stat().st_size
         steps.progress(f"  layer {diff_id[:19]}: {size / 1e6:.1f} MB")
         rows = [[p.name, p.version, p.architecture, p.source] for p in packages]

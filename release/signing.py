@@ -1,9 +1,11 @@
 """Cosign-compatible key-based signatures over a release blob (the bundle's `SHA256SUMS`).
 
-Job: make an ECDSA P-256 key pair, sign a blob with SHA-256, and write the two signature forms
-that `cosign verify-blob --key` reads offline: the detached `.sig` (base64 of the ASN.1 DER
-signature) and a Sigstore bundle v0.3 that identifies the key by a hint instead of a certificate.
-Verify both forms.
+Job: make an ECDSA P-256 key pair whose private key is in cosign's own encrypted format
+(`release.cosign_key`, so `cosign sign-blob --key` uses it as it is), sign a blob with SHA-256,
+and write the two signature forms that `cosign verify-blob --key` reads offline: the detached
+`.sig` (base64 of the ASN.1 DER signature) and a Sigstore bundle v0.3 that identifies the key by
+a hint instead of a certificate. Verify both forms. Signing reads cosign's format and PKCS#8 PEM
+(plain or encrypted).
 
 Never: put private key material or its password into an exception, a log line, a `repr()` or a
 process argument (the password is only ever read from a named environment variable), overwrite an
@@ -22,11 +24,14 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
 from modelforge_contracts.files import write_private
+from release import cosign_key
 
 BUNDLE_MEDIA_TYPE = "application/vnd.dev.sigstore.bundle.v0.3+json"
 _DIGEST_ALGORITHM = "SHA2_256"  # the protobuf-specs HashAlgorithm name for SHA-256
+_MAX_KEY_BYTES = 64 << 10
 
 
 class SigningKeyError(Exception):
@@ -40,24 +45,23 @@ class SignatureError(Exception):
 def generate_keypair(
     private_path: Path, public_path: Path, *, password_env: str | None = None
 ) -> None:
-    """Write a new ECDSA P-256 key pair: PKCS#8 PEM private key (mode 0600), SPKI PEM public key.
+    """Write a new ECDSA P-256 key pair: the private key in cosign's encrypted format (mode
+    0600), the public key as SPKI PEM.
 
     With `password_env`, the private key is encrypted with the password held in that environment
-    variable, which must be set and non-empty. Existing files are never overwritten.
+    variable, which must be set and non-empty; without it, with the empty password, as
+    `cosign generate-key-pair` does for an empty COSIGN_PASSWORD. Existing files are never
+    overwritten.
     """
     for path in (private_path, public_path):
         if path.exists() or path.is_symlink():
             raise SigningKeyError(f"refusing to overwrite existing key file {path}")
     password = _password_from_env(password_env)
-    encryption: serialization.KeySerializationEncryption = (
-        serialization.BestAvailableEncryption(password)
-        if password is not None
-        else serialization.NoEncryption()
-    )
     private_key = ec.generate_private_key(ec.SECP256R1())
-    private_pem = private_key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption
+    der = private_key.private_bytes(
+        serialization.Encoding.DER, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
+    private_pem = cosign_key.encrypt(der, password or b"")
     public_pem = private_key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
@@ -69,6 +73,15 @@ def sign_blob(data: bytes, private_key_path: Path, password_env: str | None = No
     """Return the ASN.1 DER ECDSA P-256 signature over SHA-256 of `data`."""
     private_key = _load_private_key(private_key_path, password_env)
     return private_key.sign(data, ec.ECDSA(hashes.SHA256()))
+
+
+def public_key_pem(private_key_path: Path, password_env: str | None = None) -> bytes:
+    """The SPKI PEM public key of a private key file (any format `sign_blob` reads)."""
+    return (
+        _load_private_key(private_key_path, password_env)
+        .public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
 
 
 def detached_signature(signature_der: bytes) -> bytes:
@@ -147,6 +160,11 @@ def verify_bundle(
     """
     public_key = _load_public_key(public_key_pem)
     fingerprint = public_key_hint(public_key_pem)
+    if not isinstance(bundle_json, dict):
+        raise SignatureError(
+            f"{bundle_name}: expected a Sigstore bundle (a JSON object), found "
+            f"{type(bundle_json).__name__}"
+        )
 
     media_type = bundle_json.get("mediaType")
     if media_type != BUNDLE_MEDIA_TYPE:
@@ -231,13 +249,58 @@ def _load_public_key(public_key_pem: bytes) -> ec.EllipticCurvePublicKey:
 
 def _load_private_key(path: Path, password_env: str | None) -> ec.EllipticCurvePrivateKey:
     try:
-        pem = path.read_bytes()
+        with path.open("rb") as handle:
+            pem = handle.read(_MAX_KEY_BYTES + 1)
     except OSError as exc:
         raise SigningKeyError(f"cannot read the private key {path}: {exc.strerror}") from None
     password = _password_from_env(password_env)
+    if len(pem) > _MAX_KEY_BYTES:
+        raise SigningKeyError(f"the private key {path} is larger than any key file")
+    if pem.lstrip().startswith(
+        (
+            b"-----BEGIN " + cosign_key.PEM_TYPE.encode(),
+            b"-----BEGIN " + cosign_key.LEGACY_PEM_TYPE.encode(),
+        )
+    ):
+        der = _decrypt_cosign_key(path, pem, password, password_env)
+        try:
+            key = serialization.load_der_private_key(der, password=None)
+        except (ValueError, UnsupportedAlgorithm):
+            raise SigningKeyError(
+                f"cannot load the private key {path}: its content is not a PKCS#8 key"
+            ) from None
+    else:
+        key = _load_pkcs8_pem(path, pem, password, password_env)
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or not isinstance(key.curve, ec.SECP256R1):
+        raise SigningKeyError(f"the private key {path} is not an ECDSA P-256 key")
+    return key
+
+
+def _decrypt_cosign_key(
+    path: Path, pem: bytes, password: bytes | None, password_env: str | None
+) -> bytes:
+    try:
+        _, envelope = cosign_key.pem_block(pem)
+        return cosign_key.decrypt_envelope(envelope, password or b"")
+    except cosign_key.WrongPasswordError:
+        if password is None:
+            raise SigningKeyError(
+                f"the private key {path} is encrypted with a password; name the environment "
+                "variable that holds it (--password-env)"
+            ) from None
+        raise SigningKeyError(
+            f"cannot load the private key {path}: the password in ${password_env} is wrong"
+        ) from None
+    except cosign_key.CosignKeyError as exc:
+        raise SigningKeyError(f"cannot load the cosign private key {path}: {exc}") from None
+
+
+def _load_pkcs8_pem(
+    path: Path, pem: bytes, password: bytes | None, password_env: str | None
+) -> PrivateKeyTypes:
     # Chained cryptography errors are dropped (`from None`): they describe the key's content.
     try:
-        key = serialization.load_pem_private_key(pem, password=password)
+        return serialization.load_pem_private_key(pem, password=password)
     except TypeError:
         if password is None:
             raise SigningKeyError(
@@ -252,9 +315,6 @@ def _load_private_key(path: Path, password_env: str | None) -> ec.EllipticCurveP
         if password is not None:
             reason += f", or the password in ${password_env} is wrong"
         raise SigningKeyError(f"cannot load the private key {path}: {reason}") from None
-    if not isinstance(key, ec.EllipticCurvePrivateKey) or not isinstance(key.curve, ec.SECP256R1):
-        raise SigningKeyError(f"the private key {path} is not an ECDSA P-256 key")
-    return key
 
 
 def _password_from_env(password_env: str | None) -> bytes | None:

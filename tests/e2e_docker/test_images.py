@@ -1,4 +1,9 @@
-"""Image builds: reproducible IDs, no shell or package manager, non-root, labels, SBOMs.
+"""Image builds: reproducible IDs (whatever the umask), no shell or package manager, non-root,
+labels, SBOMs, every ELF dependency inside the image, and runtime workers that run models: the
+cpu flavour and the cuda flavour import numpy and onnxruntime and run an ONNX model in a chroot
+of their unpacked layers (the cuda image is about 2.5 GB; a chroot avoids loading it into the
+engine), and the cuda flavour's onnxruntime offers the CUDA execution provider, whose libraries
+all load there (no GPU needed for that).
 
 The e2e tests build real images with mmdebstrap (root, network to Debian's mirror and PyPI) and
 take a few minutes; the others check the SBOM and the argument checks without building anything.
@@ -15,7 +20,10 @@ import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper
 
 from release import sbom
 from release.images import PROJECT_DIR, BuiltImage, ImageBuildError, build_images
@@ -53,22 +61,38 @@ def _entries(image: BuiltImage) -> list[tarfile.TarInfo]:
     return members
 
 
-def _build(work_dir: Path, **options: object) -> list[BuiltImage]:
-    return build_images(
-        version=VERSION,
-        revision="0123abc",
-        source_date_epoch=EPOCH,
-        work_dir=work_dir,
-        progress=lambda line: None,
-        project_dir=work_dir.parent / "project",
-        **options,  # type: ignore[arg-type]
-    )
+def _build(
+    work_dir: Path, *, umask: int = 0o022, output: list[str] | None = None, **options: object
+) -> list[BuiltImage]:
+    """Build under `umask` (every file the build and its tools create gets its modes from it);
+    the build's progress lines go to `output`."""
+    lines = output if output is not None else []
+    previous = os.umask(umask)
+    try:
+        return build_images(
+            version=VERSION,
+            revision="0123abc",
+            source_date_epoch=EPOCH,
+            work_dir=work_dir,
+            progress=lines.append,
+            project_dir=work_dir.parent / "project",
+            **options,  # type: ignore[arg-type]
+        )
+    finally:
+        os.umask(previous)
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[BuiltImage]]]:
-    """The cpu-flavour images, built once from a snapshot of the project (the same inputs for
-    every build in this module, even while the checkout is being edited)."""
+def build_output() -> list[str]:
+    return []
+
+
+@pytest.fixture(scope="module")
+def built(
+    tmp_path_factory: pytest.TempPathFactory, build_output: list[str]
+) -> Iterator[tuple[Path, list[BuiltImage]]]:
+    """The cpu-flavour images, built once under umask 022 from a snapshot of the project (the
+    same inputs for every build in this module, even while the checkout is being edited)."""
     if os.geteuid() != 0 or shutil.which("mmdebstrap") is None:
         pytest.fail(
             "building images needs root and mmdebstrap (apt-get install mmdebstrap)", pytrace=False
@@ -76,7 +100,73 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list
     root = tmp_path_factory.mktemp("images")
     copy_project(PROJECT_DIR, root / "project")
     shutil.copytree(PROJECT_DIR / "locks", root / "project" / "locks")
-    yield root / "first", _build(root / "first", worker_flavour="cpu")
+    images = _build(root / "first", umask=0o022, output=build_output, worker_flavour="cpu")
+    yield root / "first", images
+
+
+def _unpack(image: BuiltImage, rootfs: Path) -> dict[str, str]:
+    """Unpack the image's layers as a container runtime does (modes and owners kept); return
+    the environment its config sets."""
+    rootfs.mkdir()
+    for layer in image.layers:
+        subprocess.run(["tar", "-xpf", str(layer), "-C", str(rootfs)], check=True)
+    config = json.loads(image.config_bytes)["config"]
+    return dict(item.split("=", 1) for item in config["Env"])
+
+
+def _run_in(rootfs: Path, env: dict[str, str], *argv: str) -> subprocess.CompletedProcess[str]:
+    """Run `argv` in a chroot of `rootfs` as the image's user, with the image's environment."""
+    return subprocess.run(
+        ["chroot", "--userspec=10001:10001", str(rootfs), *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _tiny_model() -> tuple[bytes, np.ndarray]:
+    """y = relu(x @ w), made with the onnx package; returns the model and w."""
+    weights = (np.arange(12, dtype=np.float32).reshape(4, 3) - 5) / 10
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Relu", ["xw"], ["y"])],
+        "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 3])],
+        [helper.make_tensor("w", TensorProto.FLOAT, [4, 3], weights.flatten().tolist())],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    return model.SerializeToString(), weights
+
+
+# Runs in the image: imports numpy and onnxruntime, runs the model in /tmp/model.onnx on
+# /tmp/x.npy with the providers the ONNX runner asks for, writes /tmp/y.npy, prints facts.
+MODEL_RUN = """import json, numpy, onnxruntime
+available = onnxruntime.get_available_providers()
+wanted = ["CUDAExecutionProvider"] if "CUDAExecutionProvider" in available else []
+wanted.append("CPUExecutionProvider")
+session = onnxruntime.InferenceSession("/tmp/model.onnx", providers=wanted)
+numpy.save("/tmp/y.npy", session.run(None, {"x": numpy.load("/tmp/x.npy")})[0])
+print(json.dumps({"available": available, "used": session.get_providers(),
+                  "numpy": numpy.__version__, "onnxruntime": onnxruntime.__version__}))
+"""
+
+
+def _runs_the_model(rootfs: Path, env: dict[str, str]) -> dict[str, object]:
+    """Run MODEL_RUN in the image; check its output against numpy here; return its facts."""
+    model, weights = _tiny_model()
+    x = np.random.default_rng(3).standard_normal((5, 4)).astype(np.float32)
+    (rootfs / "tmp/model.onnx").write_bytes(model)
+    np.save(rootfs / "tmp/x.npy", x)
+
+    done = _run_in(rootfs, env, "python3", "-c", MODEL_RUN)
+
+    assert done.returncode == 0, done.stderr
+    y = np.load(rootfs / "tmp/y.npy")
+    np.testing.assert_allclose(y, np.maximum(x @ weights, 0), rtol=1e-5, atol=1e-6)
+    return dict(json.loads(done.stdout.splitlines()[-1]))
 
 
 def test_sbom_lists_installed_debian_packages_with_purls() -> None:
@@ -136,12 +226,14 @@ def test_bad_arguments_are_refused_before_building(
 
 @pytest.mark.e2e
 @pytest.mark.timeout(1200)
-def test_two_builds_from_scratch_give_identical_images(
+def test_two_builds_from_scratch_under_umask_022_and_002_give_identical_images(
     built: tuple[Path, list[BuiltImage]],
 ) -> None:
     work_dir, first = built
 
-    second = _build(work_dir.parent / "second", worker_flavour="cpu")  # an empty cache
+    # An empty cache: the Debian base, the wheels and the project are all made afresh, every
+    # file group-writable this time.
+    second = _build(work_dir.parent / "second", umask=0o002, worker_flavour="cpu")
 
     assert [(i.tag, i.config_digest, i.diff_ids) for i in second] == [
         (i.tag, i.config_digest, i.diff_ids) for i in first
@@ -203,18 +295,35 @@ def test_layers_have_fixed_metadata(built: tuple[Path, list[BuiltImage]]) -> Non
     assert {m.mtime for m in members} == {EPOCH}
     assert {(m.uname, m.gname) for m in members} == {("", "")}
     owned = {m.name: (m.uid, m.gid) for m in members if (m.uid, m.gid) != (0, 0)}
-    # The mount points of the named volumes (agent state, artifact cache, sockets, data).
-    assert owned == dict.fromkeys(
-        (
-            "run/modelforge",
-            "var/lib/modelforge",
-            "var/lib/modelforge/agent",
-            "var/cache/modelforge/artifacts",
-        ),
-        (10001, 10001),
-    )
+    # The mount points of the named volumes (artifact cache, sockets, data).
+    shared = ("run/modelforge", "var/lib/modelforge", "var/cache/modelforge/artifacts")
+    assert owned == dict.fromkeys(shared, (10001, 10001))
     assert not [m.name for m in members if {"atime", "ctime"} & set(m.pax_headers)]
     assert not [m.name for m in members if m.isdev() or m.isfifo()]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1200)
+def test_only_the_node_agent_image_has_the_agent_state_directory(
+    built: tuple[Path, list[BuiltImage]],
+) -> None:
+    # The agent names its state directory private in every job; a runtime worker that can read
+    # that path must hide it from the job, which an unprivileged container cannot do.
+    _, images = built
+    state = "var/lib/modelforge/agent"
+
+    for image in images:
+        merged = {m.name: m for m in _entries(image)}  # a later layer's entry wins
+        if image.name == "modelforge-node-agent":
+            assert (merged[state].uid, merged[state].gid, merged[state].mode) == (
+                10001,
+                10001,
+                0o755,
+            )
+            home = merged["var/lib/modelforge"]
+            assert (home.uid, home.gid, home.mode) == (10001, 10001, 0o755)
+        else:
+            assert state not in merged, image.name
 
 
 @pytest.mark.e2e
@@ -299,17 +408,92 @@ def test_node_agent_runs_its_preflight_without_a_shell(
 
 @pytest.mark.e2e
 @pytest.mark.timeout(1200)
-def test_cuda_worker_carries_the_cuda_runtime(built: tuple[Path, list[BuiltImage]]) -> None:
-    work_dir, cpu_images = built
+def test_every_build_checks_every_elf_file(
+    built: tuple[Path, list[BuiltImage]], build_output: list[str]
+) -> None:
+    _, images = built
+    checked = {
+        line.split(":")[0]: int(line.split("ELF check: ")[1].split()[0])
+        for line in build_output
+        if "ELF check: " in line
+    }
 
-    (cuda,) = _build(work_dir, worker_flavour="cuda", components=["runtime-worker"])
+    assert list(checked) == [image.name for image in images]
+    # python3, its standard library's extension modules, the wheels' shared objects.
+    assert all(count > 300 for count in checked.values()), checked
+    assert all(
+        "every DT_NEEDED and interpreter found in the image" in line
+        for line in build_output
+        if "ELF check: " in line
+    )
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1200)
+def test_cpu_worker_imports_numpy_and_runs_an_onnx_model(
+    built: tuple[Path, list[BuiltImage]], tmp_path: Path
+) -> None:
+    _, images = built
+    env = _unpack(images[2], tmp_path / "rootfs")
+
+    facts = _runs_the_model(tmp_path / "rootfs", env)
+
+    assert facts["used"] == ["CPUExecutionProvider"]
+    assert "CUDAExecutionProvider" not in facts["available"]  # type: ignore[operator]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1800)
+def test_cuda_worker_runs_models_and_offers_the_cuda_provider(
+    built: tuple[Path, list[BuiltImage]], tmp_path: Path
+) -> None:
+    work_dir, cpu_images = built
+    output: list[str] = []
+
+    (cuda,) = _build(work_dir, output=output, worker_flavour="cuda", components=["runtime-worker"])
 
     names = [m.name for m in _entries(cuda)]
-    assert "opt/modelforge/lib/nvidia/cuda_runtime/lib/libcudart.so.12" in names
+    site = "opt/modelforge/lib"
+    assert f"{site}/nvidia/cuda_runtime/lib/libcudart.so.12" in names
+    assert f"{site}/onnxruntime/capi/libonnxruntime_providers_cuda.so" in names
+    assert f"{site}/onnxruntime/capi/libonnxruntime_providers_tensorrt.so" not in names
+    nvidia = [n for n in names if n.startswith(f"{site}/nvidia/")]
+    assert not [n for n in nvidia if n.endswith(".a") or "/include" in n]
     assert cuda.tag == cpu_images[2].tag
     assert cuda.labels["io.modelforge.flavour"] == "cuda"
     assert cuda.diff_ids[0] == cpu_images[2].diff_ids[0]
-    assert "pkg:pypi/nvidia-cuda-runtime-cu12" in {
-        c["purl"].split("@")[0] for c in cuda.sbom["components"]
-    }
+    purls = {c["purl"].split("@")[0] for c in cuda.sbom["components"]}
+    assert {"pkg:pypi/nvidia-cuda-runtime-cu12", "pkg:pypi/onnxruntime-gpu"} <= purls
+    assert "pkg:pypi/onnxruntime" not in purls
     assert not [n for n in _entries(cpu_images[2]) if "libcudart" in n.name]
+    # The ELF check passed with the driver's libcuda.so.1 as the one library left to the
+    # NVIDIA Container Toolkit.
+    (elf,) = [line for line in output if "ELF check: " in line]
+    assert "every DT_NEEDED and interpreter found in the image" in elf
+    assert elf.split("; provided at run time: ")[1].startswith("libcuda.so.1 (")
+
+    try:
+        env = _unpack(cuda, tmp_path / "rootfs")
+        facts = _runs_the_model(tmp_path / "rootfs", env)
+
+        assert "CUDAExecutionProvider" in facts["available"]  # type: ignore[operator]
+        assert facts["used"] == ["CPUExecutionProvider"]  # no GPU here: the runner's fallback
+        # Every library of the CUDA provider loads in the image from LD_LIBRARY_PATH, and so do
+        # those cuDNN loads by name; only the driver is missing, so creating the provider fails
+        # on the driver, not on a library.
+        load = _run_in(
+            tmp_path / "rootfs",
+            env,
+            "python3",
+            "-c",
+            "import ctypes, onnxruntime.capi as c, os; d = os.path.dirname(c.__file__); "
+            "ctypes.CDLL(d + '/libonnxruntime_providers_shared.so', mode=ctypes.RTLD_GLOBAL); "
+            "ctypes.CDLL(d + '/libonnxruntime_providers_cuda.so'); "
+            "[ctypes.CDLL(n) for n in ('libcudnn_graph.so.9', 'libcudnn_ops.so.9', "
+            "'libcudnn_cnn.so.9', 'libcudnn_adv.so.9', 'libcudnn_heuristic.so.9', "
+            "'libcudnn_engines_precompiled.so.9', 'libnvrtc.so.12', 'libnvJitLink.so.12')]",
+        )
+        assert load.returncode == 0, load.stderr
+    finally:  # 6 GB of layer and tree: not for pytest to keep
+        shutil.rmtree(tmp_path / "rootfs", ignore_errors=True)
+        cuda.layers[1].unlink(missing_ok=True)

@@ -1,6 +1,9 @@
 """The release against a real Docker engine: build the three images without Docker, bundle, sign,
-verify, load, `up` the control plane, node agent (cpu mode) and runtime worker; enroll the agent
-through the admin API until the node is ready; every container runs its recorded image ID. A
+verify, then load and `up` from a read-only bundle (the record of the load goes to the state
+directory) the control plane, node agent (cpu mode) and runtime worker; enroll the agent through
+the admin API until the node is ready; every container runs its recorded image ID. `up` refuses
+a manifest edited after the load, a release image under another service's name, and a
+PostgreSQL image that is not named by digest or not loaded, before Compose starts anything; a
 container from a different image under the same tag makes `up` fail and stop the stack."""
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import httpx
 import pytest
 
 from release.cli import main as release
-from release.docker import LOADED_FILE, compose_command
+from release.docker import compose_command
+from release.state import STATE_DIR_VARIABLE, record_path
 from tests.e2e.server import free_port
 
 pytestmark = pytest.mark.e2e
@@ -32,10 +36,38 @@ NODE_FILES = [
     Path(__file__).with_name("compose.node-host-network.yml"),
 ]
 VERSION = "0.1.0"
+#: The rest of the control plane's compose files, as options after a service name.
+CP_FILES_ARGS = [arg for path in CP_FILES[1:] for arg in ("-f", str(path))]
 
 
 def docker(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["docker", *args], capture_output=True, text=True, check=check)
+
+
+@pytest.fixture(autouse=True)
+def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's own state directory: what `load` records, outside the bundle."""
+    folder = tmp_path / "release-state"
+    monkeypatch.setenv(STATE_DIR_VARIABLE, str(folder))
+    return folder
+
+
+@pytest.fixture
+def read_only_bundle(
+    release_bundle: tuple[Path, Path], tmp_path: Path
+) -> Iterator[tuple[Path, Path]]:
+    """The bundle behind a read-only bind mount, as on read-only media (root ignores modes)."""
+    bundle, public = release_bundle
+    mounted = tmp_path / "read-only-bundle"
+    mounted.mkdir()
+    subprocess.run(["mount", "--bind", str(bundle), str(mounted)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(mounted)], check=True)
+        with pytest.raises(OSError, match="Read-only file system"):
+            (mounted / "probe").write_text("x")
+        yield mounted, public
+    finally:
+        subprocess.run(["umount", str(mounted)], check=False)
 
 
 @pytest.fixture(scope="module")
@@ -97,14 +129,53 @@ def test_tampered_bundle_loads_nothing(release_bundle: tuple[Path, Path], tmp_pa
     assert (
         docker("image", "inspect", f"modelforge-node-agent:{VERSION}", check=False).returncode != 0
     )
-    assert not (tampered / LOADED_FILE).exists()
+    assert not record_path(VERSION).exists()
 
 
-def test_release_end_to_end(release_bundle: tuple[Path, Path], tmp_path: Path) -> None:
-    bundle, public = release_bundle
+def _up(bundle: Path, public: Path, project: str, files: list[Path], *extra: str) -> int:
+    return release(
+        ["up", str(bundle), "-p", project, *sum((["-f", str(f)] for f in files), []), *extra]
+        + ["--key", str(public)]
+    )
+
+
+def _refusals_before_compose(bundle: Path, public: Path, tmp_path: Path, project: str) -> None:
+    """Each of these is refused before Compose runs: nothing of `project` is ever created."""
+    # A release image under another service's name.
+    renamed = tmp_path / "renamed.yml"
+    renamed.write_text(f"services:\n  node-agent:\n    image: modelforge-control-plane:{VERSION}\n")
+    os.environ["MODELFORGE_AGENT_CONTROL_PLANE_URL"] = "http://127.0.0.1:1"
+    try:
+        assert _up(bundle, public, project, [*NODE_FILES, renamed]) == 1
+    finally:
+        os.environ.pop("MODELFORGE_AGENT_CONTROL_PLANE_URL", None)
+    # PostgreSQL by tag, then by a digest that is not loaded: either could be pulled.
+    os.environ["COMPOSE_PROFILES"] = "postgres"
+    try:
+        os.environ.pop("MODELFORGE_POSTGRES_IMAGE", None)
+        assert _up(bundle, public, project, CP_FILES) == 1
+        os.environ["MODELFORGE_POSTGRES_IMAGE"] = "postgres@sha256:" + "0" * 64
+        assert _up(bundle, public, project, CP_FILES) == 1
+    finally:
+        os.environ.pop("COMPOSE_PROFILES", None)
+        os.environ.pop("MODELFORGE_POSTGRES_IMAGE", None)
+    # A release manifest edited after the load (a copy of the bundle, so the original stays).
+    edited = tmp_path / "edited"
+    subprocess.run(["cp", "-r", str(bundle), str(edited)], check=True)
+    data = json.loads((edited / "release-manifest.json").read_text())
+    data["images"]["modelforge-control-plane"]["labels"]["io.modelforge.protocol"] = "9"
+    (edited / "release-manifest.json").write_text(json.dumps(data))
+    assert _up(edited, public, project, CP_FILES) == 1
+    assert _project_containers(project) == []
+
+
+def test_release_end_to_end(
+    read_only_bundle: tuple[Path, Path], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    bundle, public = read_only_bundle
     assert release(["verify", str(bundle), "--key", str(public)]) == 0
     assert release(["load", str(bundle), "--key", str(public)]) == 0
-    recorded = json.loads((bundle / LOADED_FILE).read_text())
+    recorded = json.loads(record_path(VERSION).read_text())["images"]
     assert sorted(recorded) == [
         f"modelforge-control-plane:{VERSION}",
         f"modelforge-node-agent:{VERSION}",
@@ -149,12 +220,19 @@ def test_release_end_to_end(release_bundle: tuple[Path, Path], tmp_path: Path) -
     )
     wizard_dir = tmp_path / "wizard-compose"
     try:
-        assert (
-            release(
-                ["up", str(bundle), "-p", cp_project, *sum((["-f", str(f)] for f in CP_FILES), [])]
-            )
-            == 0
-        )
+        capfd.readouterr()
+        _refusals_before_compose(bundle, public, tmp_path, cp_project)
+        refusals = capfd.readouterr().err
+        for words in (
+            "service node-agent: image expected modelforge-node-agent:0.1.0 (its release image), "
+            "found modelforge-control-plane:0.1.0",
+            "service postgres: image expected a reference by digest",
+            f"service postgres: image postgres@sha256:{'0' * 64} is not present in the engine",
+            "release-manifest.json: SHA-256 expected",
+        ):
+            assert words in refusals, refusals
+        # Options and services in any order.
+        assert _up(bundle, public, cp_project, CP_FILES[:1], "control-plane", *CP_FILES_ARGS) == 0
         url = f"http://127.0.0.1:{port}"
         _wait(
             lambda: httpx.get(f"{url}/api/v1/health", timeout=2).status_code == 200,
@@ -192,18 +270,7 @@ def test_release_end_to_end(release_bundle: tuple[Path, Path], tmp_path: Path) -
             key, value = line.split("=", 1)
             os.environ[key] = value
         try:
-            assert (
-                release(
-                    [
-                        "up",
-                        str(bundle),
-                        "-p",
-                        node_project,
-                        *sum((["-f", str(f)] for f in NODE_FILES), []),
-                    ]
-                )
-                == 0
-            )
+            assert _up(bundle, public, node_project, NODE_FILES) == 0
         finally:
             os.environ.pop("MODELFORGE_AGENT_ENROLLMENT_TOKEN", None)  # used once, at creation
             node_env.unlink()
@@ -255,18 +322,7 @@ def test_release_end_to_end(release_bundle: tuple[Path, Path], tmp_path: Path) -
                 MODELFORGE_NODE_AGENT_IMAGE=f"modelforge-node-agent:{VERSION}",
             ),
         )
-        assert (
-            release(
-                [
-                    "up",
-                    str(bundle),
-                    "-p",
-                    node_project,
-                    *sum((["-f", str(f)] for f in NODE_FILES), []),
-                ]
-            )
-            == 1
-        )
+        assert _up(bundle, public, node_project, NODE_FILES) == 1
         assert _project_containers(node_project) == []
     finally:
         wizard_files = [wizard_dir / name for name in WIZARD_FILES]

@@ -6,6 +6,8 @@ import hashlib
 import io
 import json
 import os
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -219,8 +221,8 @@ def test_tree_tar_ignores_host_times_owners_and_umask(tmp_path: Path) -> None:
     os.link(one / "lib/a.py", one / "lib/hard.py")
     os.link(two / "lib/a.py", two / "lib/hard.py")
 
-    first = write_tree(one, tmp_path / "one.tar", mtime=EPOCH, normalize_modes=True)
-    second = write_tree(two, tmp_path / "two.tar", mtime=EPOCH, normalize_modes=True)
+    first = write_tree(one, tmp_path / "one.tar", mtime=EPOCH)
+    second = write_tree(two, tmp_path / "two.tar", mtime=EPOCH)
 
     assert first == second
     with tarfile.open(tmp_path / "one.tar") as tar:
@@ -258,3 +260,67 @@ def test_truncated_archive_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(ArchiveError, match="cut.tar: not a readable tar archive"):
         read_images_tar(tmp_path / "cut.tar")
+
+
+# Builds a small layer tree the way a build step does (files, an executable, a special-mode
+# directory, a symlink, a hard link, non-ASCII and non-UTF-8 names) under the umask and locale
+# of the process, then writes it with write_tree and prints the diff_id.
+_BUILD_TREE = """
+import os, sys
+from pathlib import Path
+from release._tar import write_tree
+root = Path(sys.argv[1])
+(root / "usr/bin").mkdir(parents=True)
+(root / "tmp").mkdir()
+(root / "usr/share/ca-certificates").mkdir(parents=True)
+(root / "usr/bin/tool").write_bytes(b"#!/usr/bin/python3\\n")
+os.chmod(root / "usr/bin/tool", 0o777 & ~os.umask(0))
+base = os.fsencode(root)  # names as bytes: creating them must not depend on the locale
+with open(base + "/usr/share/naïve.txt".encode(), "wb") as handle:
+    handle.write("é\\n".encode())
+(root / "usr/share/ca-certificates/Zeta.crt").write_bytes(b"z")
+(root / "usr/share/ca-certificates/alpha.crt").write_bytes(b"a")
+with open(base + b"/usr/share/latin1-\\xe9.txt", "wb") as handle:
+    handle.write(b"x")
+(root / "usr/bin/link").symlink_to("tool")
+os.link(base + "/usr/share/naïve.txt".encode(), base + b"/usr/share/hard.txt")
+print(write_tree(root, Path(sys.argv[2]), mtime=1_700_000_000, modes={"tmp": 0o1777}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("umask", "locale"), [("022", "C.UTF-8"), ("002", "C.UTF-8"), ("022", "C"), ("077", "C")]
+)
+def test_layer_digest_does_not_depend_on_umask_or_locale(
+    tmp_path: Path, umask: str, locale: str
+) -> None:
+    def build(name: str, mask: str, lc_all: str) -> str:
+        environment = {
+            "PATH": os.environ["PATH"],
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+            "LC_ALL": lc_all,
+            # With C, no UTF-8 coercion: Python's file system encoding is then ASCII.
+            "PYTHONUTF8": "0" if lc_all == "C" else "1",
+            "PYTHONCOERCECLOCALE": "0",
+        }
+        script = tmp_path / f"{name}.py"  # a UTF-8 source file: argv must stay ASCII under C
+        script.write_text(f"import os\nos.umask(0o{mask})\n{_BUILD_TREE}", encoding="utf-8")
+        done = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / name), str(tmp_path / f"{name}.tar")],
+            env=environment,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    reference = build("reference", "022", "C.UTF-8")
+    assert build("other", umask, locale) == reference
+    with tarfile.open(tmp_path / "other.tar") as tar:
+        modes = {member.name: member.mode for member in tar.getmembers()}
+    assert modes["tmp"] == 0o1777
+    assert modes["usr/bin"] == modes["usr/share"] == 0o755
+    assert modes["usr/share/naïve.txt"] == 0o644
+    assert modes["usr/share/latin1-\udce9.txt"] == 0o644
+    assert modes["usr/bin/tool"] == 0o755

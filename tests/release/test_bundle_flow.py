@@ -4,8 +4,11 @@ and found. Synthetic images keep this fast; the Docker tests use real ones."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import shutil
+import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,8 +16,9 @@ import pytest
 
 from modelforge_contracts.release_manifest import MANIFEST_FILE, manifest_for
 from release.archive import write_images_tar
+from release.checksums import render_sha256sums
 from release.cli import main
-from release.verify import images_tar_name
+from release.verify import TEMPLATE, images_tar_name
 from tests.release.synthetic import VERSION, synthetic_images
 
 TAR = images_tar_name(VERSION)
@@ -23,6 +27,14 @@ TAR = images_tar_name(VERSION)
 def _release(cli: Callable[..., int], bundle: Path, private_key: Path) -> None:
     assert cli(["bundle", str(bundle)]) == 0
     assert cli(["sign", str(bundle), "--key", str(private_key)]) == 0
+
+
+def _resign(bundle: Path, private_key: Path) -> None:
+    """SHA256SUMS rendered afresh and signed with the real key, without `bundle`'s own checks of
+    the manifest: a tampered bundle whose signature and checksums are all good, so only the
+    check under test can refuse it."""
+    (bundle / "SHA256SUMS").write_text(render_sha256sums(TEMPLATE, bundle, VERSION))
+    assert main(["sign", str(bundle), "--key", str(private_key)]) == 0
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +119,118 @@ def _wrong_signature(bundle: Path) -> None:
     (bundle / "SHA256SUMS.sig").write_text("MEUCIQDn" + "A" * 80)
 
 
+Entries = list[tuple[tarfile.TarInfo, bytes]]
+
+
+def _edit_images_tar(edit: Callable[[Entries], None]) -> Callable[[Path], None]:
+    """Rewrite the images tar entry by entry after `edit` changed the list of entries."""
+
+    def apply(bundle: Path) -> None:
+        path = bundle / TAR
+        with tarfile.open(path) as tar:
+            entries = [
+                (member, tar.extractfile(member).read() if member.isfile() else b"")  # type: ignore[union-attr]
+                for member in tar.getmembers()
+            ]
+        edit(entries)
+        with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+            for member, data in entries:
+                member.size = len(data) if member.isfile() else 0
+                tar.addfile(member, io.BytesIO(data) if member.isfile() else None)
+
+    return apply
+
+
+def _entry(
+    name: str, data: bytes = b"x", kind: bytes = tarfile.REGTYPE, link: str = ""
+) -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname, info.mtime = kind, link, 1_700_000_000
+    return info, data
+
+
+def _add_entries(*added: tuple[tarfile.TarInfo, bytes]) -> Callable[[Path], None]:
+    return _edit_images_tar(lambda entries: entries.extend(added))
+
+
+def _tar_manifest(entries: Entries) -> list[dict]:  # type: ignore[type-arg]
+    (data,) = [data for member, data in entries if member.name == "manifest.json"]
+    loaded: list[dict] = json.loads(data)  # type: ignore[type-arg]
+    return loaded
+
+
+def _put(entries: Entries, name: str, data: bytes) -> None:
+    for index, (member, _) in enumerate(entries):
+        if member.name == name:
+            entries[index] = (member, data)
+            return
+    entries.append(_entry(name, data))
+
+
+def _edit_tar_manifest(edit: Callable[[list[dict], Entries], None]) -> Callable[[Path], None]:  # type: ignore[type-arg]
+    def apply(entries: Entries) -> None:
+        manifest = _tar_manifest(entries)
+        edit(manifest, entries)
+        _put(entries, "manifest.json", json.dumps(manifest).encode())
+
+    return _edit_images_tar(apply)
+
+
+def _shadow_manifest(name: str) -> Callable[[Path], None]:
+    """A second manifest.json under a name the engine cleans to `manifest.json`, after the
+    real one (the engine keeps the last), tagging the node agent's config as the control plane."""
+
+    def apply(entries: Entries) -> None:
+        manifest = _tar_manifest(entries)
+        manifest[0]["Config"] = manifest[1]["Config"]
+        entries.append(_entry(name, json.dumps(manifest).encode()))
+
+    return _edit_images_tar(apply)
+
+
+def _replace_config(manifest: list[dict], entries: Entries, new: bytes) -> None:  # type: ignore[type-arg]
+    """The node agent's config replaced by `new`, under its own digest."""
+    old_name = manifest[1]["Config"]
+    new_name = hashlib.sha256(new).hexdigest() + ".json"
+    entries[:] = [(m, d) for m, d in entries if m.name != old_name]
+    entries.append(_entry(new_name, new))
+    manifest[1]["Config"] = new_name
+
+
+def _swap_config(manifest: list[dict], entries: Entries) -> None:  # type: ignore[type-arg]
+    """The node agent's config replaced by another one (same layers and labels, one more
+    environment variable); the release manifest is unchanged."""
+    (old,) = [data for member, data in entries if member.name == manifest[1]["Config"]]
+    config = json.loads(old)
+    config["config"]["Env"] = ["LD_PRELOAD=/opt/evil.so"]
+    _replace_config(manifest, entries, json.dumps(config, sort_keys=True).encode())
+
+
+def _swap_manifest_entries(bundle: Path) -> None:
+    data = json.loads((bundle / MANIFEST_FILE).read_text())
+    images = data["images"]
+    images["modelforge-control-plane"], images["modelforge-node-agent"] = (
+        images["modelforge-node-agent"],
+        images["modelforge-control-plane"],
+    )
+    (bundle / MANIFEST_FILE).write_text(json.dumps(data))
+
+
+def _data_after_the_end(bundle: Path) -> None:
+    """A whole tar (holding a shadow manifest.json) appended after the end-of-archive blocks."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        info, data = _entry("manifest.json", b"[]")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    with (bundle / TAR).open("ab") as handle:
+        handle.write(buffer.getvalue())
+
+
+def _unreadable_signature_bundle(bundle: Path) -> None:
+    (bundle / "SHA256SUMS.sigstore.json").write_text("[" * 100_000 + "]" * 100_000)
+
+
 # (alteration, re-sign with the real key afterwards?, words the error must contain)
 TAMPERS: dict[str, tuple[Callable[[Path], None], bool, list[str]]] = {
     "flipped byte in the images tar": (_flip_byte, False, [TAR, "expected", "found"]),
@@ -136,7 +260,117 @@ TAMPERS: dict[str, tuple[Callable[[Path], None], bool, list[str]]] = {
     "different tag": (
         _edit_manifest(lambda e: e.update(tag="modelforge-node-agent:0.1.1")),
         True,
-        ["modelforge-node-agent", "modelforge-node-agent:0.1.1", "not found"],
+        ["modelforge-node-agent", "tag expected", "found 'modelforge-node-agent:0.1.1'"],
+    ),
+    "shadow manifest.json under x/../manifest.json": (
+        _shadow_manifest("x/../manifest.json"),
+        True,
+        [TAR, "'x/../manifest.json'", "second entry named 'manifest.json'"],
+    ),
+    "shadow manifest.json under .//manifest.json": (
+        _shadow_manifest(".//manifest.json"),
+        True,
+        [TAR, "'.//manifest.json'", "second entry named 'manifest.json'"],
+    ),
+    "config swapped, manifest unchanged": (
+        _edit_tar_manifest(_swap_config),
+        True,
+        ["modelforge-node-agent", "config_digest expected sha256:", "found sha256:"],
+    ),
+    "extra RepoTag": (
+        _edit_tar_manifest(lambda m, _: m[1]["RepoTags"].append("postgres:16")),
+        True,
+        ["RepoTags expected ['modelforge-node-agent:0.1.0']", "'postgres:16'"],
+    ),
+    "same image twice in manifest.json": (
+        _edit_tar_manifest(lambda m, _: m.append(dict(m[1]))),
+        True,
+        ["image modelforge-node-agent:0.1.0 appears 2 times"],
+    ),
+    "entries swapped between images in the release manifest": (
+        _swap_manifest_entries,
+        True,
+        [
+            "modelforge-node-agent: tag expected 'modelforge-node-agent:0.1.0', "
+            "found 'modelforge-control-plane:0.1.0'",
+            "label io.modelforge.component expected 'node-agent', found 'control-plane'",
+        ],
+    ),
+    "traversal entry": (
+        _add_entries(_entry("../evil")),
+        True,
+        [TAR, "'../evil'", "climbs out of the archive's root"],
+    ),
+    "absolute entry": (
+        _add_entries(_entry("/etc/cron.d/evil")),
+        True,
+        [TAR, "'/etc/cron.d/evil'", "an absolute name"],
+    ),
+    "symlink entry": (
+        _add_entries(_entry("evil", b"", tarfile.SYMTYPE, "/etc/passwd")),
+        True,
+        [TAR, "'evil' is a symbolic link to '/etc/passwd'"],
+    ),
+    "hard link entry": (
+        _add_entries(_entry("evil", b"", tarfile.LNKTYPE, "manifest.json")),
+        True,
+        [TAR, "'evil' is a hard link to 'manifest.json'"],
+    ),
+    "device entry": (
+        _add_entries(_entry("evil", b"", tarfile.CHRTYPE)),
+        True,
+        [TAR, "'evil' is a character device"],
+    ),
+    "fifo entry": (_add_entries(_entry("evil", b"", tarfile.FIFOTYPE)), True, ["is a fifo"]),
+    "entry manifest.json does not reference": (
+        _add_entries(_entry("index.json", b"{}")),
+        True,
+        [TAR, "not referenced by manifest.json", "index.json"],
+    ),
+    "data after the end of the archive": (
+        _data_after_the_end,
+        True,
+        [TAR, "data after the end of the archive"],
+    ),
+    "unlisted extra file": (
+        lambda b: (b / "extra.txt").write_text("hello"),
+        False,
+        ["unlisted file extra.txt", "not in SHA256SUMS"],
+    ),
+    "missing Sigstore bundle": (
+        lambda b: (b / "SHA256SUMS.sigstore.json").unlink(),
+        False,
+        ["SHA256SUMS.sigstore.json is missing", "a release carries it"],
+    ),
+    "deeply nested Sigstore bundle": (
+        _unreadable_signature_bundle,
+        False,
+        ["SHA256SUMS.sigstore.json", "nested more than"],
+    ),
+    "deeply nested release manifest": (
+        lambda b: (b / MANIFEST_FILE).write_text("[" * 50_000 + "]" * 50_000),
+        True,
+        [MANIFEST_FILE, "nested more than 32 levels"],
+    ),
+    "wrongly typed release manifest": (
+        _edit_manifest(lambda e: e.update(labels=["io.modelforge.component"], tag=7)),
+        True,
+        ["modelforge-node-agent: field tag must be", "field labels must be an object"],
+    ),
+    "release manifest without config_digest": (
+        _edit_manifest(lambda e: e.pop("config_digest")),
+        True,
+        ["modelforge-node-agent: field config_digest expected a digest", "found None"],
+    ),
+    "deeply nested manifest.json": (
+        _edit_images_tar(lambda e: _put(e, "manifest.json", b"[" * 50_000 + b"]" * 50_000)),
+        True,
+        [TAR, "manifest.json", "nested more than 32 levels"],
+    ),
+    "wrongly typed config": (
+        _edit_tar_manifest(lambda m, e: _replace_config(m, e, b'{"rootfs": [1, 2]}')),
+        True,
+        ["modelforge-node-agent:0.1.0: config rootfs.diff_ids is missing or not a list"],
     ),
     "file listed but missing": (
         lambda b: (b / "sbom" / "modelforge-runtime-worker.cdx.json").unlink(),
@@ -158,7 +392,7 @@ def test_tampered_bundle_is_refused(
     bundle = _copy(signed_bundle, tmp_path)
     alter(bundle)
     if resign:
-        _release(main, bundle, keys[0])
+        _resign(bundle, keys[0])
     capsys.readouterr()
     code, err = _verify(bundle, keys[1], capsys)
     assert code == 1

@@ -1,21 +1,25 @@
 """The pieces of an image build that need neither mmdebstrap nor the network: recipes, labels,
-image configs (pinned byte for byte), the base's dependency closure and its cache key."""
+image configs (pinned byte for byte), the locks of the runtime worker's flavours, the base's
+dependency closure and its cache key."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from release import images, rootfs
 from release._tar import canonical_json
-from release.oci import ImageBuildError, Layer, image_config
+from release.oci import SITE_DIR, ImageBuildError, Layer, Steps, image_config
 from release.recipes import COMPONENTS, DEFAULT_SOURCE, image_labels, recipe
 
 EPOCH = 1_700_000_000
+LOCKS = images.PROJECT_DIR / "locks"
 LAYERS = [Layer(Path(f"/x/{i}"), "sha256:" + str(i) * 64, f"step {i}") for i in range(3)]
 
 
@@ -42,7 +46,8 @@ def _config(component: str, flavour: str) -> bytes:
     )
 
 
-# The config digests the builds gave before the build was split into modules.
+# The config digests the builds gave before the build was split into modules; the cuda worker's
+# changed on purpose when its LD_LIBRARY_PATH came to list every NVIDIA library directory.
 CONFIG_DIGESTS = {
     ("control-plane", "cuda", "control-plane.lock"): (
         "sha256:42e3d1a0a250974e80c7a236e8f9e1661f0268c28de1619f8b739cda29ae464b"
@@ -54,7 +59,7 @@ CONFIG_DIGESTS = {
         "sha256:18b5daac3bb91f389e96da72166a5dfc47b89267791e73c13bd64a71e24559e8"
     ),
     ("runtime-worker", "cuda", "runtime-worker-cuda.lock"): (
-        "sha256:18ca42d0243b6cd5e6d9d7fd4908ff9a648f8a90a5e8a45a1712c6589aa582d0"
+        "sha256:b2ee5a92b9fa103de33230f7eb0a974736513843096229cccccd270c0693a9b8"
     ),
 }
 
@@ -100,7 +105,10 @@ def test_keep_closure_follows_depends_alternatives_and_provides() -> None:
         "python3-minimal": {"Depends": "python3.11-minimal:any (>= 3.11.2)"},
         "python3.11-minimal": {"Depends": "libc6"},
         "libpython3.11-stdlib": {"Depends": "libc6"},
-        "libc6": {},
+        "libstdc++6": {"Depends": "gcc-12-base (= 12.2.0-14), libc6 (>= 2.36), libgcc-s1"},
+        "gcc-12-base": {},
+        "libgcc-s1": {"Depends": "gcc-12-base (= 12.2.0-14), libc6 (>= 2.35)"},
+        "libc6": {"Depends": "libgcc-s1"},
         "dpkg": {"Depends": "tar"},
         "openssl": {"Depends": "libssl3"},
         "mawk": {"Provides": "awk"},
@@ -110,7 +118,19 @@ def test_keep_closure_follows_depends_alternatives_and_provides() -> None:
 
     keep = rootfs._keep_closure(status)
 
-    assert keep == {*rootfs._BASE_PACKAGES, "python3.11-minimal", "libc6"}
+    assert keep == {
+        *rootfs._BASE_PACKAGES,
+        "python3.11-minimal",
+        "libc6",
+        "libgcc-s1",
+        "gcc-12-base",
+    }
+
+
+def test_the_base_carries_the_cpp_runtime_wheels_link_against() -> None:
+    # numpy, onnxruntime and protobuf's upb need libstdc++.so.6; manylinux wheels never bundle
+    # it, so without it `import numpy` fails in the runtime worker.
+    assert "libstdc++6" in rootfs._BASE_PACKAGES
 
 
 def test_keep_closure_refuses_a_missing_dependency() -> None:
@@ -139,3 +159,97 @@ def test_base_cache_key_follows_the_code_that_makes_the_base(
     with copies[0].open("a") as pruning:
         pruning.write("# a change to the pruning\n")
     assert rootfs.base_cache_key(sources, EPOCH) != key
+
+
+def _pins(lock: Path) -> dict[str, str]:
+    return dict(re.findall(r"^([a-z0-9][a-z0-9._-]*)==(\S+)", lock.read_text(), re.MULTILINE))
+
+
+def test_the_cuda_lock_swaps_onnxruntime_for_its_cuda_build() -> None:
+    cpu, cuda = _pins(LOCKS / "runtime-worker.lock"), _pins(LOCKS / "runtime-worker-cuda.lock")
+
+    # Both install the package `onnxruntime`: one lock never holds the two.
+    assert "onnxruntime" in cpu and "onnxruntime-gpu" not in cpu
+    assert "onnxruntime-gpu" in cuda and "onnxruntime" not in cuda
+    # Everything else the worker needs, at the same versions.
+    assert {k: v for k, v in cpu.items() if k != "onnxruntime"}.items() <= cuda.items()
+    # What onnxruntime's CUDA provider links against (its DT_NEEDED), from NVIDIA's wheels.
+    assert {
+        "nvidia-cuda-runtime-cu12",
+        "nvidia-cublas-cu12",
+        "nvidia-cudnn-cu12",
+        "nvidia-cufft-cu12",
+        "nvidia-curand-cu12",
+    } <= cuda.keys()
+    assert not [name for name in cuda if name.startswith("nvidia-") and "-cu12" not in name]
+
+
+def test_the_cuda_input_keeps_the_worker_extras_pins() -> None:
+    extra = tomllib.loads((images.PROJECT_DIR / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]["worker"]
+    worker = dict(pin.split("==") for pin in extra)
+    cuda_in = _pins(LOCKS / "runtime-worker-cuda.in")
+
+    assert {k: v for k, v in worker.items() if k != "onnxruntime"}.items() <= cuda_in.items()
+    assert "onnxruntime" not in cuda_in
+
+
+def test_the_cuda_worker_finds_every_nvidia_library_directory() -> None:
+    cuda = recipe("runtime-worker", "cuda")
+    env = dict(item.split("=", 1) for item in cuda.env)
+    directories = env["LD_LIBRARY_PATH"].split(":")
+    packages = [n for n in _pins(LOCKS / cuda.lock) if n.startswith("nvidia-")]
+
+    # nvidia-cuda-runtime-cu12 installs nvidia/cuda_runtime/lib, nvidia-cublas-cu12 nvidia/cublas/…
+    expected = {
+        f"/{SITE_DIR}/nvidia/{name.removeprefix('nvidia-').removesuffix('-cu12').replace('-', '_')}"
+        "/lib"
+        for name in packages
+    }
+    assert set(directories) == expected
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+
+
+def test_only_the_cuda_worker_may_need_a_library_it_does_not_carry() -> None:
+    provided = {
+        (component, flavour): dict(recipe(component, flavour).provided_at_run_time)
+        for component in COMPONENTS
+        for flavour in ("cpu", "cuda")
+    }
+
+    assert provided.pop(("runtime-worker", "cuda")).keys() == {"libcuda.so.1"}
+    assert all(not libraries for libraries in provided.values())
+    assert recipe("runtime-worker", "cpu").unshipped == ()
+    assert "onnxruntime/capi/libonnxruntime_providers_tensorrt.so" in (
+        recipe("runtime-worker", "cuda").unshipped
+    )
+
+
+def test_unshipped_paths_leave_the_tree_and_its_records(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    for name in ("nvidia/cublas/include/cublas.h", "nvidia/cublas/lib/libcublas.so.12", "x.a"):
+        (site / name).parent.mkdir(parents=True, exist_ok=True)
+        (site / name).write_bytes(b"x" * 10)
+    record = site / "nvidia_cublas-12.dist-info/RECORD"
+    record.parent.mkdir()
+    record.write_text(
+        "nvidia/cublas/include/cublas.h,sha256=a,10\nnvidia/cublas/lib/libcublas.so.12,sha256=b,10\n"
+    )
+    lines: list[str] = []
+    steps = Steps(tmp_path / "work", EPOCH, lines.append)
+
+    steps._remove(site, ["nvidia/*/include", "*.a"])
+
+    assert sorted(p.relative_to(site).as_posix() for p in site.rglob("*") if p.is_file()) == [
+        "nvidia/cublas/lib/libcublas.so.12",
+        "nvidia_cublas-12.dist-info/RECORD",
+    ]
+    assert record.read_text() == "nvidia/cublas/lib/libcublas.so.12,sha256=b,10\n"
+    assert lines == [
+        "  left out nvidia/*/include: 1 paths, 0.0 MB",
+        "  left out *.a: 1 paths, 0.0 MB",
+    ]
+    # A pattern that matches nothing means the recipe no longer fits the lock.
+    with pytest.raises(ImageBuildError, match="'nvidia/\\*/include' matches nothing"):
+        steps._remove(site, ["nvidia/*/include"])

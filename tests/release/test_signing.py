@@ -17,6 +17,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from release import cosign_key
 from release.signing import (
     BUNDLE_MEDIA_TYPE,
     SignatureError,
@@ -46,6 +47,19 @@ def public_pem(private_path: Path) -> bytes:
     return private_path.with_suffix(".pub").read_bytes()
 
 
+def write_pkcs8(path: Path, key: ec.EllipticCurvePrivateKey, password: bytes | None = None) -> Path:
+    """`key` at `path` as PEM PKCS#8 (not cosign's format), encrypted if a password is given."""
+    encryption: serialization.KeySerializationEncryption = (
+        serialization.BestAvailableEncryption(password)
+        if password
+        else serialization.NoEncryption()
+    )
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
+    )
+    return path
+
+
 def openssl() -> str:
     path = shutil.which("openssl")
     if path is None:
@@ -58,14 +72,20 @@ def openssl() -> str:
 # --- key generation ---------------------------------------------------------------------------
 
 
-def test_keygen_writes_private_pkcs8_0600_and_public_spki_p256(tmp_path: Path) -> None:
+def test_keygen_writes_private_key_in_cosign_format_0600_and_public_spki_p256(
+    tmp_path: Path,
+) -> None:
     private_path = make_keypair(tmp_path)
     public_path = tmp_path / "cosign.pub"
 
     assert stat.S_IMODE(private_path.stat().st_mode) == 0o600
     private_pem = private_path.read_bytes()
-    assert private_pem.startswith(b"-----BEGIN PRIVATE KEY-----\n")
-    private_key = serialization.load_pem_private_key(private_pem, password=None)
+    assert private_pem.startswith(b"-----BEGIN ENCRYPTED SIGSTORE PRIVATE KEY-----\n")
+    # No password given: encrypted with the empty password, as cosign does for COSIGN_PASSWORD="".
+    _, envelope = cosign_key.pem_block(private_pem)
+    private_key = serialization.load_der_private_key(
+        cosign_key.decrypt_envelope(envelope, b""), password=None
+    )
     assert isinstance(private_key, ec.EllipticCurvePrivateKey)
     assert isinstance(private_key.curve, ec.SECP256R1)
 
@@ -90,13 +110,13 @@ def test_encrypted_key_needs_its_password_from_the_environment(
 ) -> None:
     monkeypatch.setenv(PASSWORD_ENV, "correct horse battery staple")
     private_path = make_keypair(tmp_path, password_env=PASSWORD_ENV)
-    assert private_path.read_bytes().startswith(b"-----BEGIN ENCRYPTED PRIVATE KEY-----\n")
+    assert private_path.read_bytes().startswith(b"-----BEGIN ENCRYPTED SIGSTORE PRIVATE KEY-----\n")
     assert stat.S_IMODE(private_path.stat().st_mode) == 0o600
 
     signature = sign_blob(SUMS, private_path, password_env=PASSWORD_ENV)
     verify_blob(SUMS, detached_signature(signature), public_pem(private_path))
 
-    with pytest.raises(SigningKeyError, match="is encrypted; name the environment variable"):
+    with pytest.raises(SigningKeyError, match="is encrypted with a password; name the environment"):
         sign_blob(SUMS, private_path)
 
 
@@ -132,15 +152,7 @@ def test_unset_or_empty_password_variable_is_refused(
 
 
 def test_signing_with_a_non_p256_key_is_refused(tmp_path: Path) -> None:
-    key = ec.generate_private_key(ec.SECP384R1())
-    path = tmp_path / "p384.key"
-    path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
+    path = write_pkcs8(tmp_path / "p384.key", ec.generate_private_key(ec.SECP384R1()))
     with pytest.raises(SigningKeyError, match="is not an ECDSA P-256 key"):
         sign_blob(SUMS, path)
 
@@ -243,12 +255,16 @@ def test_openssl_verifies_our_detached_signature(tmp_path: Path) -> None:
     assert bad.returncode != 0
 
 
-def test_we_verify_what_openssl_signs_with_our_encrypted_key(
+def test_sign_reads_encrypted_pkcs8_that_openssl_signs_with_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tool = openssl()
     monkeypatch.setenv(PASSWORD_ENV, "s3cret-for-openssl")
-    private_path = make_keypair(tmp_path / "keys", password_env=PASSWORD_ENV)
+    key = ec.generate_private_key(ec.SECP256R1())
+    private_path = write_pkcs8(tmp_path / "pkcs8.key", key, b"s3cret-for-openssl")
+    public = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     (tmp_path / "SHA256SUMS").write_bytes(SUMS)
 
     # The password travels by environment (`env:`), never in argv.
@@ -258,7 +274,9 @@ def test_we_verify_what_openssl_signs_with_our_encrypted_key(
         capture_output=True,
     )
     assert signed.returncode == 0, signed.stderr
-    verify_blob(SUMS, base64.b64encode(signed.stdout), public_pem(private_path))
+    verify_blob(SUMS, base64.b64encode(signed.stdout), public)
+    ours = sign_blob(SUMS, private_path, password_env=PASSWORD_ENV)
+    verify_blob(SUMS, detached_signature(ours), public)
 
 
 def test_hint_is_base64_sha256_of_the_der_public_key_as_openssl_encodes_it(tmp_path: Path) -> None:

@@ -1,0 +1,264 @@
+"""Jobs inside the released containers: the cpu-flavour images built without Docker, bundled,
+signed, verified, loaded and started with `modelforge-release up` (control plane, node agent in
+cpu mode, runtime worker), then an ONNX job and a Python job that imports numpy submitted
+through the admin API, run by the runtime worker's runners in its container, and their results
+checked against numpy and onnxruntime computed here.
+
+The images get a version of their own, so this module never shares tags with another build
+in the same engine."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from release.cli import main as release
+from release.docker import compose_command
+from release.state import STATE_DIR_VARIABLE
+from tests.e2e.server import free_port
+from tests.e2e_docker.test_release_docker import (
+    CP_FILES,
+    NODE_FILES,
+    REPO,
+    _logs,
+    _project_containers,
+    _up,
+    _wait,
+    docker,
+)
+
+pytestmark = pytest.mark.e2e
+
+VERSION = "0.1.0-jobs"
+IMAGES = [
+    f"modelforge-{component}:{VERSION}"
+    for component in ("control-plane", "node-agent", "runtime-worker")
+]
+
+
+class Stack:
+    def __init__(self, url: str, admin: dict[str, str]) -> None:
+        self.url, self.admin = url, admin
+
+    def post(self, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.post(self.url + path, headers=self.admin, timeout=30, **kwargs)
+
+    def get(self, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.get(self.url + path, headers=self.admin, timeout=30, **kwargs)
+
+    def upload(self, content: bytes) -> str:
+        answer = self.post("/api/v1/artifacts", content=content)
+        assert answer.status_code == 201, answer.text
+        return str(answer.json()["digest"])
+
+    def run(self, job: dict[str, Any], project: str) -> dict[str, Any]:
+        submitted = self.post("/api/v1/jobs", json=job)
+        assert submitted.status_code == 201, submitted.text
+        job_id = submitted.json()["job_id"]
+        _wait(
+            lambda: (
+                self.get(f"/api/v1/jobs/{job_id}").json()["state"]
+                in ("succeeded", "failed", "cancelled")
+            ),
+            180,
+            f"job {job_id} to finish",
+        )
+        done = dict(self.get(f"/api/v1/jobs/{job_id}").json())
+        if done["state"] != "succeeded":
+            events = self.get(f"/api/v1/jobs/{job_id}/events").json()
+            raise AssertionError(f"{done}\n{events}\n{_logs(project)}")
+        return done
+
+
+def _down(project: str, files: list[Path]) -> None:
+    subprocess.run(
+        [
+            *compose_command(),
+            "-p",
+            project,
+            *sum((["-f", str(f)] for f in files), []),
+            "down",
+            "-v",
+        ],
+        capture_output=True,
+        env={
+            **os.environ,
+            "MODELFORGE_AGENT_CONTROL_PLANE_URL": "http://127.0.0.1:1",
+            "MODELFORGE_CONTROL_PLANE_IMAGE": "x:local",
+            "MODELFORGE_NODE_AGENT_IMAGE": "x:local",
+            "MODELFORGE_RUNTIME_WORKER_IMAGE": "x:local",
+        },
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str]]:
+    """The released stack, up and with its node ready; torn down, images removed, afterwards."""
+    root = tmp_path_factory.mktemp("jobs-release")
+    bundle, private, public = root / "bundle", root / "cosign.key", root / "cosign.pub"
+    work = Path(os.environ.get("MODELFORGE_RELEASE_WORK_DIR", REPO / "build" / "release"))
+    build = ["build", "--out", str(bundle), "--work-dir", str(work), "--worker-flavour", "cpu"]
+    assert release([*build, "--version", VERSION]) == 0
+    assert release(["bundle", str(bundle)]) == 0
+    assert release(["keygen", "--private", str(private), "--public", str(public)]) == 0
+    assert release(["sign", str(bundle), "--key", str(private)]) == 0
+    port = free_port()
+    cp_project, node_project = f"mfjobscp{port}", f"mfjobsnode{port}"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(STATE_DIR_VARIABLE, str(root / "release-state"))
+        env.setenv("MODELFORGE_PORT", str(port))
+        env.setenv("MODELFORGE_BIND_ADDRESS", "127.0.0.1")
+        try:
+            assert release(["load", str(bundle), "--key", str(public)]) == 0
+            assert _up(bundle, public, cp_project, CP_FILES[:1]) == 0
+            url = f"http://127.0.0.1:{port}"
+            _wait(
+                lambda: httpx.get(f"{url}/api/v1/health", timeout=2).status_code == 200,
+                90,
+                "control plane health",
+            )
+            (container,) = _project_containers(cp_project)
+            token = docker(
+                "exec",
+                container,
+                "python3",
+                "-c",
+                "import sys; sys.stdout.write(open('/var/lib/modelforge/admin-token').read())",
+            ).stdout.strip()
+            admin = {"X-ModelForge-Admin-Token": token}
+            minted = httpx.post(
+                f"{url}/api/v1/admin/node-enrollments",
+                headers=admin,
+                json={"display_name": "jobs-node", "expires_in_seconds": 900},
+            ).json()
+            env.setenv("MODELFORGE_AGENT_CONTROL_PLANE_URL", url)
+            env.setenv("MODELFORGE_AGENT_ACCELERATOR_MODE", "cpu")
+            env.setenv("MODELFORGE_AGENT_ENROLLMENT_TOKEN", minted["token"])
+            assert _up(bundle, public, node_project, NODE_FILES) == 0
+            env.delenv("MODELFORGE_AGENT_ENROLLMENT_TOKEN")
+            readiness = f"{url}/api/v1/admin/nodes/{minted['node_id']}/readiness"
+            try:
+                _wait(
+                    lambda: httpx.get(readiness, headers=admin).json().get("ready") is True,
+                    120,
+                    "node readiness",
+                )
+            except AssertionError:
+                answer = httpx.get(readiness, headers=admin).text
+                raise AssertionError(f"{answer}\n{_logs(node_project)}") from None
+            yield Stack(url, admin), node_project
+        finally:
+            _down(node_project, NODE_FILES)
+            _down(cp_project, CP_FILES[:1])
+            docker("image", "rm", *IMAGES, check=False)
+
+
+def _model() -> tuple[bytes, np.ndarray]:
+    """A tiny model, y = relu(x @ w), and its weights."""
+    weights = (np.arange(12, dtype=np.float32).reshape(4, 3) - 5) / 10
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Relu", ["xw"], ["y"])],
+        "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 3])],
+        [helper.make_tensor("w", TensorProto.FLOAT, [4, 3], weights.flatten().tolist())],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    return model.SerializeToString(), weights
+
+
+def test_onnx_job_runs_in_the_runtime_worker_container(stack: tuple[Stack, str]) -> None:
+    api, project = stack
+    model, weights = _model()
+    x = np.random.default_rng(11).standard_normal((6, 4)).astype(np.float32)
+    feed = io.BytesIO()
+    np.savez(feed, x=x)
+
+    done = api.run(
+        {
+            "entrypoint": {"kind": "onnx", "model": api.upload(model)},
+            "inputs": {"tensors": api.upload(feed.getvalue())},
+        },
+        project,
+    )
+
+    assert done["result"] == {"outputs": {"y": [6, 3]}, "provider": "CPUExecutionProvider"}
+    outputs = api.get(f"/api/v1/artifacts/{done['outputs']['outputs']}")
+    assert outputs.status_code == 200
+    with np.load(io.BytesIO(outputs.content)) as result:
+        y = result["y"]
+    np.testing.assert_allclose(y, np.maximum(x @ weights, 0), rtol=1e-5, atol=1e-6)
+    expected = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(y, expected[0], rtol=1e-6)
+
+
+JOB_SOURCE = """\
+import os
+import sys
+
+import numpy as np
+import onnxruntime
+
+from runtime_worker.job import emit
+
+
+def solve(matrix, vector):
+    emit({"numpy": np.__version__})
+    solution = np.linalg.solve(np.array(matrix), np.array(vector))
+    return {
+        "solution": solution.tolist(),
+        "numpy": np.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "python": sys.executable,
+        "uid": os.getuid(),
+    }
+"""
+
+
+def test_python_job_imports_numpy_in_the_runtime_worker_container(
+    stack: tuple[Stack, str],
+) -> None:
+    api, project = stack
+    matrix = [[4.0, 1.0, 0.0], [1.0, 3.0, 1.0], [0.0, 1.0, 2.0]]
+    vector = [1.0, 2.0, 3.0]
+
+    done = api.run(
+        {
+            "entrypoint": {
+                "kind": "python",
+                "module": "linear",
+                "function": "solve",
+                "source": {"linear.py": JOB_SOURCE},
+            },
+            "params": {"matrix": matrix, "vector": vector},
+        },
+        project,
+    )
+
+    result = done["result"]
+    np.testing.assert_allclose(result["solution"], np.linalg.solve(matrix, vector), rtol=1e-12)
+    locked = dict(
+        line.split(" ")[0].split("==")
+        for line in (REPO / "locks/runtime-worker.lock").read_text().splitlines()
+        if "==" in line and not line.startswith((" ", "#"))
+    )
+    assert result["numpy"] == locked["numpy"]
+    assert result["onnxruntime"] == locked["onnxruntime"]
+    # The image's own interpreter, as the image's user: the job ran inside the container.
+    assert (result["python"], result["uid"]) == ("/usr/bin/python3", 10001)
+    events = api.get(f"/api/v1/jobs/{done['job_id']}/events").json()
+    assert {"numpy": locked["numpy"]} in [e["data"] for e in events if e["kind"] == "event"]
