@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from datetime import datetime
 from functools import cache
 from typing import Annotated, Any, Literal, get_args, get_origin
@@ -20,29 +22,25 @@ from pydantic import (
 from modelforge_contracts.text import UNSAFE_LINE, UNSAFE_TEXT
 
 
-def _single_line(value: str) -> str:
-    """Text shown to people: no control characters (ANSI escapes included), no bidi marks."""
-    if UNSAFE_LINE.search(value):
-        raise ValueError(
-            "must not contain control characters (line breaks and ANSI escapes included) or "
-            "bidirectional-text controls"
-        )
-    return value
+def _refuse(unsafe: re.Pattern[str], allowed: str) -> Callable[[str], str]:
+    """A validator refusing text shown to people that holds control characters (ANSI escapes
+    included) or bidirectional-text controls; `allowed` names the exceptions."""
 
+    def check(value: str) -> str:
+        if unsafe.search(value):
+            raise ValueError(
+                f"must not contain control characters{allowed} (ANSI escapes included) or "
+                "bidirectional-text controls"
+            )
+        return value
 
-def _multi_line(value: str) -> str:
-    if UNSAFE_TEXT.search(value):
-        raise ValueError(
-            "must not contain control characters other than tab and line breaks (ANSI escapes "
-            "included) or bidirectional-text controls"
-        )
-    return value
+    return check
 
 
 #: A line of text for people: no control characters, no bidirectional-text controls.
-Line = Annotated[str, AfterValidator(_single_line)]
+Line = Annotated[str, AfterValidator(_refuse(UNSAFE_LINE, " (line breaks too)"))]
 #: Text of several lines: the same, but tabs and line breaks allowed.
-Text = Annotated[str, AfterValidator(_multi_line)]
+Text = Annotated[str, AfterValidator(_refuse(UNSAFE_TEXT, " other than tab and line breaks"))]
 
 LabelKey = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([a-z0-9._/-]{0,62})$")]
 LabelValue = Annotated[Line, StringConstraints(max_length=128)]

@@ -22,19 +22,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from pydantic_core import from_json
 
+from control_plane.api.asgi import ASGIApp, Message, Receive, Scope, Send, replay
 from control_plane.context import AppContext
 from control_plane.errors import InvalidRequest, ModelForgeError, RequestTooLarge
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 #: The deepest nesting of arrays and objects accepted in a JSON body (the body itself is 1).
 MAX_JSON_DEPTH = 64
@@ -136,7 +130,7 @@ class JsonGuard:
         if refusal is not None:
             await _refuse(send, refusal)
             return
-        await self.app(scope, _replay(body, receive), send)
+        await self.app(scope, replay(body, receive), send)
 
 
 def check_json(body: bytes) -> ModelForgeError | None:
@@ -236,20 +230,6 @@ async def _read_body(receive: Receive) -> bytes:
         chunks.append(message.get("body", b""))
         more = bool(message.get("more_body"))
     return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A `receive` that yields `body` as one message, then whatever the client does next."""
-    replayed = False
-
-    async def replay() -> Message:
-        nonlocal replayed
-        if not replayed:
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 def _content_length(scope: Scope) -> int | None:

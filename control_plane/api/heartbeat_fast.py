@@ -13,21 +13,13 @@ refusal still comes from the one error hierarchy.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
-
 from pydantic import ValidationError
 
+from control_plane.api.asgi import ASGIApp, Receive, Scope, Send, replay
 from control_plane.context import AppContext
 from control_plane.errors import ProtocolIncompatible
 from control_plane.schemas import HeartbeatRequest
 from control_plane.services.heartbeats import accept_heartbeat
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 PATH = "/api/v1/agent/heartbeat"
 #: The most this seam reads before it hands the request on; a real heartbeat is ~150 bytes.
@@ -61,7 +53,7 @@ class HeartbeatFastPath:
         complete = not more and size <= FAST_BODY_LIMIT
         reply = self._answer(scope, b"".join(chunks)) if complete else None
         if reply is None:
-            await self.app(scope, _replay(b"".join(chunks), more, receive), send)
+            await self.app(scope, replay(b"".join(chunks), receive, more=more), send)
             return
         await send(
             {
@@ -103,17 +95,3 @@ class HeartbeatFastPath:
             return None  # the route refuses it, and records a protocol refusal
         self.answered += 1
         return response.model_dump_json().encode()
-
-
-def _replay(body: bytes, more: bool, receive: Receive) -> Receive:
-    """A `receive` that yields the body read so far as one chunk, then the rest unread."""
-    replayed = False
-
-    async def replay() -> Message:
-        nonlocal replayed
-        if not replayed:
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": more}
-        return await receive()
-
-    return replay
