@@ -6,6 +6,7 @@ import json
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,16 @@ from control_plane.settings import Settings
 from modelforge_contracts.protocol import PROTOCOL_VERSION
 
 ADMIN_TOKEN = "mfa_test_" + secrets.token_urlsafe(24)
+
+#: The smallest job a node can be handed: a Python function that returns 1.
+PYTHON_JOB: dict[str, Any] = {
+    "entrypoint": {
+        "kind": "python",
+        "module": "m",
+        "function": "f",
+        "source": {"m.py": "def f():\n    return 1\n"},
+    }
+}
 
 
 def make_settings(data_dir: Path, database_url: str, **overrides: Any) -> Settings:
@@ -112,6 +123,14 @@ def write_release_manifest(path: Path) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class ReadyNode:
+    """An enrolled node the scheduler may hand work to: its id and its agent's headers."""
+
+    node_id: str
+    headers: dict[str, str]
+
+
 class ControlPlane:
     """An in-process control plane (real app, real database) driven through HTTP calls."""
 
@@ -157,6 +176,19 @@ class ControlPlane:
             "/api/v1/agent/heartbeat", headers=self.agent(credential), json=heartbeat_body(**kw)
         )
 
+    def ready_node(self) -> ReadyNode:
+        """Enroll a node that reports a cpu inventory and a healthy heartbeat, flushed: ready."""
+        enrolled = self.enroll()
+        headers = self.agent(enrolled["credential"])
+        inventory = self.client.put(
+            "/api/v1/agent/inventory", headers=headers, json=inventory_body()
+        )
+        assert inventory.is_success, inventory.text
+        heartbeat = self.heartbeat(enrolled["credential"])
+        assert heartbeat.is_success, heartbeat.text
+        self.flush()
+        return ReadyNode(enrolled["node_id"], headers)
+
     def node(self, node_id: str) -> dict[str, Any]:
         response = self.client.get(f"/api/v1/admin/nodes/{node_id}", headers=self.admin)
         assert response.status_code == 200, response.text
@@ -192,3 +224,14 @@ def control_plane(
     )
     with TestClient(app) as client:
         yield ControlPlane(client, clock)
+
+
+@contextmanager
+def two_replicas(root: Path, database_url: str) -> Iterator[tuple[ControlPlane, ControlPlane]]:
+    """Two in-process replicas, `a` and `b`, on one database: each its own data directory under
+    `root`, both on `a`'s clock."""
+    with (
+        control_plane(root / "a", database_url) as a,
+        control_plane(root / "b", database_url, clock=a.clock) as b,
+    ):
+        yield a, b

@@ -16,6 +16,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -66,14 +67,30 @@ def _node(cp: ControlPlane) -> dict[str, str]:
     return {"node_id": enrolled["node_id"], **headers}
 
 
-def _running_job(cp: ControlPlane) -> tuple[str, dict[str, str]]:
+@dataclass(frozen=True)
+class _RunningJob:
+    """A job a node has claimed: reported on with that node's `agent` headers, read as the admin."""
+
+    cp: ControlPlane
+    job_id: str
+    agent: dict[str, str]
+
+    def complete(self, body: dict[str, Any]) -> httpx.Response:
+        path = f"/api/v1/agent/jobs/{self.job_id}/complete"
+        return self.cp.client.post(path, headers=self.agent, json=body)
+
+    def view(self) -> dict[str, Any]:
+        return dict(self.cp.client.get(f"/api/v1/jobs/{self.job_id}", headers=self.cp.admin).json())
+
+
+def _running_job(cp: ControlPlane) -> _RunningJob:
     node = _node(cp)
     job = cp.client.post("/api/v1/jobs", headers=cp.admin, json=_job())
     assert job.status_code == 201, job.text
     headers = {"Authorization": node["Authorization"]}
     claim = cp.client.post("/api/v1/agent/work/claim", headers=headers, json={"hold_seconds": 0})
     assert claim.status_code == 200, claim.text
-    return str(job.json()["job_id"]), headers
+    return _RunningJob(cp, str(job.json()["job_id"]), headers)
 
 
 def _error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
@@ -91,22 +108,15 @@ def test_a_deep_result_is_refused_and_listings_keep_working(
     tmp_path: Path, database_url: str
 ) -> None:
     with control_plane(tmp_path, database_url) as cp:
-        job_id, headers = _running_job(cp)
-        complete = f"/api/v1/agent/jobs/{job_id}/complete"
-        deep = cp.client.post(
-            complete, headers=headers, json={"state": "succeeded", "result": _nested(300)}
-        )
+        job = _running_job(cp)
+        deep = job.complete({"state": "succeeded", "result": _nested(300)})
         _error(deep, 422, "JSON_TOO_DEEP")
-        assert cp.client.get(f"/api/v1/jobs/{job_id}", headers=cp.admin).json()["state"] == (
-            "running"
-        )
+        assert job.view()["state"] == "running"
         listed = cp.client.get("/api/v1/jobs", headers=cp.admin)
         assert listed.status_code == 200, listed.text
         # The deepest body accepted: the result sits two levels down in it.
         deepest = _nested(MAX_JSON_DEPTH - 1)
-        done = cp.client.post(
-            complete, headers=headers, json={"state": "succeeded", "result": deepest}
-        )
+        done = job.complete({"state": "succeeded", "result": deepest})
         assert done.status_code == 200, done.text
         listed = cp.client.get("/api/v1/jobs", headers=cp.admin)
         assert listed.status_code == 200, listed.text
@@ -360,22 +370,16 @@ def test_job_error_messages_keep_line_breaks_but_not_escapes(
     tmp_path: Path, database_url: str
 ) -> None:
     with control_plane(tmp_path, database_url) as cp:
-        job_id, headers = _running_job(cp)
-        complete = f"/api/v1/agent/jobs/{job_id}/complete"
+        job = _running_job(cp)
         for bad in ({"code": "E", "message": "red \x1b[31m"}, {"code": "E\nF", "message": ""}):
-            response = cp.client.post(
-                complete, headers=headers, json={"state": "failed", "error": bad}
-            )
+            response = job.complete({"state": "failed", "error": bad})
             assert "error" in _error(response, 422, "INVALID_REQUEST")["message"]
         traceback = "Traceback (most recent call last):\n\tline 1\nValueError: x"
-        response = cp.client.post(
-            complete,
-            headers=headers,
-            json={"state": "failed", "error": {"code": "JOB_EXCEPTION", "message": traceback}},
+        response = job.complete(
+            {"state": "failed", "error": {"code": "JOB_EXCEPTION", "message": traceback}}
         )
         assert response.status_code == 200, response.text
-        job = cp.client.get(f"/api/v1/jobs/{job_id}", headers=cp.admin).json()
-        assert job["error"] == {"code": "JOB_EXCEPTION", "message": traceback}
+        assert job.view()["error"] == {"code": "JOB_EXCEPTION", "message": traceback}
 
 
 # -- error bodies never quote the request ------------------------------------------------------
@@ -384,7 +388,7 @@ def test_job_error_messages_keep_line_breaks_but_not_escapes(
 def test_error_bodies_never_echo_what_was_sent(tmp_path: Path, database_url: str) -> None:
     digest = "sha256:" + "ab" * 32
     with control_plane(tmp_path, database_url) as cp:
-        _, agent = _running_job(cp)
+        agent = _running_job(cp).agent
         admin = cp.admin
         requests: list[tuple[str, str, dict[str, str], Any]] = [
             ("GET", f"/api/v1/jobs/{MARK}", admin, None),

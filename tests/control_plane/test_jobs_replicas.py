@@ -8,35 +8,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.factories import control_plane, heartbeat_body, inventory_body
-
-JOB = {
-    "entrypoint": {
-        "kind": "python",
-        "module": "m",
-        "function": "f",
-        "source": {"m.py": "def f():\n    return 1\n"},
-    }
-}
-
-
-def _ready_node(cp: Any) -> dict[str, str]:
-    enrolled = cp.enroll()
-    headers = cp.agent(enrolled["credential"])
-    cp.client.put("/api/v1/agent/inventory", headers=headers, json=inventory_body())
-    cp.client.post("/api/v1/agent/heartbeat", headers=headers, json=heartbeat_body())
-    cp.flush()
-    return headers
+from tests.factories import PYTHON_JOB, ControlPlane, two_replicas
 
 
 def test_claim_on_one_replica_is_woken_by_a_submit_on_the_other(
     tmp_path: Path, pg_database_url: str
 ) -> None:
-    with (
-        control_plane(tmp_path / "a", pg_database_url) as a,
-        control_plane(tmp_path / "b", pg_database_url, clock=a.clock) as b,
-    ):
-        node_on_b = _ready_node(b)
+    with two_replicas(tmp_path, pg_database_url) as (a, b):
+        node_on_b = b.ready_node().headers
         result: dict[str, Any] = {}
 
         def park() -> None:
@@ -50,7 +29,7 @@ def test_claim_on_one_replica_is_woken_by_a_submit_on_the_other(
         waiter = threading.Thread(target=park)
         waiter.start()
         time.sleep(0.5)  # parked in its long poll on replica B
-        submitted = a.client.post("/api/v1/jobs", headers=a.admin, json=JOB).json()
+        submitted = a.client.post("/api/v1/jobs", headers=a.admin, json=PYTHON_JOB).json()
         waiter.join(15)
         assert result["status"] == 200
         assert result["job"]["job_id"] == submitted["job_id"]
@@ -58,19 +37,16 @@ def test_claim_on_one_replica_is_woken_by_a_submit_on_the_other(
 
 
 def test_a_job_is_claimed_once_across_replicas(tmp_path: Path, pg_database_url: str) -> None:
-    with (
-        control_plane(tmp_path / "a", pg_database_url) as a,
-        control_plane(tmp_path / "b", pg_database_url, clock=a.clock) as b,
-    ):
-        node_a, node_b = _ready_node(a), _ready_node(b)
+    with two_replicas(tmp_path, pg_database_url) as (a, b):
+        node_a, node_b = a.ready_node().headers, b.ready_node().headers
         jobs = [
-            a.client.post("/api/v1/jobs", headers=a.admin, json=JOB).json()["job_id"]
+            a.client.post("/api/v1/jobs", headers=a.admin, json=PYTHON_JOB).json()["job_id"]
             for _ in range(10)
         ]
         claimed: list[str] = []
         lock = threading.Lock()
 
-        def drain(cp: Any, headers: dict[str, str]) -> None:
+        def drain(cp: ControlPlane, headers: dict[str, str]) -> None:
             while True:
                 response = cp.client.post(
                     "/api/v1/agent/work/claim", headers=headers, json={"hold_seconds": 0}

@@ -13,29 +13,12 @@ from typing import Any
 from sqlalchemy import select
 
 from control_plane.models import NodeCredential
-from tests.factories import ControlPlane, control_plane, heartbeat_body, inventory_body
-
-JOB = {
-    "entrypoint": {
-        "kind": "python",
-        "module": "m",
-        "function": "f",
-        "source": {"m.py": "def f():\n    return 1\n"},
-    }
-}
+from tests.factories import PYTHON_JOB, ControlPlane, control_plane, heartbeat_body, two_replicas
 
 
-def _ready_node(cp: ControlPlane) -> dict[str, Any]:
-    enrolled = cp.enroll()
-    headers = cp.agent(enrolled["credential"])
-    assert cp.client.put(
-        "/api/v1/agent/inventory", headers=headers, json=inventory_body()
-    ).is_success
-    assert cp.client.post(
-        "/api/v1/agent/heartbeat", headers=headers, json=heartbeat_body()
-    ).is_success
-    cp.flush()
-    return {"node_id": enrolled["node_id"], "headers": headers}
+def _assert_revoked(response: Any) -> None:
+    assert response.status_code == 403, response.text
+    assert response.json()["error"]["code"] == "CREDENTIAL_REVOKED"
 
 
 class _Parked:
@@ -68,17 +51,16 @@ def test_a_waiting_claim_ends_when_its_credential_is_revoked(
     tmp_path: Path, database_url: str
 ) -> None:
     with control_plane(tmp_path, database_url) as cp:
-        node = _ready_node(cp)
+        node = cp.ready_node()
         started = time.monotonic()
-        parked = _Parked(cp, "/api/v1/agent/work/claim", node["headers"], {"hold_seconds": 30})
+        parked = _Parked(cp, "/api/v1/agent/work/claim", node.headers, {"hold_seconds": 30})
         revoked = cp.client.post(
-            f"/api/v1/admin/nodes/{node['node_id']}/credential/revoke", headers=cp.admin
+            f"/api/v1/admin/nodes/{node.node_id}/credential/revoke", headers=cp.admin
         )
         assert revoked.status_code == 200, revoked.text
-        job = cp.client.post("/api/v1/jobs", headers=cp.admin, json=JOB).json()
+        job = cp.client.post("/api/v1/jobs", headers=cp.admin, json=PYTHON_JOB).json()
         response = parked.result()
-        assert response.status_code == 403, response.text
-        assert response.json()["error"]["code"] == "CREDENTIAL_REVOKED"
+        _assert_revoked(response)
         assert time.monotonic() - started < 15  # woken by the submission, not the 30 s hold
         state = _job_state(cp, job["job_id"])
         assert state["state"] == "queued" and state["node_id"] is None
@@ -86,13 +68,13 @@ def test_a_waiting_claim_ends_when_its_credential_is_revoked(
 
 def test_a_waiting_claim_ends_when_its_node_is_deleted(tmp_path: Path, database_url: str) -> None:
     with control_plane(tmp_path, database_url) as cp:
-        node = _ready_node(cp)
-        parked = _Parked(cp, "/api/v1/agent/work/claim", node["headers"], {"hold_seconds": 30})
-        deleted = cp.client.delete(f"/api/v1/admin/nodes/{node['node_id']}", headers=cp.admin)
+        node = cp.ready_node()
+        parked = _Parked(cp, "/api/v1/agent/work/claim", node.headers, {"hold_seconds": 30})
+        deleted = cp.client.delete(f"/api/v1/admin/nodes/{node.node_id}", headers=cp.admin)
         assert deleted.status_code == 204, deleted.text
-        job = cp.client.post("/api/v1/jobs", headers=cp.admin, json=JOB).json()
+        job = cp.client.post("/api/v1/jobs", headers=cp.admin, json=PYTHON_JOB).json()
         response = parked.result()
-        assert response.json()["error"]["code"] == "CREDENTIAL_REVOKED"
+        _assert_revoked(response)
         assert _job_state(cp, job["job_id"])["state"] == "queued"
 
 
@@ -100,76 +82,67 @@ def test_a_waiting_watch_ends_when_its_credential_is_revoked(
     tmp_path: Path, database_url: str
 ) -> None:
     with control_plane(tmp_path, database_url) as cp:
-        node = _ready_node(cp)
-        running = cp.client.post("/api/v1/jobs", headers=cp.admin, json=JOB).json()
+        node = cp.ready_node()
+        running = cp.client.post("/api/v1/jobs", headers=cp.admin, json=PYTHON_JOB).json()
         claimed = cp.client.post(
-            "/api/v1/agent/work/claim", headers=node["headers"], json={"hold_seconds": 0}
+            "/api/v1/agent/work/claim", headers=node.headers, json={"hold_seconds": 0}
         )
         assert claimed.status_code == 200 and claimed.json()["job_id"] == running["job_id"]
         parked = _Parked(
             cp,
             "/api/v1/agent/jobs/watch",
-            node["headers"],
+            node.headers,
             {"job_ids": [running["job_id"]], "hold_seconds": 30},
         )
-        cp.client.post(f"/api/v1/admin/nodes/{node['node_id']}/credential/revoke", headers=cp.admin)
-        cp.client.post("/api/v1/jobs", headers=cp.admin, json=JOB)  # any job change wakes it
+        cp.client.post(f"/api/v1/admin/nodes/{node.node_id}/credential/revoke", headers=cp.admin)
+        cp.client.post("/api/v1/jobs", headers=cp.admin, json=PYTHON_JOB)  # any job change wakes it
         response = parked.result()
-        assert response.status_code == 403, response.text
-        assert response.json()["error"]["code"] == "CREDENTIAL_REVOKED"
+        _assert_revoked(response)
 
 
 def test_a_claim_waiting_on_another_replica_ends_once_it_refreshed(
     tmp_path: Path, pg_database_url: str
 ) -> None:
-    with (
-        control_plane(tmp_path / "a", pg_database_url) as a,
-        control_plane(tmp_path / "b", pg_database_url, clock=a.clock) as b,
-    ):
-        node = _ready_node(b)
-        parked = _Parked(b, "/api/v1/agent/work/claim", node["headers"], {"hold_seconds": 30})
-        a.client.post(f"/api/v1/admin/nodes/{node['node_id']}/credential/revoke", headers=a.admin)
+    with two_replicas(tmp_path, pg_database_url) as (a, b):
+        node = b.ready_node()
+        parked = _Parked(b, "/api/v1/agent/work/claim", node.headers, {"hold_seconds": 30})
+        a.client.post(f"/api/v1/admin/nodes/{node.node_id}/credential/revoke", headers=a.admin)
         b.ctx.authority.refresh()  # the app runs it every second
-        job = a.client.post("/api/v1/jobs", headers=a.admin, json=JOB).json()
+        job = a.client.post("/api/v1/jobs", headers=a.admin, json=PYTHON_JOB).json()
         response = parked.result()  # woken by NOTIFY from replica A
-        assert response.status_code == 403, response.text
-        assert response.json()["error"]["code"] == "CREDENTIAL_REVOKED"
+        _assert_revoked(response)
         assert _job_state(a, job["job_id"])["state"] == "queued"
 
 
 def test_deleting_a_node_keeps_its_credentials_revoked(tmp_path: Path, database_url: str) -> None:
     with control_plane(tmp_path, database_url) as cp:
-        node = _ready_node(cp)
-        deleted = cp.client.delete(f"/api/v1/admin/nodes/{node['node_id']}", headers=cp.admin)
+        node = cp.ready_node()
+        deleted = cp.client.delete(f"/api/v1/admin/nodes/{node.node_id}", headers=cp.admin)
         assert deleted.status_code == 204
         with cp.ctx.session_factory() as session:
             rows = list(
                 session.scalars(
-                    select(NodeCredential).where(NodeCredential.node_id == node["node_id"])
+                    select(NodeCredential).where(NodeCredential.node_id == node.node_id)
                 )
             )
         assert len(rows) == 1
         assert rows[0].revoked_at is not None and rows[0].revoked_reason == "node deleted"
         refused = cp.client.post(
-            "/api/v1/agent/heartbeat", headers=node["headers"], json=heartbeat_body()
+            "/api/v1/agent/heartbeat", headers=node.headers, json=heartbeat_body()
         )
-        assert refused.json()["error"]["code"] == "CREDENTIAL_REVOKED"
+        _assert_revoked(refused)
 
 
 def test_a_node_deleted_on_one_replica_is_refused_by_the_other(
     tmp_path: Path, pg_database_url: str
 ) -> None:
-    with (
-        control_plane(tmp_path / "a", pg_database_url) as a,
-        control_plane(tmp_path / "b", pg_database_url, clock=a.clock) as b,
-    ):
-        node = _ready_node(b)  # replica B holds the credential as verified and active
+    with two_replicas(tmp_path, pg_database_url) as (a, b):
+        node = b.ready_node()  # replica B holds the credential as verified and active
         a.clock.advance(5)
-        deleted = a.client.delete(f"/api/v1/admin/nodes/{node['node_id']}", headers=a.admin)
+        deleted = a.client.delete(f"/api/v1/admin/nodes/{node.node_id}", headers=a.admin)
         assert deleted.status_code == 204
         b.ctx.authority.refresh()
         refused = b.client.post(
-            "/api/v1/agent/heartbeat", headers=node["headers"], json=heartbeat_body()
+            "/api/v1/agent/heartbeat", headers=node.headers, json=heartbeat_body()
         )
-        assert refused.status_code == 403
-        assert refused.json()["error"]["code"] == "CREDENTIAL_REVOKED"
+        _assert_revoked(refused)

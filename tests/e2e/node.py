@@ -9,10 +9,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.e2e.server import LiveServer
 from tests.nvml_substitute import SCENARIO_ENV
 
 
@@ -213,3 +216,25 @@ def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.1)
             return time.monotonic() - started
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@contextmanager
+def live_stack(
+    root: Path, env_overrides: dict[str, str], **node_options: Any
+) -> Iterator[tuple[LiveServer, Node]]:
+    """A control plane on SQLite (`root/cp`, `root/cp.db`) and a node (`root/node`) given a fresh
+    enrollment token, its processes not started yet; on leaving, node and server are stopped."""
+    with LiveServer(
+        root / "cp", f"sqlite:///{root / 'cp.db'}", env_overrides=env_overrides
+    ) as server:
+        with Node(root / "node", server.url, token=server.mint()["token"], **node_options) as node:
+            yield server, node
+
+
+def wait_ready(
+    server: LiveServer, node_id: str, timeout: float, what: str = "node readiness"
+) -> float:
+    """Wait until the control plane calls the node ready (every readiness check passes)."""
+    return wait_until(
+        lambda: server.get(f"/api/v1/admin/nodes/{node_id}/readiness")["ready"], timeout, what
+    )

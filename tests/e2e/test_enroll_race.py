@@ -8,6 +8,7 @@ import asyncio
 import secrets
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -40,26 +41,36 @@ async def _race(
     return list(await asyncio.gather(*(claim(i) for i in range(claimants))))
 
 
+def _client(server: LiveServer, connections: int) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=connections)
+    return httpx.AsyncClient(base_url=server.url, limits=limits, timeout=60)
+
+
+async def _mint(client: httpx.AsyncClient, server: LiveServer) -> dict[str, Any]:
+    """Mint an enrollment token as the admin: its enrollment id, node id and token."""
+    minted = await client.post(
+        "/api/v1/admin/node-enrollments",
+        headers=server.admin,
+        json={"display_name": "race", "expires_in_seconds": 300},
+    )
+    assert minted.status_code == 201, minted.text
+    return dict(minted.json())
+
+
 def test_sixty_concurrent_claims_one_winner(tmp_path: Path, database_url: str) -> None:
     with LiveServer(tmp_path / "data", database_url) as server:
 
         async def run() -> list[tuple[str, Counter[tuple[int, str]]]]:
-            limits = httpx.Limits(max_connections=CLAIMANTS)
             results = []
-            async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=60) as client:
+            async with _client(server, CLAIMANTS) as client:
                 for _ in range(ROUNDS):
-                    minted = await client.post(
-                        "/api/v1/admin/node-enrollments",
-                        headers=server.admin,
-                        json={"display_name": "race", "expires_in_seconds": 300},
-                    )
-                    assert minted.status_code == 201, minted.text
-                    responses = await _race(client, minted.json()["token"])
+                    minted = await _mint(client, server)
+                    responses = await _race(client, minted["token"])
                     outcome: Counter[tuple[int, str]] = Counter(
                         (r.status_code, "ok" if r.status_code == 200 else r.json()["error"]["code"])
                         for r in responses
                     )
-                    results.append((minted.json()["node_id"], outcome))
+                    results.append((minted["node_id"], outcome))
             return results
 
         results = asyncio.run(run())
@@ -91,8 +102,7 @@ def test_a_revoke_racing_claims_never_fails(tmp_path: Path, pg_database_url: str
 
         async def run() -> list[tuple[str, Counter[tuple[int, str]], tuple[int, str]]]:
             results = []
-            limits = httpx.Limits(max_connections=REVOKE_CLAIMANTS + 1)
-            async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=60) as client:
+            async with _client(server, REVOKE_CLAIMANTS + 1) as client:
 
                 async def revoke(enrollment_id: str, delay: float) -> httpx.Response:
                     await asyncio.sleep(delay)
@@ -102,13 +112,7 @@ def test_a_revoke_racing_claims_never_fails(tmp_path: Path, pg_database_url: str
                     )
 
                 for round_number in range(REVOKE_ROUNDS):
-                    minted = await client.post(
-                        "/api/v1/admin/node-enrollments",
-                        headers=server.admin,
-                        json={"display_name": "race", "expires_in_seconds": 300},
-                    )
-                    assert minted.status_code == 201, minted.text
-                    enrollment = minted.json()
+                    enrollment = await _mint(client, server)
                     # The revoke lands at staggered moments of the claims' transactions.
                     delay = (round_number % 8) * 0.002
                     claims, revoked = await asyncio.gather(

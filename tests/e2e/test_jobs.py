@@ -22,7 +22,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from runtime_worker.execution import jobs_directory
-from tests.e2e.node import Node, wait_until
+from tests.e2e.node import Node, live_stack, wait_ready, wait_until
 from tests.e2e.server import LiveServer
 
 pytestmark = pytest.mark.e2e
@@ -175,18 +175,10 @@ SOURCE = {"pipeline.py": PIPELINE, "helpers.py": HELPERS}
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, Node]]:
-    root = tmp_path_factory.mktemp("jobs")
-    with LiveServer(root / "cp", f"sqlite:///{root / 'cp.db'}", env_overrides=FAST) as server:
-        node = Node(root / "node", server.url, token=server.mint()["token"])
-        with node:
-            node.start_worker().start_agent("--parallel", "2")
-            node_id = node.node_id()
-            wait_until(
-                lambda: server.get(f"/api/v1/admin/nodes/{node_id}/readiness")["ready"],
-                30,
-                "node readiness",
-            )
-            yield server, node
+    with live_stack(tmp_path_factory.mktemp("jobs"), FAST) as (server, node):
+        node_id = node.start_worker().start_agent("--parallel", "2").node_id()
+        wait_ready(server, node_id, 30)
+        yield server, node
 
 
 def _submit(server: LiveServer, function: str, **extra: Any) -> dict[str, Any]:
@@ -331,26 +323,18 @@ def test_timeout_and_silence_have_distinct_codes(stack: tuple[LiveServer, Node])
 
 
 def test_agent_killed_mid_job_fails_it_and_leaves_nothing(tmp_path: Path) -> None:
-    with LiveServer(
-        tmp_path / "cp", f"sqlite:///{tmp_path / 'cp.db'}", env_overrides=FAST
-    ) as server:
-        with Node(tmp_path / "node", server.url, token=server.mint()["token"]) as node:
-            node.start_worker().start_agent()
-            node_id = node.node_id()
-            wait_until(
-                lambda: server.get(f"/api/v1/admin/nodes/{node_id}/readiness")["ready"],
-                30,
-                "node readiness",
-            )
-            job = _submit(server, "linger")
-            wait_until(lambda: len(_pids(server, job["job_id"])) == 2, 30, "the job's pids")
-            pids = _pids(server, job["job_id"])
-            assert node.stop_agent(signal.SIGKILL) == -signal.SIGKILL
-            # The worker notices its agent is gone and kills the group.
-            wait_until(lambda: not any(_alive(pid) for pid in pids), 5, "job processes gone")
-            failed = _wait_state(server, job["job_id"], {"failed"}, 15)
-            assert failed["error"]["code"] == "JOB_CONTACT_LOST"
-            assert node.worker is not None and node.worker.poll() is None  # the worker lives on
+    with live_stack(tmp_path, FAST) as (server, node):
+        node_id = node.start_worker().start_agent().node_id()
+        wait_ready(server, node_id, 30)
+        job = _submit(server, "linger")
+        wait_until(lambda: len(_pids(server, job["job_id"])) == 2, 30, "the job's pids")
+        pids = _pids(server, job["job_id"])
+        assert node.stop_agent(signal.SIGKILL) == -signal.SIGKILL
+        # The worker notices its agent is gone and kills the group.
+        wait_until(lambda: not any(_alive(pid) for pid in pids), 5, "job processes gone")
+        failed = _wait_state(server, job["job_id"], {"failed"}, 15)
+        assert failed["error"]["code"] == "JOB_CONTACT_LOST"
+        assert node.worker is not None and node.worker.poll() is None  # the worker lives on
 
 
 def _event_with(server: LiveServer, job_id: str, key: str) -> dict[str, Any] | None:
@@ -421,48 +405,36 @@ def test_job_code_cannot_read_the_node_credential(stack: tuple[LiveServer, Node]
 def test_worker_killed_leaves_no_job_process_and_no_work_directory(tmp_path: Path) -> None:
     """SIGKILL gives the runtime worker no chance to clean up: the job's processes, a daemonised
     grandchild included, end anyway, and its work directory does not outlive the worker."""
-    with LiveServer(
-        tmp_path / "cp", f"sqlite:///{tmp_path / 'cp.db'}", env_overrides=FAST
-    ) as server:
-        with Node(tmp_path / "node", server.url, token=server.mint()["token"]) as node:
-            node.start_worker().start_agent()
-            node_id = node.node_id()
-            wait_until(
-                lambda: server.get(f"/api/v1/admin/nodes/{node_id}/readiness")["ready"],
-                30,
-                "node readiness",
-            )
-            job = _submit(server, "daemonise")
-            wait_until(
-                lambda: _event_with(server, job["job_id"], "daemon") is not None,
-                30,
-                "the daemonised grandchild",
-            )
-            seen = _event_with(server, job["job_id"], "daemon")
-            assert seen is not None
-            worker = node.worker
-            assert worker is not None
-            pids = {seen["job"], seen["daemon"]} | _ancestors_below(seen["job"], worker.pid)
-            workdir = Path(seen["workdir"])
-            assert all(_alive(pid) for pid in pids) and workdir.is_dir()
-            assert _parent(seen["daemon"]) != 1  # not left to init while its job runs
+    with live_stack(tmp_path, FAST) as (server, node):
+        node_id = node.start_worker().start_agent().node_id()
+        wait_ready(server, node_id, 30)
+        job = _submit(server, "daemonise")
+        wait_until(
+            lambda: _event_with(server, job["job_id"], "daemon") is not None,
+            30,
+            "the daemonised grandchild",
+        )
+        seen = _event_with(server, job["job_id"], "daemon")
+        assert seen is not None
+        worker = node.worker
+        assert worker is not None
+        pids = {seen["job"], seen["daemon"]} | _ancestors_below(seen["job"], worker.pid)
+        workdir = Path(seen["workdir"])
+        assert all(_alive(pid) for pid in pids) and workdir.is_dir()
+        assert _parent(seen["daemon"]) != 1  # not left to init while its job runs
 
-            assert node.stop_worker(signal.SIGKILL) == -signal.SIGKILL
-            wait_until(lambda: not any(_alive(pid) for pid in pids), 5, "the job's processes gone")
-            failed = _wait_state(server, job["job_id"], {"failed"}, 15)
-            assert failed["error"]["code"] in ("JOB_WORKER_LOST", "JOB_CONTACT_LOST"), failed
+        assert node.stop_worker(signal.SIGKILL) == -signal.SIGKILL
+        wait_until(lambda: not any(_alive(pid) for pid in pids), 5, "the job's processes gone")
+        failed = _wait_state(server, job["job_id"], {"failed"}, 15)
+        assert failed["error"]["code"] in ("JOB_WORKER_LOST", "JOB_CONTACT_LOST"), failed
 
-            node.start_worker()
-            wait_until(lambda: not workdir.exists(), 10, "the work directory removed")
-            # The restarted worker runs jobs again.
-            wait_until(
-                lambda: server.get(f"/api/v1/admin/nodes/{node_id}/readiness")["ready"],
-                30,
-                "node readiness after the restart",
-            )
-            after = _submit(server, "run", params={"n": 1, "text": "again"})
-            done = _wait_state(server, after["job_id"], {"succeeded", "failed"}, 30)
-            assert done["state"] == "succeeded", done
+        node.start_worker()
+        wait_until(lambda: not workdir.exists(), 10, "the work directory removed")
+        # The restarted worker runs jobs again.
+        wait_ready(server, node_id, 30, "node readiness after the restart")
+        after = _submit(server, "run", params={"n": 1, "text": "again"})
+        done = _wait_state(server, after["job_id"], {"succeeded", "failed"}, 30)
+        assert done["state"] == "succeeded", done
 
 
 def test_without_user_namespaces_a_job_that_could_read_the_credential_does_not_run(
@@ -471,25 +443,17 @@ def test_without_user_namespaces_a_job_that_could_read_the_credential_does_not_r
     """Agent and worker as one user on a host that refuses user namespaces: the worker cannot
     hide the agent's state directory, so the job fails with JOB_ISOLATION_UNAVAILABLE, saying
     what to do, instead of running next to a readable credential."""
-    with LiveServer(
-        tmp_path / "cp", f"sqlite:///{tmp_path / 'cp.db'}", env_overrides=FAST
-    ) as server:
-        with Node(tmp_path / "node", server.url, token=server.mint()["token"]) as node:
-            node.start_worker_without_user_namespaces().start_agent()
-            node_id = node.node_id()
-            wait_until(
-                lambda: server.get(f"/api/v1/admin/nodes/{node_id}/readiness")["ready"],
-                30,
-                "node readiness",
-            )
-            job = _submit(server, "run", params={"n": 3, "text": "never"})
-            failed = _wait_state(server, job["job_id"], {"failed", "succeeded"}, 30)
-            assert failed["state"] == "failed", failed
-            assert failed["error"]["code"] == "JOB_ISOLATION_UNAVAILABLE", failed["error"]
-            message = failed["error"]["message"]
-            assert str(node.state) in message and "docs/nodes.md" in message
-            assert not [e for e in _events(server, job["job_id"]) if e["kind"] == "event"]
-            assert node.agent is not None and node.agent.poll() is None
+    with live_stack(tmp_path, FAST) as (server, node):
+        node_id = node.start_worker_without_user_namespaces().start_agent().node_id()
+        wait_ready(server, node_id, 30)
+        job = _submit(server, "run", params={"n": 3, "text": "never"})
+        failed = _wait_state(server, job["job_id"], {"failed", "succeeded"}, 30)
+        assert failed["state"] == "failed", failed
+        assert failed["error"]["code"] == "JOB_ISOLATION_UNAVAILABLE", failed["error"]
+        message = failed["error"]["message"]
+        assert str(node.state) in message and "docs/nodes.md" in message
+        assert not [e for e in _events(server, job["job_id"]) if e["kind"] == "event"]
+        assert node.agent is not None and node.agent.poll() is None
 
 
 def test_a_worker_start_removes_work_directories_left_behind(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """Fixtures for node agent tests: the substitute NVML, agent environments and processes, and a
-real HTTP server that records every request it receives (to prove nothing was sent)."""
+real HTTP server that records every request it receives (to prove nothing was sent), standing in
+for the control plane."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -93,6 +95,12 @@ def stop_agent(process: subprocess.Popen[bytes]) -> int:
         process.send_signal(signal.SIGTERM)
     return process.wait(timeout=20)
 
+
+ENROLL = "/api/v1/agent/enroll"
+HEARTBEAT = "/api/v1/agent/heartbeat"
+TELEMETRY = "/api/v1/agent/telemetry"
+INVENTORY = "/api/v1/agent/inventory"
+CLAIM = "/api/v1/agent/work/claim"
 
 #: The control plane's answer to an enrollment, with intervals short enough for tests.
 ENROLLED = {
@@ -183,3 +191,37 @@ def recording_server() -> Iterator[RecordingServer]:
     server = RecordingServer().start()
     yield server
     server.stop()
+
+
+def no_work(request: Recorded) -> Answer:
+    """A work claim's long poll that finds nothing."""
+    time.sleep(0.5)
+    return 204, {}
+
+
+@dataclass
+class AgentProcess:
+    """A real agent process, its output in `log`; `exit_code` once it was stopped."""
+
+    process: subprocess.Popen[bytes]
+    log: Path
+    exit_code: int | None = None
+
+
+@contextmanager
+def agent_against(
+    respond: Callable[[Recorded], Answer], tmp_path: Path
+) -> Iterator[tuple[RecordingServer, AgentProcess]]:
+    """A `RecordingServer` answering with `respond`, and a real agent (state under `tmp_path`)
+    talking to it; on leaving, the agent is stopped (with SIGTERM, its exit code kept) and then
+    the server."""
+    server = RecordingServer(respond=respond).start()
+    try:
+        log = tmp_path / "agent.log"
+        agent = AgentProcess(start_agent(agent_env(tmp_path / "state", url=server.url), log), log)
+        try:
+            yield server, agent
+        finally:
+            agent.exit_code = stop_agent(agent.process)
+    finally:
+        server.stop()

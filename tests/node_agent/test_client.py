@@ -10,6 +10,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ import pytest
 from modelforge_contracts.errors import error_body
 from modelforge_contracts.ipc import UnixHTTPConnection
 from node_agent.artifact_cache import ArtifactCache
+from node_agent.client import ControlPlane
 from node_agent.digests import InvalidDigest
 from node_agent.local_api import serve_local_api
 from node_agent.retry import AgentStopped, ControlPlaneError, Interrupted
@@ -39,6 +42,33 @@ def _serve(respond: dict[str, list[Answer]]) -> RecordingServer:
         return answers.pop(0) if len(answers) > 1 else answers[0]
 
     return RecordingServer(respond=answer).start()
+
+
+@contextmanager
+def _local_api(
+    tmp_path: Path,
+    server: RecordingServer,
+    monkeypatch: pytest.MonkeyPatch,
+    stop: threading.Event | None = None,
+) -> Iterator[ControlPlane]:
+    """The agent's local socket for job code (`tmp_path/agent.sock`, named to job code by
+    MODELFORGE_AGENT_SOCKET) served on a thread, with the cache at `tmp_path/cache` and the
+    agent's client for `server`, holding CREDENTIAL, behind it. On leaving, all three close."""
+    control_plane = control_plane_client(server.url, stop)
+    control_plane.use_credential(CREDENTIAL)
+    socket_path = tmp_path / "agent.sock"
+    local = serve_local_api(
+        socket_path, cache=ArtifactCache(tmp_path / "cache", 10**6), control_plane=control_plane
+    )
+    threading.Thread(target=local.serve_forever, daemon=True).start()
+    monkeypatch.setenv("MODELFORGE_AGENT_SOCKET", str(socket_path))
+    try:
+        yield control_plane
+    finally:
+        local.shutdown()
+        local.server_close()
+        control_plane.close()
+        server.stop()
 
 
 def test_the_credential_never_shows_in_a_repr_an_error_or_a_log(
@@ -78,15 +108,7 @@ def test_a_revoked_credential_during_an_artifact_fetch_stops_the_agent(
     agent stops like on any other call, and job code gets an error saying so."""
     server = _serve({ARTIFACT: [(403, error_body("CREDENTIAL_REVOKED", "revoked"))]})
     stop = threading.Event()
-    socket_path = tmp_path / "agent.sock"
-    control_plane = control_plane_client(server.url, stop)
-    control_plane.use_credential(CREDENTIAL)
-    local = serve_local_api(
-        socket_path, cache=ArtifactCache(tmp_path / "cache", 10**6), control_plane=control_plane
-    )
-    threading.Thread(target=local.serve_forever, daemon=True).start()
-    monkeypatch.setenv("MODELFORGE_AGENT_SOCKET", str(socket_path))
-    try:
+    with _local_api(tmp_path, server, monkeypatch, stop) as control_plane:
         with pytest.raises(RuntimeError) as refused:
             job.load_artifact(DIGEST)
         assert stop.is_set()
@@ -94,11 +116,6 @@ def test_a_revoked_credential_during_an_artifact_fetch_stops_the_agent(
         # Every later call ends the same way, without asking the control plane again.
         with pytest.raises(AgentStopped):
             control_plane.heartbeat({"status": "healthy"})
-    finally:
-        local.shutdown()
-        local.server_close()
-        control_plane.close()
-        server.stop()
     assert str(refused.value).startswith("AGENT_STOPPED: the node agent stopped: ")
     assert "credential was revoked" in str(refused.value)
     assert CREDENTIAL not in str(refused.value)
@@ -111,24 +128,15 @@ def test_job_code_gets_invalid_digest_for_a_path_and_nothing_is_touched(
     """Job code names a "digest" that is a path out of the cache: the agent's local socket
     refuses it with INVALID_DIGEST, before the cache or the control plane sees it."""
     server = _serve({})
-    socket_path = tmp_path / "agent.sock"
-    cache_root = tmp_path / "cache"
     victim = tmp_path / "victim"
     victim.write_text("not an artifact")
     os.utime(victim, (1_000_000, 1_000_000))
-    control_plane = control_plane_client(server.url)
-    control_plane.use_credential(CREDENTIAL)
-    local = serve_local_api(
-        socket_path, cache=ArtifactCache(cache_root, 10**6), control_plane=control_plane
-    )
-    threading.Thread(target=local.serve_forever, daemon=True).start()
-    monkeypatch.setenv("MODELFORGE_AGENT_SOCKET", str(socket_path))
-    relative = "../victim"
+    relative = "../victim"  # from the cache at tmp_path/cache
     traversal = "sha256:." + "/" * (64 - 1 - len(relative)) + relative
-    try:
+    with _local_api(tmp_path, server, monkeypatch) as control_plane:
         with pytest.raises(RuntimeError) as refused:
             job.load_artifact(traversal)
-        connection = UnixHTTPConnection(socket_path, timeout=10)
+        connection = UnixHTTPConnection(tmp_path / "agent.sock", timeout=10)
         connection.request("POST", "/v1/artifacts/fetch", body=json.dumps({"digest": 7}))
         response = connection.getresponse()
         not_text = (response.status, json.loads(response.read()))
@@ -138,11 +146,6 @@ def test_job_code_gets_invalid_digest_for_a_path_and_nothing_is_touched(
             control_plane.download_artifact(traversal, tmp_path / "partial")
         with pytest.raises(InvalidDigest):
             control_plane.upload_artifact("sha256:../../admin", victim)
-    finally:
-        local.shutdown()
-        local.server_close()
-        control_plane.close()
-        server.stop()
     assert str(refused.value).startswith("INVALID_DIGEST: ")
     assert "64 lowercase hex" in str(refused.value)
     assert not_text[0] == 400 and not_text[1]["error"]["code"] == "INVALID_DIGEST"

@@ -11,52 +11,39 @@ from pathlib import Path
 from modelforge_contracts.errors import error_body
 from tests.e2e.node import wait_until
 from tests.node_agent.conftest import (
+    CLAIM,
+    ENROLL,
     ENROLLED,
+    HEARTBEAT,
+    TELEMETRY,
     Answer,
     Recorded,
-    RecordingServer,
-    agent_env,
-    start_agent,
-    stop_agent,
+    agent_against,
+    no_work,
 )
-
-HEARTBEAT = "/api/v1/agent/heartbeat"
-TELEMETRY = "/api/v1/agent/telemetry"
-CLAIM = "/api/v1/agent/work/claim"
-
-
-def _no_work(request: Recorded) -> Answer:
-    time.sleep(0.5)  # a long poll that finds nothing
-    return 204, {}
 
 
 def test_failing_telemetry_never_delays_heartbeats(tmp_path: Path) -> None:
     """A database outage: telemetry answered 503 for as long as it lasts, heartbeats still 200."""
 
     def respond(request: Recorded) -> Answer:
-        if request.path == "/api/v1/agent/enroll":
+        if request.path == ENROLL:
             return 200, dict(
                 ENROLLED, heartbeat_interval_seconds=0.2, telemetry_interval_seconds=0.2
             )
         if request.path == TELEMETRY:
             return 503, error_body("SERVICE_UNAVAILABLE", "the database is not answering")
         if request.path == CLAIM:
-            return _no_work(request)
+            return no_work(request)
         return 200, {}
 
-    server = RecordingServer(respond=respond).start()
-    log = tmp_path / "agent.log"
-    agent = start_agent(agent_env(tmp_path / "state", url=server.url), log)
-    try:
+    with agent_against(respond, tmp_path) as (server, agent):
         wait_until(lambda: TELEMETRY in server.paths(), 20, "the first telemetry")
         first_refusal = next(r.at for r in server.requests if r.path == TELEMETRY)
         window = 4.0
         time.sleep(window)
-        assert agent.poll() is None, log.read_text()
-    finally:
-        code = stop_agent(agent)
-        server.stop()
-    assert code == 0, log.read_text()
+        assert agent.process.poll() is None, agent.log.read_text()
+    assert agent.exit_code == 0, agent.log.read_text()
     beats = [r.at for r in server.requests if r.path == HEARTBEAT and r.at >= first_refusal]
     beats = [at for at in beats if at <= first_refusal + window]
     # Every 0.2 s for 4 s would be 20; a loaded machine may lose a few, never the schedule.
@@ -66,7 +53,7 @@ def test_failing_telemetry_never_delays_heartbeats(tmp_path: Path) -> None:
     # Telemetry itself backed off (1 s, then 2 s, ...) rather than hammering.
     refusals = [r for r in server.requests if r.path == TELEMETRY]
     assert 2 <= len(refusals) <= 4
-    text = log.read_text()
+    text = agent.log.read_text()
     assert f"HTTP 503 SERVICE_UNAVAILABLE on POST {TELEMETRY} (backoff 1s…16s)" in text
 
 
@@ -79,22 +66,19 @@ def test_an_unexpected_error_in_a_job_fails_it_and_the_slot_keeps_serving(tmp_pa
     handed_out: list[str] = []
 
     def respond(request: Recorded) -> Answer:
-        if request.path == "/api/v1/agent/enroll":
+        if request.path == ENROLL:
             return 200, ENROLLED
         if request.path == CLAIM:
             if not handed_out:
                 handed_out.append("job_1")
                 return 200, broken
-            return _no_work(request)
+            return no_work(request)
         if request.path.endswith("/complete"):
             return 200, {"cancel": False}
         return 200, {}
 
-    server = RecordingServer(respond=respond).start()
-    log = tmp_path / "agent.log"
-    agent = start_agent(agent_env(tmp_path / "state", url=server.url), log)
     complete = "/api/v1/agent/jobs/job_1/complete"
-    try:
+    with agent_against(respond, tmp_path) as (server, agent):
         wait_until(lambda: complete in server.paths(), 20, "the job's completion")
         done = next(r for r in server.requests if r.path == complete)
         wait_until(
@@ -102,15 +86,12 @@ def test_an_unexpected_error_in_a_job_fails_it_and_the_slot_keeps_serving(tmp_pa
             10,
             "a claim after the failed job",
         )
-        assert agent.poll() is None, log.read_text()
-    finally:
-        code = stop_agent(agent)
-        server.stop()
-    assert code == 0, log.read_text()
+        assert agent.process.poll() is None, agent.log.read_text()
+    assert agent.exit_code == 0, agent.log.read_text()
     outcome = json.loads(done.body)
     assert outcome["state"] == "failed"
     assert outcome["error"]["code"] == "JOB_AGENT_ERROR"
-    assert log.read_text().count("job job_1: unexpected error in the node agent") == 1
+    assert agent.log.read_text().count("job job_1: unexpected error in the node agent") == 1
 
 
 def test_a_refused_claim_pauses_before_the_next(tmp_path: Path) -> None:
@@ -118,22 +99,16 @@ def test_a_refused_claim_pauses_before_the_next(tmp_path: Path) -> None:
     waits before claiming again instead of looping as fast as the server answers."""
 
     def respond(request: Recorded) -> Answer:
-        if request.path == "/api/v1/agent/enroll":
+        if request.path == ENROLL:
             return 200, ENROLLED
         if request.path == CLAIM:
             return 400, error_body("INVALID_JSON", "the body could not be parsed")
         return 200, {}
 
-    server = RecordingServer(respond=respond).start()
-    log = tmp_path / "agent.log"
-    agent = start_agent(agent_env(tmp_path / "state", url=server.url), log)
-    try:
+    with agent_against(respond, tmp_path) as (server, agent):
         wait_until(lambda: CLAIM in server.paths(), 20, "the first claim")
         time.sleep(3.0)
-        assert agent.poll() is None, log.read_text()
-    finally:
-        stop_agent(agent)
-        server.stop()
+        assert agent.process.poll() is None, agent.log.read_text()
     claims = [r for r in server.requests if r.path == CLAIM]
     assert 2 <= len(claims) <= 5, f"{len(claims)} claims in about 3 s"
-    assert f"HTTP 400 INVALID_JSON on POST {CLAIM}" in log.read_text()
+    assert f"HTTP 400 INVALID_JSON on POST {CLAIM}" in agent.log.read_text()

@@ -15,18 +15,16 @@ from pathlib import Path
 from modelforge_contracts.errors import error_body
 from tests.e2e.node import FAKE_WORKER, wait_until
 from tests.node_agent.conftest import (
+    CLAIM,
+    ENROLL,
     ENROLLED,
+    HEARTBEAT,
+    INVENTORY,
     Answer,
     Recorded,
-    RecordingServer,
-    agent_env,
-    start_agent,
-    stop_agent,
+    agent_against,
+    no_work,
 )
-
-HEARTBEAT = "/api/v1/agent/heartbeat"
-INVENTORY = "/api/v1/agent/inventory"
-CLAIM = "/api/v1/agent/work/claim"
 
 
 def _worker_protocol(request: Recorded) -> object:
@@ -34,7 +32,7 @@ def _worker_protocol(request: Recorded) -> object:
 
 
 def _respond(request: Recorded) -> Answer:
-    if request.path == "/api/v1/agent/enroll":
+    if request.path == ENROLL:
         return 200, ENROLLED
     if request.path == INVENTORY and _worker_protocol(request) not in (None, 1):
         # What the control plane answers (control_plane.api.agent.inventory).
@@ -45,8 +43,7 @@ def _respond(request: Recorded) -> Answer:
             component="runtime-worker",
         )
     if request.path == CLAIM:
-        time.sleep(0.5)  # a long poll that finds nothing
-        return 204, {}
+        return no_work(request)
     return 200, {"received_at": "2024-01-01T00:00:00Z"}
 
 
@@ -58,7 +55,6 @@ def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[
 def test_an_incompatible_worker_pauses_work_and_a_compatible_one_resumes_it(
     tmp_path: Path,
 ) -> None:
-    server = RecordingServer(respond=_respond).start()
     socket_path = tmp_path / "worker.sock"  # where agent_env points the agent
     worker_env = dict(os.environ, MODELFORGE_WORKER_SOCKET=str(socket_path))
     workers = [
@@ -68,53 +64,53 @@ def test_an_incompatible_worker_pauses_work_and_a_compatible_one_resumes_it(
             tmp_path / "fake-worker.log",
         )
     ]
-    wait_until(socket_path.exists, 10, "the stand-in worker's socket")
-    log = tmp_path / "agent.log"
-    agent = start_agent(agent_env(tmp_path / "state", url=server.url), log)
     try:
-        wait_until(lambda: INVENTORY in server.paths(), 20, "the first inventory")
-        refused_at = next(r.at for r in server.requests if r.path == INVENTORY)
-        time.sleep(3.0)
-        assert agent.poll() is None, log.read_text()
-        beats = [r for r in server.requests if r.path == HEARTBEAT and r.at > refused_at]
-        assert len(beats) >= 5, f"{len(beats)} heartbeats in 3 s after the refusal"
-        assert CLAIM not in server.paths()  # no work for a worker that cannot run it
-        # The refused report is not sent again while it stays the same.
-        assert [_worker_protocol(r) for r in server.requests if r.path == INVENTORY] == [99]
-        text = log.read_text()
-        assert text.count("must be upgraded") == 1, text
-        assert "runtime worker 9.9.9 (protocol 99)" in text
-        assert "TOO_NEW" in text
-        assert "refused this agent's protocol" not in text
+        wait_until(socket_path.exists, 10, "the stand-in worker's socket")
+        with agent_against(_respond, tmp_path) as (server, agent):
+            wait_until(lambda: INVENTORY in server.paths(), 20, "the first inventory")
+            refused_at = next(r.at for r in server.requests if r.path == INVENTORY)
+            time.sleep(3.0)
+            assert agent.process.poll() is None, agent.log.read_text()
+            beats = [r for r in server.requests if r.path == HEARTBEAT and r.at > refused_at]
+            assert len(beats) >= 5, f"{len(beats)} heartbeats in 3 s after the refusal"
+            assert CLAIM not in server.paths()  # no work for a worker that cannot run it
+            # The refused report is not sent again while it stays the same.
+            assert [_worker_protocol(r) for r in server.requests if r.path == INVENTORY] == [99]
+            text = agent.log.read_text()
+            assert text.count("must be upgraded") == 1, text
+            assert "runtime worker 9.9.9 (protocol 99)" in text
+            assert "TOO_NEW" in text
+            assert "refused this agent's protocol" not in text
 
-        # A compatible worker takes its place: reported, accepted, and work is claimed again.
-        workers[0].terminate()
-        workers[0].wait(timeout=10)
-        workers.append(
-            _spawn([sys.executable, "-m", "runtime_worker"], worker_env, tmp_path / "worker.log")
-        )
-        wait_until(
-            lambda: any(
-                r.path == INVENTORY and _worker_protocol(r) == 1 for r in list(server.requests)
-            ),
-            30,
-            "the compatible worker reported",
-        )
-        accepted_at = next(
-            r.at for r in server.requests if r.path == INVENTORY and _worker_protocol(r) == 1
-        )
-        wait_until(
-            lambda: any(r.path == CLAIM and r.at > accepted_at for r in list(server.requests)),
-            20,
-            "a claim once the worker is compatible",
-        )
-        assert agent.poll() is None, log.read_text()
+            # A compatible worker takes its place: reported, accepted, and work is claimed again.
+            workers[0].terminate()
+            workers[0].wait(timeout=10)
+            workers.append(
+                _spawn(
+                    [sys.executable, "-m", "runtime_worker"], worker_env, tmp_path / "worker.log"
+                )
+            )
+            wait_until(
+                lambda: any(
+                    r.path == INVENTORY and _worker_protocol(r) == 1 for r in list(server.requests)
+                ),
+                30,
+                "the compatible worker reported",
+            )
+            accepted_at = next(
+                r.at for r in server.requests if r.path == INVENTORY and _worker_protocol(r) == 1
+            )
+            wait_until(
+                lambda: any(r.path == CLAIM and r.at > accepted_at for r in list(server.requests)),
+                20,
+                "a claim once the worker is compatible",
+            )
+            assert agent.process.poll() is None, agent.log.read_text()
     finally:
-        code = stop_agent(agent)
         for worker in workers:
             if worker.poll() is None:
                 worker.terminate()
                 worker.wait(timeout=20)
-        server.stop()
-    assert code == 0, log.read_text()
-    assert "runtime worker" in log.read_text() and "is compatible" in log.read_text()
+    assert agent.exit_code == 0, agent.log.read_text()
+    text = agent.log.read_text()
+    assert "runtime worker" in text and "is compatible" in text
