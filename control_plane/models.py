@@ -173,6 +173,9 @@ class Job(Base):
     params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     inputs: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     resources: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    #: The GPUs of its node it was handed, `[{"index", "uuid"}]`, set by the claim; kept
+    #: after it ends. Only running jobs' entries count as held.
+    assigned_gpus: Mapped[list[Any] | None] = mapped_column(JSON)
     labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     worker_policy: Mapped[str] = mapped_column(String(16), default="require")
     timeout_seconds: Mapped[float] = mapped_column(Float)

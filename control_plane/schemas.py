@@ -413,6 +413,13 @@ class JobError(BaseModel):
     message: str
 
 
+class AssignedGpu(BaseModel):
+    """One GPU of the node a job holds: its NVML index and its UUID."""
+
+    index: int
+    uuid: str
+
+
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
 
@@ -435,6 +442,8 @@ class JobPublic(BaseModel):
     result: Any = None
     outputs: dict[str, str] | None
     error: JobError | None
+    #: The GPUs of its node the job holds (or held): empty while queued and for `gpus: 0`.
+    assigned_gpus: list[AssignedGpu] = Field(default_factory=list)
 
 
 class JobEventPublic(BaseModel):
@@ -454,6 +463,8 @@ class JobAssignment(BaseModel):
     params: dict[str, Any]
     inputs: dict[str, str]
     resources: dict[str, Any]
+    #: Exactly the GPUs the job may see; empty for `gpus: 0`.
+    assigned_gpus: list[AssignedGpu]
     timeout_seconds: float
     silence_timeout_seconds: float
     progress_interval_seconds: float

@@ -1,8 +1,10 @@
 """Running work: `--parallel` slots each hold a long-poll claim; a claimed job is handed to the
 local runtime worker, whose stream of records is relayed to the control plane in order. A watch
 long-poll learns of cancellations at once; cancelling — or this agent dying — closes the stream
-to the worker, which ends the job and everything it started. With each job the agent names its
-private files (`private_paths`), which the worker hides from the job.
+to the worker, which ends the job and everything it started. The assignment goes to the worker
+as the control plane sent it, with the GPUs the job holds (`assigned_gpus`), which the worker
+makes the only ones the job sees. With each job the agent names its private files
+(`private_paths`), which the worker hides from the job.
 
 While the control plane refuses the runtime worker's protocol the slots claim nothing (the
 agent clears `worker_compatible`); they resume when it is set again.

@@ -58,6 +58,25 @@ def job_environment(base: dict[str, str], extra: dict[str, str]) -> dict[str, st
     return env
 
 
+def gpu_environment(spec: dict[str, Any]) -> dict[str, str]:
+    """`CUDA_VISIBLE_DEVICES` and `NVIDIA_VISIBLE_DEVICES` naming exactly the GPUs the job was
+    assigned, by UUID (an index means another GPU inside a container that sees a subset); both
+    empty for a job with none, so a CPU job sees no GPU. An assignment from a control plane
+    that sends none leaves the node's own values, unless the job asked for no GPU."""
+    assigned = spec.get("assigned_gpus")
+    if assigned is None:
+        resources = spec.get("resources") or {}
+        if int(resources.get("gpus", 0) or 0) > 0:
+            return {}
+        assigned = []
+    if not isinstance(assigned, list) or not all(
+        isinstance(gpu, dict) and isinstance(gpu.get("uuid"), str) for gpu in assigned
+    ):
+        raise TypeError("assigned_gpus must be a list of GPUs with a uuid")
+    devices = ",".join(str(gpu["uuid"]) for gpu in assigned)
+    return {"CUDA_VISIBLE_DEVICES": devices, "NVIDIA_VISIBLE_DEVICES": devices}
+
+
 def jobs_directory(socket_path: Path) -> Path:
     """Where this worker's jobs get their work directories: one per worker socket, so that a
     worker starting again on the same socket finds what the one before it left."""
@@ -176,6 +195,7 @@ def run_job(
             "MODELFORGE_JOB_EVENTS_FD": str(write_fd),
             "MODELFORGE_JOB_INPUTS": json.dumps(spec.get("inputs") or {}),
             "MODELFORGE_AGENT_SOCKET": agent_socket,
+            **gpu_environment(spec),
         },
     )
     process = subprocess.Popen(

@@ -17,7 +17,7 @@ from modelforge_contracts.ipc import JsonHandler, UnixHTTPServer, serve_unix
 from modelforge_contracts.job_records import encode
 from modelforge_contracts.protocol import PROTOCOL_VERSION
 from runtime_worker import WORKER_VERSION
-from runtime_worker.execution import run_job
+from runtime_worker.execution import gpu_environment, run_job
 
 log = logging.getLogger("modelforge.runtime_worker")
 
@@ -59,6 +59,7 @@ class _Handler(JsonHandler):
             ):
                 raise TypeError("private_paths must be a list of paths")
             str(spec["job_id"])
+            gpu_environment(spec)  # a malformed GPU assignment is refused before anything runs
         except (ValueError, KeyError, TypeError) as exc:
             self.send_error_json(
                 400, "INVALID_JOB", str(exc), "send a job assignment from the agent"

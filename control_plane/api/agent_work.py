@@ -36,6 +36,7 @@ def _assignment(ctx: AppContext, job: Job) -> JobAssignment:
         params=job.params,
         inputs=job.inputs,
         resources=job.resources,
+        assigned_gpus=jobs.assigned_gpus(job),
         timeout_seconds=job.timeout_seconds,
         silence_timeout_seconds=job.silence_timeout_seconds,
         progress_interval_seconds=ctx.settings.job_progress_interval_seconds,

@@ -17,7 +17,7 @@ from control_plane.db import rowcount
 from control_plane.dispatch import jobs_changed
 from control_plane.errors import Conflict, NotFound
 from control_plane.models import Job, JobEvent
-from control_plane.schemas import JobCreate, JobError, JobPublic
+from control_plane.schemas import AssignedGpu, JobCreate, JobError, JobPublic
 from control_plane.security import new_id
 
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -89,7 +89,12 @@ def job_public(job: Job) -> JobPublic:
         error=JobError(code=job.error_code, message=job.error_message or "")
         if job.error_code
         else None,
+        assigned_gpus=assigned_gpus(job),
     )
+
+
+def assigned_gpus(job: Job) -> list[AssignedGpu]:
+    return [AssignedGpu.model_validate(gpu) for gpu in job.assigned_gpus or []]
 
 
 def append_events(

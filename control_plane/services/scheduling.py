@@ -3,6 +3,8 @@
 Only online, compatible nodes with an inventory get work. A job fits a node when the node
 carries the job's labels (`require`), or — with `prefer` — when no online node carrying them has
 room; and when its resource requests fit the node's inventory minus what its running jobs hold.
+GPUs are counted as a set: a job is handed specific GPUs of its node (index and UUID) that no
+other running job there holds, and waits, queued, while fewer are free than it asks for.
 The claim itself is a conditional UPDATE, so two replicas never hand out one job twice.
 """
 
@@ -26,21 +28,34 @@ _CANDIDATES = 200
 
 @dataclass(frozen=True)
 class Capacity:
+    """What a node has left: cpus and memory by arithmetic, GPUs as the exact set of its
+    inventory's GPUs no running job holds, in index order."""
+
     cpus: float
-    gpus: int
+    gpus: tuple[dict[str, Any], ...]
     memory_mb: int
 
     def fits(self, request: dict[str, Any]) -> bool:
         return (
             float(request.get("cpus", 0)) <= self.cpus + 1e-9
-            and int(request.get("gpus", 0)) <= self.gpus
+            and int(request.get("gpus", 0)) <= len(self.gpus)
             and int(request.get("memory_mb", 0)) <= self.memory_mb
         )
 
-    def minus(self, request: dict[str, Any]) -> Capacity:
+    def pick_gpus(self, request: dict[str, Any]) -> list[dict[str, Any]]:
+        """The GPUs a job with `request` is handed: the free ones with the lowest indexes."""
+        return [dict(gpu) for gpu in self.gpus[: int(request.get("gpus", 0))]]
+
+    def minus(self, request: dict[str, Any], held_gpus: list[Any] | None) -> Capacity:
+        held = {gpu.get("uuid") for gpu in held_gpus or []}
+        gpus = tuple(gpu for gpu in self.gpus if gpu["uuid"] not in held)
+        if held_gpus is None:
+            # A job running from before GPUs were assigned: it holds as many as it asked for,
+            # which ones unknown; count them off the end so the total stays right.
+            gpus = gpus[: max(0, len(gpus) - int(request.get("gpus", 0)))]
         return Capacity(
             self.cpus - float(request.get("cpus", 0)),
-            self.gpus - int(request.get("gpus", 0)),
+            gpus,
             self.memory_mb - int(request.get("memory_mb", 0)),
         )
 
@@ -49,19 +64,30 @@ def labels_match(wanted: dict[str, str], carried: dict[str, str]) -> bool:
     return all(carried.get(key) == value for key, value in wanted.items())
 
 
+def _inventory_gpus(inventory: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    gpus = [
+        {"index": int(gpu["index"]), "uuid": str(gpu["uuid"])}
+        for gpu in inventory.get("gpus") or []
+        if isinstance(gpu, dict) and "index" in gpu and gpu.get("uuid")
+    ]
+    return tuple(sorted(gpus, key=lambda gpu: gpu["index"]))
+
+
 def _free_capacity(session: Session, node: Node) -> Capacity | None:
     inventory = node.inventory
     if not inventory:
         return None
     free = Capacity(
         float(inventory.get("cpu_count", 0)),
-        len(inventory.get("gpus") or []),
+        _inventory_gpus(inventory),
         int(inventory.get("memory_mb", 0)),
     )
-    for (held,) in session.execute(
-        select(Job.resources).where(Job.node_id == node.id, Job.state == "running")
+    for held, held_gpus in session.execute(
+        select(Job.resources, Job.assigned_gpus).where(
+            Job.node_id == node.id, Job.state == "running"
+        )
     ):
-        free = free.minus(held)
+        free = free.minus(held, held_gpus)
     return free
 
 
@@ -108,16 +134,26 @@ def claim_next_job(
                 ]
             if any(labels_match(job.labels, o.labels) and c.fits(job.resources) for o, c in others):
                 continue  # `prefer`: a node carrying the labels has room; leave it to that one
+        gpus = free.pick_gpus(job.resources)
         won = rowcount(
             session.execute(
                 update(Job)
                 .where(Job.id == job.id, Job.state == "queued")
-                .values(state="running", node_id=node_id, started_at=now, last_contact_at=now)
+                .values(
+                    state="running",
+                    node_id=node_id,
+                    started_at=now,
+                    last_contact_at=now,
+                    assigned_gpus=gpus,
+                )
             )
         )
         if won:
             append_events(
-                session, job, [("state", {"state": "running", "node_id": node_id})], at=now
+                session,
+                job,
+                [("state", {"state": "running", "node_id": node_id, "assigned_gpus": gpus})],
+                at=now,
             )
             session.refresh(job)
             return job
