@@ -46,9 +46,11 @@ log = logging.getLogger(__name__)
 
 def create_app(
     settings: Settings | None = None, *, clock: Clock | None = None, run_loops: bool = True
-) -> Edge:
-    """The served ASGI app: the edge (body limits, security headers), then the heartbeat fast
-    path (`.app`), then the JSON guard and the FastAPI app (`.app.app.app`)."""
+) -> HeartbeatFastPath:
+    """The served ASGI app: the heartbeat fast path, which answers the common heartbeat itself
+    (reading at most 16 KiB, with the same security headers), then for everything else the edge
+    (`.app`: body limits, security headers), the JSON guard and the FastAPI app (`.app.app.app`).
+    """
     settings = settings or Settings()
     clock = clock or SystemClock()
     prepare_data_dir(settings.data_dir)
@@ -98,7 +100,7 @@ def create_app(
     app.include_router(console.router)
     app.include_router(docs.router)
     console.mount_console(app)
-    return Edge(HeartbeatFastPath(JsonGuard(app), ctx), ctx)
+    return HeartbeatFastPath(Edge(JsonGuard(app), ctx), ctx)
 
 
 def _start(ctx: AppContext) -> None:

@@ -1,16 +1,18 @@
 """The edge of the served app: what every request meets before any route, written as two thin
-pure-ASGI seams around the heartbeat fast path.
+pure-ASGI seams just inside the heartbeat fast path.
 
-`Edge` (outermost) bounds every request body — by its `Content-Length` before a byte is read,
+`Edge` bounds every request body — by its `Content-Length` before a byte is read,
 and by counting the bytes of a chunked body as they arrive, so memory never holds more than the
 limit — and gives every response the security headers (a strict Content-Security-Policy unless
-the response brings its own). `JsonGuard` (between the fast path and FastAPI) reads a body whole
+the response brings its own). `JsonGuard` (between the edge and FastAPI) reads a body whole
 and refuses JSON that is malformed, nested deeper than `MAX_JSON_DEPTH` or holds a number that
 is not finite, before any route sees it, so nothing is stored that a later read cannot return.
 
-A heartbeat the fast path answers is parsed once, by the fast path (pydantic's parser has its
-own depth limit and the heartbeat model no field a non-finite number could reach); any other
-heartbeat reaches `JsonGuard` like every other request. Artifact uploads stream past the guard
+The common heartbeat never reaches these seams: the fast path in front of them reads at most
+16 KiB of it, parses it once with pydantic (which has its own depth limit, and the heartbeat
+model no field a non-finite number could reach) and answers with the same security headers; any
+other heartbeat is handed here, body intact, like every other request (a `Content-Length` over
+the limit is refused at once). Artifact uploads stream past the guard
 to disk under their own, larger limit.
 
 Refusals here are `ModelForgeError`s, answered with the same error body as everywhere else; they

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 from control_plane.api.asgi import ASGIApp, Receive, Scope, Send, replay
+from control_plane.api.edge import SECURITY_HEADERS
 from control_plane.context import AppContext
 from control_plane.errors import ProtocolIncompatible
 from control_plane.schemas import HeartbeatRequest
@@ -62,6 +63,7 @@ class HeartbeatFastPath:
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(reply)).encode()),
+                    *SECURITY_HEADERS,
                 ],
             }
         )

@@ -17,9 +17,9 @@ from tests.factories import ControlPlane, control_plane, heartbeat_body
 
 def _fast_path(cp: ControlPlane) -> HeartbeatFastPath:
     served = cp.client.app
-    assert isinstance(served, Edge)  # the served app: the edge is outermost, then the fast path
-    assert isinstance(served.app, HeartbeatFastPath)
-    return served.app
+    assert isinstance(served, HeartbeatFastPath)  # the served app: the fast path is outermost,
+    assert isinstance(served.app, Edge)  # and whatever it does not answer meets the edge
+    return served
 
 
 def test_fast_and_full_paths_answer_alike(tmp_path: Path, database_url: str) -> None:
@@ -33,7 +33,8 @@ def test_fast_and_full_paths_answer_alike(tmp_path: Path, database_url: str) -> 
         assert fast.answered == 1
         assert first.status_code == second.status_code == 200
         assert first.json() == second.json()
-        assert first.headers["content-type"] == second.headers["content-type"]
+        for header in ("content-type", "content-security-policy", "x-content-type-options"):
+            assert first.headers[header] == second.headers[header], header
         cp.flush()
         node = cp.node(enrolled["node_id"])
         assert node["health"] == {"status": "healthy", "preflight": "passed"}
