@@ -16,14 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
 
 from runtime_worker.execution import jobs_directory
 from tests.e2e.node import Node, live_stack, wait_ready, wait_until
 from tests.e2e.server import LiveServer
+from tests.onnx_models import relu_matmul
 
 pytestmark = pytest.mark.e2e
 
@@ -235,17 +234,7 @@ def test_python_job_from_submitted_source(stack: tuple[LiveServer, Node]) -> Non
 def test_onnx_model_runs_on_the_node(stack: tuple[LiveServer, Node], tmp_path: Path) -> None:
     server, _ = stack
     weights = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Relu", ["xw"], ["y"])],
-        "tiny",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 3])],
-        [helper.make_tensor("w", TensorProto.FLOAT, [4, 3], weights.flatten().tolist())],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    onnx.checker.check_model(model)
-    model_bytes = model.SerializeToString()
+    model_bytes = relu_matmul(weights)
     x = np.random.default_rng(7).standard_normal((5, 4)).astype(np.float32)
     feed = io.BytesIO()
     np.savez(feed, x=x)

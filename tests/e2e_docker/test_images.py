@@ -21,13 +21,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper
 
 from release import sbom
 from release.images import PROJECT_DIR, BuiltImage, ImageBuildError, build_images
 from release.oci import copy_project
+from tests.onnx_models import relu_matmul
 
 EPOCH = 1_700_000_000
 VERSION = "0.1.0"
@@ -128,17 +127,7 @@ def _run_in(rootfs: Path, env: dict[str, str], *argv: str) -> subprocess.Complet
 def _tiny_model() -> tuple[bytes, np.ndarray]:
     """y = relu(x @ w), made with the onnx package; returns the model and w."""
     weights = (np.arange(12, dtype=np.float32).reshape(4, 3) - 5) / 10
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Relu", ["xw"], ["y"])],
-        "tiny",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 3])],
-        [helper.make_tensor("w", TensorProto.FLOAT, [4, 3], weights.flatten().tolist())],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    onnx.checker.check_model(model)
-    return model.SerializeToString(), weights
+    return relu_matmul(weights), weights
 
 
 # Runs in the image: imports numpy and onnxruntime, runs the model in /tmp/model.onnx on

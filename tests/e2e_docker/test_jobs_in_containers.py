@@ -18,10 +18,8 @@ from typing import Any
 
 import httpx
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
 
 from release.cli import main as release
 from release.docker import compose_command
@@ -37,6 +35,7 @@ from tests.e2e_docker.test_release_docker import (
     _wait,
     docker,
 )
+from tests.onnx_models import relu_matmul
 
 pytestmark = pytest.mark.e2e
 
@@ -168,17 +167,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str
 def _model() -> tuple[bytes, np.ndarray]:
     """A tiny model, y = relu(x @ w), and its weights."""
     weights = (np.arange(12, dtype=np.float32).reshape(4, 3) - 5) / 10
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Relu", ["xw"], ["y"])],
-        "tiny",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 3])],
-        [helper.make_tensor("w", TensorProto.FLOAT, [4, 3], weights.flatten().tolist())],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    onnx.checker.check_model(model)
-    return model.SerializeToString(), weights
+    return relu_matmul(weights), weights
 
 
 def test_onnx_job_runs_in_the_runtime_worker_container(stack: tuple[Stack, str]) -> None:
