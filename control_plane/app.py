@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from control_plane import RELEASE_VERSION
 from control_plane.admin_token import resolve_admin_token
 from control_plane.api import admin, agent, agent_work, console, docs, jobs, public
-from control_plane.api.edge import Edge, JsonGuard
+from control_plane.api.edge import Edge, JsonGuard, invalid_json
 from control_plane.api.heartbeat_fast import HeartbeatFastPath
 from control_plane.background.loops import start_loops, stop_loops
 from control_plane.clock import Clock, SystemClock
@@ -181,13 +181,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400:  # FastAPI could not parse the body as JSON
-            return _error(
-                400,
-                "INVALID_JSON",
-                "The body is not JSON this control plane can read (malformed, or nested too "
-                "deeply).",
-                "Send a JSON body matching the schema in /docs.",
-            )
+            refusal = invalid_json()
+            return JSONResponse(status_code=400, content=refusal.to_body())
         status = exc.status_code
         # Every status gets a documented code; the phrase, not the detail, is the message.
         code = _HTTP_CODES.get(status, "INTERNAL_ERROR" if status >= 500 else "BAD_REQUEST")

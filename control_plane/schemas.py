@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from modelforge_contracts.digests import DIGEST_PATTERN
 from modelforge_contracts.text import UNSAFE_LINE, UNSAFE_TEXT
 
 
@@ -353,7 +354,7 @@ class VersionInfo(BaseModel):
 
 # -- jobs ------------------------------------------------------------------------------
 
-Digest = Annotated[str, StringConstraints(pattern=r"^sha256:[0-9a-f]{64}$")]
+Digest = Annotated[str, StringConstraints(pattern=f"^{DIGEST_PATTERN}$")]
 Identifier = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=100)]
 ModuleName = Annotated[
     str,

@@ -13,12 +13,14 @@ Every JSON document is read with a size limit and a nesting limit, so a hostile 
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from modelforge_contracts.digests import is_digest
+from modelforge_contracts.json_trees import tree_problem
 
 MANIFEST_FILE = "release-manifest.json"
 #: The largest release manifest read into memory (a real one is a few KiB).
@@ -28,7 +30,6 @@ MAX_JSON_DEPTH = 32
 #: What an image name in the manifest must look like, and the component it names.
 IMAGE_PREFIX = "modelforge-"
 COMPONENT_LABEL = "io.modelforge.component"
-_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 class ManifestError(Exception):
@@ -106,18 +107,10 @@ def parse_json(raw: bytes, what: str, *, max_depth: int = MAX_JSON_DEPTH) -> Any
         ) from None
     except ValueError as exc:  # also UnicodeDecodeError
         raise ManifestError(f"{what} is not valid JSON ({exc})") from None
-    depth, pending = 0, [(value, 1)]
-    while pending:
-        node, level = pending.pop()
-        if isinstance(node, dict | list):
-            depth = max(depth, level)
-            if depth > max_depth:
-                raise ManifestError(
-                    f"{what}: nested more than {max_depth} levels deep; "
-                    "not a document this tool writes"
-                )
-            children = node.values() if isinstance(node, dict) else node
-            pending.extend((child, level + 1) for child in children)
+    if tree_problem(value, max_depth=max_depth, finite=False) is not None:
+        raise ManifestError(
+            f"{what}: nested more than {max_depth} levels deep; not a document this tool writes"
+        )
     return value
 
 
@@ -217,7 +210,7 @@ def parse_manifest(raw: bytes, name: str = MANIFEST_FILE) -> Manifest:
     images = {image: parse_image_entry(image, entry) for image, entry in data["images"].items()}
     problems = []
     for entry in images.values():
-        if entry.config_digest is None or not _DIGEST.fullmatch(entry.config_digest):
+        if not is_digest(entry.config_digest):
             found = data["images"][entry.name].get("config_digest")
             problems.append(
                 f"{entry.name}: field config_digest expected a digest 'sha256:<64 hex>' (the "

@@ -7,9 +7,8 @@ the cache, the client) checks it here first, and nothing else ever becomes a fil
 
 from __future__ import annotations
 
-import re
+from modelforge_contracts.digests import is_digest
 
-_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _SHOWN = 80
 
 
@@ -19,7 +18,7 @@ class InvalidDigest(ValueError):
 
 def check_digest(value: object) -> str:
     """`value` when it is a digest; `InvalidDigest` otherwise."""
-    if isinstance(value, str) and _DIGEST.fullmatch(value):
+    if is_digest(value):
         return value
     shown = repr(value)
     if len(shown) > _SHOWN:

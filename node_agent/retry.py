@@ -124,8 +124,10 @@ def certificate_problem(exc: BaseException) -> str | None:
 
 
 def describe(exc: BaseException, method: str, path: str) -> str:
+    """A failed attempt in one line: the refusal as `ControlPlaneError` words it, or the class of
+    the transport error."""
     if isinstance(exc, ControlPlaneError):
-        return f"HTTP {exc.status} {exc.code} on {method} {path}"
+        return str(exc)
     return f"{type(exc).__name__} on {method} {path}"
 
 

@@ -111,18 +111,8 @@ def prepare_jobs_directory(path: Path) -> int:
 def stop_job(process: subprocess.Popen[bytes]) -> None:
     """Ask the job's supervisor to end it (SIGTERM) and wait; one that does not answer in time
     is killed with its process group."""
-    try:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=_STOP_TIMEOUT)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        log.error("the supervisor of a job did not stop in %.0f s; killing it", _STOP_TIMEOUT)
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    process.wait()
+    _ask_to_stop(process)
+    _await_stop(process)
 
 
 def stop_all() -> None:
@@ -131,12 +121,28 @@ def stop_all() -> None:
         processes = list(_running.values())
     for process in processes:
         if process.poll() is None:
-            try:
-                process.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+            _ask_to_stop(process)
     for process in processes:
-        stop_job(process)
+        _await_stop(process)
+
+
+def _ask_to_stop(process: subprocess.Popen[bytes]) -> None:
+    try:
+        process.send_signal(signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+
+
+def _await_stop(process: subprocess.Popen[bytes]) -> None:
+    try:
+        process.wait(timeout=_STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        log.error("the supervisor of a job did not stop in %.0f s; killing it", _STOP_TIMEOUT)
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
 
 
 def _readable(path: str) -> bool:

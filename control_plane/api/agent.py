@@ -114,18 +114,15 @@ async def heartbeat(
     node: NodeDep,
     ctx: ContextDep,
 ) -> HeartbeatResponse:
-    # The hot path of a fleet: no database round trip (see services/heartbeats.py).
-    try:
-        return accept_heartbeat(
-            body,
-            node_id=node.node_id,
-            buffer=ctx.heartbeats,
-            clock=ctx.clock,
-            settings=ctx.settings,
-        )
-    except ProtocolIncompatible as refusal:
-        await run_in_threadpool(_refuse, ctx, node.node_id, refusal)
-        raise
+    # No database round trip (see services/heartbeats.py). The protocol was judged, and a
+    # refusal recorded, by `heartbeat_protocol` from the same JSON before `body` was validated.
+    return accept_heartbeat(
+        body,
+        node_id=node.node_id,
+        buffer=ctx.heartbeats,
+        clock=ctx.clock,
+        settings=ctx.settings,
+    )
 
 
 @router.put("/inventory", response_model=Accepted)

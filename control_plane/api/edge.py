@@ -22,7 +22,6 @@ never quote the request.
 from __future__ import annotations
 
 import json
-import math
 import re
 from typing import Any
 
@@ -31,6 +30,7 @@ from pydantic_core import from_json
 from control_plane.api.asgi import ASGIApp, Message, Receive, Scope, Send, replay
 from control_plane.context import AppContext
 from control_plane.errors import InvalidRequest, ModelForgeError, RequestTooLarge
+from modelforge_contracts.json_trees import tree_problem
 
 #: The deepest nesting of arrays and objects accepted in a JSON body (the body itself is 1).
 MAX_JSON_DEPTH = 64
@@ -143,33 +143,20 @@ def check_json(body: bytes) -> ModelForgeError | None:
     except ValueError as exc:
         if "recursion limit" in str(exc):  # deeper than the parser goes: deeper than ours
             return _too_deep()
-        return ModelForgeError(
-            "The body is not JSON this control plane can read (malformed, not UTF-8, a lone "
-            "surrogate in a string, or an integer of more than 4300 digits).",
-            "Send a JSON body matching the schema in /docs.",
-            code="INVALID_JSON",
-        )
-    return _check_value(value)
+        return invalid_json()
+    problem = tree_problem(value, max_depth=MAX_JSON_DEPTH, finite=True)
+    if problem == "too_deep":
+        return _too_deep()
+    return _not_finite() if problem == "not_finite" else None
 
 
-def _check_value(value: Any) -> ModelForgeError | None:
-    """Depth and finiteness, walked without recursion (the depth is what is being checked)."""
-    if isinstance(value, float):
-        return None if math.isfinite(value) else _not_finite()
-    if not isinstance(value, dict | list):
-        return None
-    pending: list[tuple[Any, int]] = [(value, 1)]
-    while pending:
-        container, depth = pending.pop()
-        if depth > MAX_JSON_DEPTH:
-            return _too_deep()
-        for item in container.values() if isinstance(container, dict) else container:
-            if isinstance(item, float):
-                if not math.isfinite(item):
-                    return _not_finite()
-            elif isinstance(item, dict | list):
-                pending.append((item, depth + 1))
-    return None
+def invalid_json() -> ModelForgeError:
+    return ModelForgeError(
+        "The body is not JSON this control plane can read (malformed, not UTF-8, a lone "
+        "surrogate in a string, or an integer of more than 4300 digits).",
+        "Send a JSON body matching the schema in /docs.",
+        code="INVALID_JSON",
+    )
 
 
 def _too_deep() -> ModelForgeError:
