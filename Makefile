@@ -40,6 +40,7 @@ lint: install
 test: lint
 	./scripts/ensure-postgres
 	./scripts/ensure-chromium
+	./scripts/ensure-haproxy
 	$(VENV)/bin/pytest --ignore=tests/e2e_docker
 
 ## The heavier end-to-end suite against a real Docker engine (installed and started if needed):

@@ -8,7 +8,11 @@ What is measured
    a free port against that database. ``--nodes`` nodes are enrolled through the real API (admin
    mints an enrollment, the "agent" claims it), so every node holds a real EdDSA credential.
 3. Warm-up: every node sends one heartbeat (the first contact verifies the JWT signature and
-   reads the ``jti`` status from the database; later requests hit the in-memory caches).
+   reads the ``jti`` status from the database; later requests hit the in-memory caches). With
+   ``--restart`` the control plane is restarted first (same database, same data dir), so the
+   warm-up is a fleet's first heartbeats after a restart, whose ``jti`` statuses the control
+   plane loaded at start. Either way the run prints how many times PostgreSQL read the
+   ``node_credentials`` table meanwhile (``pg_stat_user_tables``: index plus sequential scans).
 4. Measured run: a *separate process* sends heartbeats for ``--duration`` seconds over
    ``--connections`` keep-alive connections, rotating the ``Authorization`` header across all
    node credentials. The load generator is ``wrk`` (Debian package ``wrk``:
@@ -72,6 +76,8 @@ HEARTBEAT_BODY = (
 )
 TARGET_RATIO = 0.5
 VERIFY_DELAY_S = 1.5
+#: PostgreSQL's backends report their table statistics within this long (an idle one: 10 s).
+STATS_DELAY_S = 11.0
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 WRK_SCRIPT = r"""
@@ -172,6 +178,17 @@ class Postgres:
             ).fetchone()
         assert row is not None
         return int(row[0]), int(row[1]), int(row[2])
+
+    def credential_reads(self) -> int:
+        """Index and sequential scans of `node_credentials` so far, as the statistics collector
+        has them (a backend reports at most every second, an idle one within ten)."""
+        with self._connect(self.database) as conn:
+            row = conn.execute(
+                "SELECT seq_scan + coalesce(idx_scan, 0) FROM pg_stat_user_tables"
+                " WHERE relname = 'node_credentials'"
+            ).fetchone()
+        assert row is not None
+        return int(row[0])
 
 
 def run_pgbench(
@@ -630,6 +647,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--enroll-concurrency", type=int, default=8)
     parser.add_argument("--profile", type=Path, help="py-spy output file for the measured run")
     parser.add_argument("--keep", action="store_true", help="keep the database afterwards")
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="restart the control plane between enrolment and warm-up: the warm-up is then a"
+        " fleet's first heartbeats after a restart",
+    )
     return parser.parse_args(argv)
 
 
@@ -703,13 +726,24 @@ def main(argv: list[str]) -> int:
             creds = workdir / "credentials.txt"
             creds.write_text("\n".join(credentials) + "\n")
 
+            if args.restart:
+                server.stop()
+                server = ControlPlane(pg, workdir, free_port())
+                server.wait_healthy()
+                print("restarted the control plane (same database, same data dir)")
+            time.sleep(STATS_DELAY_S)  # every backend has reported its scans
+            reads = pg.credential_reads()
             t = time.perf_counter()
             failed = asyncio.run(_warm_up(server.base, credentials, args.enroll_concurrency))
+            warm_up_s = time.perf_counter() - t
+            time.sleep(STATS_DELAY_S)  # let the warm-up batch flush and the scans be reported
+            reads = pg.credential_reads() - reads
             print(
-                f"warm-up: one heartbeat per node in {time.perf_counter() - t:.1f} s"
-                f" ({failed} not answered 200)"
+                f"warm-up: one heartbeat per node in {warm_up_s:.1f} s"
+                f" ({failed} not answered 200); node_credentials read {reads} times meanwhile"
+                f" (with the {STATS_DELAY_S:.0f} s after it; the credential refresh reads it"
+                " once a second)"
             )
-            time.sleep(1.0)  # let the warm-up batch flush
 
             run_start = datetime.now(UTC)
             rounds: list[Round] = []

@@ -21,9 +21,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane import RELEASE_VERSION
 from control_plane.admin_token import resolve_admin_token
-from control_plane.api import admin, agent, agent_work, console, docs, jobs, public
+from control_plane.api import admin, agent, agent_work, console, docs, jobs, metrics, public
+from control_plane.api.agent_fast import AgentFastPath
 from control_plane.api.edge import Edge, JsonGuard, invalid_json
-from control_plane.api.heartbeat_fast import HeartbeatFastPath
 from control_plane.background.loops import start_loops, stop_loops
 from control_plane.clock import Clock, SystemClock
 from control_plane.context import AppContext
@@ -42,11 +42,12 @@ from control_plane.settings import Settings
 from modelforge_contracts.errors import error_body
 
 log = logging.getLogger(__name__)
+_WORKER_THREADS = 8
 
 
 def create_app(
     settings: Settings | None = None, *, clock: Clock | None = None, run_loops: bool = True
-) -> HeartbeatFastPath:
+) -> AgentFastPath:
     """The served ASGI app: the heartbeat fast path, which answers the common heartbeat itself
     (reading at most 16 KiB, with the same security headers), then for everything else the edge
     (`.app`: body limits, security headers), the JSON guard and the FastAPI app (`.app.app.app`).
@@ -67,18 +68,27 @@ def create_app(
         ),
     )
     ctx.dispatcher.attach(session_factory)
+    ctx.metrics.attach(session_factory)
+    ctx.metrics.read_store(session_factory=session_factory, liveness=ctx.liveness, clock=clock)
     ctx.database.watch(engine)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        # Fewer threads than anyio's 40 for the blocking routes: on a GIL they only contend
+        # (measured: CPU per placement), and each holds a pooled database connection.
+        to_thread.current_default_thread_limiter().total_tokens = _WORKER_THREADS
         await to_thread.run_sync(_start, ctx)
         ctx.dispatcher.bind(asyncio.get_running_loop())
+        ctx.scheduler.start()
+        ctx.completions.start()
         if ctx.settings.is_postgresql:
             ctx.dispatcher.listen(ctx.settings.sqlalchemy_url)
         tasks = start_loops(ctx) if run_loops else []
         try:
             yield
         finally:
+            await ctx.scheduler.stop()
+            await ctx.completions.stop()
             await stop_loops(ctx, tasks)
             ctx.dispatcher.close()
             engine.dispose()
@@ -99,8 +109,9 @@ def create_app(
     app.include_router(jobs.router)
     app.include_router(console.router)
     app.include_router(docs.router)
+    app.include_router(metrics.router)
     console.mount_console(app)
-    return HeartbeatFastPath(Edge(JsonGuard(app), ctx), ctx)
+    return AgentFastPath(Edge(JsonGuard(app), ctx), ctx)
 
 
 def _start(ctx: AppContext) -> None:

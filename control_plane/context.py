@@ -10,8 +10,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.admin_token import AdminTokenSource
 from control_plane.clock import Clock
+from control_plane.completions import Completions
 from control_plane.db import DatabaseAvailability
 from control_plane.dispatch import Dispatcher
+from control_plane.metrics import Metrics
+from control_plane.scheduler import Scheduler
 from control_plane.services.artifacts import ArtifactStore
 from control_plane.services.console_sessions import SignInThrottle
 from control_plane.services.credentials import CredentialAuthority
@@ -30,9 +33,25 @@ class AppContext:
     authority: CredentialAuthority
     heartbeats: HeartbeatBuffer = field(default_factory=HeartbeatBuffer)
     dispatcher: Dispatcher = field(default_factory=Dispatcher)
+    #: This app's Prometheus instruments and registry (`GET /metrics`).
+    metrics: Metrics = field(default_factory=Metrics)
     sign_in_throttle: SignInThrottle = field(default_factory=SignInThrottle)
     #: Outages of the database, each logged once (the app factory makes it watch `engine`).
     database: DatabaseAvailability = field(default_factory=DatabaseAvailability)
+    #: Matches this process's waiting claims to queued jobs (started in the app's lifespan).
+    scheduler: Scheduler = field(init=False)
+    #: Commits agents' job outcomes in groups (started in the app's lifespan).
+    completions: Completions = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.completions = Completions(session_factory=self.session_factory, clock=self.clock)
+        self.scheduler = Scheduler(
+            session_factory=self.session_factory,
+            clock=self.clock,
+            liveness=lambda: self.liveness,
+            dispatcher=self.dispatcher,
+            on_placed=lambda latencies: self.metrics.observe_placements(latencies),
+        )
 
     @property
     def artifacts(self) -> ArtifactStore:

@@ -7,7 +7,7 @@ never stored: enrollment tokens and claim nonces as SHA-256 hashes, credentials 
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
@@ -21,6 +21,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Table,
     Text,
     TypeDecorator,
     text,
@@ -237,3 +238,9 @@ class ConsoleSession(Base):
     id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
     created_at: Mapped[datetime]
     expires_at: Mapped[datetime] = mapped_column(index=True)
+
+
+#: The Core tables of `Job` and `JobEvent`, for bulk statements (executemany with bind
+#: parameters) that the ORM's per-object path would make one round trip each.
+JOBS = cast(Table, Job.__table__)
+JOB_EVENTS = cast(Table, JobEvent.__table__)

@@ -409,6 +409,12 @@ class JobCreate(StrictModel):
     silence_timeout_seconds: Annotated[float, Field(gt=0, le=86400)] = 600.0
 
 
+class JobBatchCreate(StrictModel):
+    """`POST /api/v1/jobs:batch`: many jobs, queued together or not at all."""
+
+    jobs: Annotated[list[JobCreate], Field(min_length=1, max_length=1000)]
+
+
 class JobError(BaseModel):
     code: str
     message: str
@@ -422,6 +428,14 @@ class AssignedGpu(BaseModel):
 
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+
+
+class WaitingReason(BaseModel):
+    """Why a queued job has not started, as the scheduler last saw the fleet (SC-4)."""
+
+    code: str
+    message: str
+    next_step: str
 
 
 class JobPublic(BaseModel):
@@ -445,6 +459,12 @@ class JobPublic(BaseModel):
     error: JobError | None
     #: The GPUs of its node the job holds (or held): empty while queued and for `gpus: 0`.
     assigned_gpus: list[AssignedGpu] = Field(default_factory=list)
+    #: Only while queued: what keeps it from starting.
+    waiting_reason: WaitingReason | None = None
+
+
+class JobBatchPublic(BaseModel):
+    jobs: list[JobPublic]
 
 
 class JobEventPublic(BaseModel):

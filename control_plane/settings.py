@@ -12,6 +12,9 @@ from typing import Literal, Self
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+#: As long as the admin token must be: it is compared unthrottled (see `api/metrics.py`).
+METRICS_TOKEN_MIN_LENGTH = 16
+
 
 class Settings(BaseSettings):
     # Empty variables count as unset: Compose passes `${VAR:-}` through as "".
@@ -28,6 +31,9 @@ class Settings(BaseSettings):
     public_url: str | None = None
     admin_token: SecretStr | None = None
     admin_token_file: Path | None = None
+    #: A token that reads `GET /metrics` and nothing else, so a Prometheus server need not hold
+    #: the admin token (sent as `Authorization: Bearer <token>`).
+    metrics_token: SecretStr | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     node_stale_after_seconds: float = 30.0
@@ -96,6 +102,12 @@ class Settings(BaseSettings):
         ):
             problems.append(
                 "MODELFORGE_DATABASE_URL must start with postgresql+psycopg:// (or sqlite:///)"
+            )
+        if self.metrics_token is not None and (
+            len(self.metrics_token.get_secret_value().strip()) < METRICS_TOKEN_MIN_LENGTH
+        ):
+            problems.append(
+                f"MODELFORGE_METRICS_TOKEN must be at least {METRICS_TOKEN_MIN_LENGTH} characters"
             )
         if (self.tls_cert is None) != (self.tls_key is None):
             problems.append("MODELFORGE_TLS_CERT and MODELFORGE_TLS_KEY must be set together")

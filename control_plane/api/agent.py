@@ -122,6 +122,7 @@ async def heartbeat(
         buffer=ctx.heartbeats,
         clock=ctx.clock,
         settings=ctx.settings,
+        metrics=ctx.metrics,
     )
 
 

@@ -10,7 +10,7 @@ from fastapi.responses import FileResponse
 from control_plane.api.deps import ContextDep, NodeDep
 from control_plane.api.ranges import artifact_response
 from control_plane.context import AppContext
-from control_plane.models import Job
+from control_plane.dispatch import node_key
 from control_plane.schemas import (
     AgentJobCancellations,
     AgentJobComplete,
@@ -18,40 +18,31 @@ from control_plane.schemas import (
     AgentJobReport,
     AgentJobWatch,
     ArtifactPublic,
+    AssignedGpu,
     Digest,
     JobAssignment,
     ResourceId,
     WorkClaim,
 )
 from control_plane.services import artifacts, jobs
-from control_plane.services.scheduling import claim_next_job
+from control_plane.services.scheduling import PlacedJob
 
 router = APIRouter(prefix="/api/v1/agent", tags=["agent"])
 
 
-def _assignment(ctx: AppContext, job: Job) -> JobAssignment:
+def assignment(ctx: AppContext, job: PlacedJob) -> JobAssignment:
+    """What a claim answers with (the route and the agents' fast path)."""
     return JobAssignment(
         job_id=job.id,
         entrypoint=job.entrypoint,
         params=job.params,
         inputs=job.inputs,
         resources=job.resources,
-        assigned_gpus=jobs.assigned_gpus(job),
+        assigned_gpus=[AssignedGpu.model_validate(gpu) for gpu in job.assigned_gpus],
         timeout_seconds=job.timeout_seconds,
         silence_timeout_seconds=job.silence_timeout_seconds,
         progress_interval_seconds=ctx.settings.job_progress_interval_seconds,
     )
-
-
-def _claim(ctx: AppContext, node_id: str) -> JobAssignment | None:
-    with ctx.session_factory.begin() as session:
-        job = claim_next_job(
-            session=session,
-            clock=ctx.clock,
-            node_id=node_id,
-            liveness=ctx.liveness,
-        )
-        return None if job is None else _assignment(ctx, job)
 
 
 @router.post(
@@ -60,15 +51,15 @@ def _claim(ctx: AppContext, node_id: str) -> JobAssignment | None:
     responses={204: {"description": "no work within the hold"}},
 )
 async def claim_work(body: WorkClaim, node: NodeDep, ctx: ContextDep) -> JobAssignment | Response:
-    """Long poll: answers with a job as soon as one this node may run is queued."""
-
-    async def attempt() -> JobAssignment | None:
-        # A credential revoked while the claim waits ends it, and hands it nothing.
+    """Long poll: answers with a job as soon as the scheduler places one on this node."""
+    placed = await ctx.scheduler.claim(
+        node.node_id, body.hold_seconds, lambda: ctx.authority.still_active(node)
+    )
+    if placed is None:
+        # A credential revoked while the claim waited ends it, and it got nothing.
         ctx.authority.recheck(node)
-        return await run_in_threadpool(_claim, ctx, node.node_id)
-
-    found = await ctx.dispatcher.poll(body.hold_seconds, attempt)
-    return found if found is not None else Response(status_code=status.HTTP_204_NO_CONTENT)
+        return Response(status_code=status.HTTP_204_NO_CONTENT)
+    return assignment(ctx, placed)
 
 
 @router.post("/jobs/watch", response_model=AgentJobCancellations)
@@ -84,7 +75,8 @@ async def watch_jobs(body: AgentJobWatch, node: NodeDep, ctx: ContextDep) -> Age
         ctx.authority.recheck(node)
         return await run_in_threadpool(check)
 
-    return AgentJobCancellations(cancel=await ctx.dispatcher.poll(body.hold_seconds, attempt) or [])
+    stopped = await ctx.dispatcher.poll(body.hold_seconds, attempt, [node_key(node.node_id)])
+    return AgentJobCancellations(cancel=stopped or [])
 
 
 @router.post("/jobs/{job_id}/events", response_model=AgentJobControl)
@@ -103,21 +95,24 @@ def report_job(
 
 
 @router.post("/jobs/{job_id}/complete", response_model=AgentJobControl)
-def complete_job(
+async def complete_job(
     job_id: ResourceId, body: AgentJobComplete, node: NodeDep, ctx: ContextDep
 ) -> AgentJobControl:
-    with ctx.session_factory.begin() as session:
-        jobs.complete_job(
-            session=session,
-            clock=ctx.clock,
-            job_id=job_id,
-            node_id=node.node_id,
-            state=body.state,
-            result=body.result,
-            outputs=dict(body.outputs),
-            error=(body.error.code, body.error.message) if body.error else None,
-        )
+    """Answered once the outcome is committed (in a group with other agents' outcomes)."""
+    await ctx.completions.record(outcome(job_id, node.node_id, body))
     return AgentJobControl(cancel=False)
+
+
+def outcome(job_id: str, node_id: str, body: AgentJobComplete) -> jobs.Outcome:
+    """The outcome an agent's completion reports (the route and the agents' fast path)."""
+    return jobs.Outcome(
+        job_id=job_id,
+        node_id=node_id,
+        state=body.state,
+        result=body.result,
+        outputs=dict(body.outputs),
+        error=(body.error.code, body.error.message) if body.error else None,
+    )
 
 
 @router.put(

@@ -1,4 +1,4 @@
-"""What the pure-ASGI seams in front of FastAPI share (`edge.py`, `heartbeat_fast.py`): the
+"""What the pure-ASGI seams in front of FastAPI share (`edge.py`, `agent_fast.py`): the
 ASGI types, and handing on a request whose body a seam has already read."""
 
 from __future__ import annotations

@@ -48,7 +48,9 @@ SECURITY_HEADERS: tuple[tuple[bytes, bytes], ...] = (
 
 # Bodies with a limit of their own: job submissions and an agent's job reports and results
 # ("job"); artifact uploads, which stream to disk ("artifact"). Everything else: the general one.
-_JOB_BODIES = re.compile(r"^/api/v1/jobs/?$|^/api/v1/agent/jobs/[^/]+/(events|complete)/?$")
+_JOB_BODIES = re.compile(
+    r"^/api/v1/jobs(:batch)?/?$|^/api/v1/agent/jobs/[^/]+/(events|complete)/?$"
+)
 _ARTIFACT_UPLOADS = {
     "POST": re.compile(r"^/api/v1/artifacts/?$"),
     "PUT": re.compile(r"^/api/v1/agent/artifacts/[^/]+/?$"),

@@ -7,13 +7,18 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
+from sqlalchemy.orm import Session
 
 from control_plane.api.deps import AdminDep, ContextDep, SessionDep
 from control_plane.api.ranges import artifact_response
 from control_plane.context import AppContext
+from control_plane.dispatch import job_key
+from control_plane.models import Job
 from control_plane.schemas import (
     ArtifactPublic,
     Digest,
+    JobBatchCreate,
+    JobBatchPublic,
     JobCreate,
     JobEventPublic,
     JobPublic,
@@ -24,15 +29,31 @@ from control_plane.services import artifacts, jobs
 router = APIRouter(prefix="/api/v1", tags=["jobs"], dependencies=[AdminDep])
 
 
+def _public(ctx: AppContext, job: Job, session: Session) -> JobPublic:
+    return jobs.job_public(job, ctx.scheduler.waiting_reason(job, session))
+
+
 @router.post("/jobs", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
 def submit_job(body: JobCreate, ctx: ContextDep, session: SessionDep) -> JobPublic:
     job = jobs.submit_job(session=session, clock=ctx.clock, request=body)
+    view = _public(ctx, job, session)
     session.commit()
-    return jobs.job_public(job)
+    return view
+
+
+@router.post("/jobs:batch", status_code=status.HTTP_201_CREATED, response_model=JobBatchPublic)
+def submit_jobs(body: JobBatchCreate, ctx: ContextDep, session: SessionDep) -> JobBatchPublic:
+    """Up to 1,000 jobs in one transaction: all are queued, in the order given, or none (a bad
+    one is named by its index, `jobs[<i>]`, and nothing is queued)."""
+    queued = jobs.submit_jobs(session=session, clock=ctx.clock, requests=body.jobs)
+    views = JobBatchPublic(jobs=[_public(ctx, job, session) for job in queued])
+    session.commit()
+    return views
 
 
 @router.get("/jobs", response_model=list[JobPublic])
 def list_jobs(
+    ctx: ContextDep,
     session: SessionDep,
     state: Annotated[
         str | None, Query(pattern="^(queued|running|succeeded|failed|cancelled)$")
@@ -41,19 +62,20 @@ def list_jobs(
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> list[JobPublic]:
     rows = jobs.list_jobs(session=session, state=state, node_id=node_id, limit=limit)
-    return [jobs.job_public(job) for job in rows]
+    return [_public(ctx, job, session) for job in rows]
 
 
 @router.get("/jobs/{job_id}", response_model=JobPublic)
-def get_job(job_id: ResourceId, session: SessionDep) -> JobPublic:
-    return jobs.job_public(jobs.get_job(session=session, job_id=job_id))
+def get_job(job_id: ResourceId, ctx: ContextDep, session: SessionDep) -> JobPublic:
+    return _public(ctx, jobs.get_job(session=session, job_id=job_id), session)
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=JobPublic)
 def cancel_job(job_id: ResourceId, ctx: ContextDep, session: SessionDep) -> JobPublic:
     job = jobs.cancel_job(session=session, clock=ctx.clock, job_id=job_id)
+    view = _public(ctx, job, session)
     session.commit()
-    return jobs.job_public(job)
+    return view
 
 
 @router.delete("/jobs/{job_id}", status_code=status.HTTP_204_NO_CONTENT)
@@ -81,7 +103,7 @@ async def job_events(
     async def attempt() -> list[JobEventPublic] | None:
         return await run_in_threadpool(_events, ctx, job_id, after, limit) or None
 
-    return await ctx.dispatcher.poll(wait, attempt) or []
+    return await ctx.dispatcher.poll(wait, attempt, [job_key(job_id)]) or []
 
 
 @router.post("/artifacts", status_code=status.HTTP_201_CREATED, response_model=ArtifactPublic)

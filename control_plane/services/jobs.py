@@ -6,44 +6,84 @@ or cancelled exactly once, also with several replicas on one PostgreSQL).
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
 from control_plane.db import rowcount
-from control_plane.dispatch import jobs_changed
-from control_plane.errors import Conflict, NotFound
-from control_plane.models import Job, JobEvent
-from control_plane.schemas import AssignedGpu, JobCreate, JobError, JobPublic
+from control_plane.dispatch import CAPACITY, job_key, jobs_changed, node_key, queued_key
+from control_plane.errors import Conflict, ModelForgeError, NotFound
+from control_plane.metrics import job_finished
+from control_plane.models import JOB_EVENTS, JOBS, Job, JobEvent
+from control_plane.schemas import AssignedGpu, JobCreate, JobError, JobPublic, WaitingReason
 from control_plane.security import new_id
 
 FINISHED = ("succeeded", "failed", "cancelled")
 
 
 def submit_job(*, session: Session, clock: Clock, request: JobCreate) -> Job:
-    now = clock.now()
-    job = Job(
-        id=new_id("job"),
-        state="queued",
-        entrypoint=request.entrypoint.model_dump(),
-        params=request.params,
-        inputs=dict(request.inputs),
-        resources=request.resources.model_dump(),
-        labels=dict(request.labels),
-        worker_policy=request.worker_policy,
-        timeout_seconds=request.timeout_seconds,
-        silence_timeout_seconds=request.silence_timeout_seconds,
-        created_at=now,
-        cancel_requested=False,
-        next_event_seq=1,
-    )
-    session.add(job)
+    return submit_jobs(session=session, clock=clock, requests=[request])[0]
+
+
+class _SubmissionTimes:
+    """Submission times that strictly increase within this process, so jobs submitted one
+    after another are placed in that order even when the clock reads the same twice."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: datetime | None = None
+
+    def take(self, now: datetime, count: int) -> datetime:
+        """The first of `count` consecutive microseconds, none before `now`."""
+        with self._lock:
+            if self._last is not None and now <= self._last:
+                now = self._last + timedelta(microseconds=1)
+            self._last = now + timedelta(microseconds=count - 1)
+            return now
+
+
+_submission_times = _SubmissionTimes()
+
+
+def submit_jobs(*, session: Session, clock: Clock, requests: list[JobCreate]) -> list[Job]:
+    """Queue every job of `requests` in `session`'s transaction (all or nothing), in order:
+    each is a little younger than the one before it, so they are placed in the order given."""
+    now = _submission_times.take(clock.now(), len(requests))
+    jobs = [
+        Job(
+            id=new_id("job"),
+            state="queued",
+            entrypoint=request.entrypoint.model_dump(),
+            params=request.params,
+            inputs=dict(request.inputs),
+            resources=request.resources.model_dump(),
+            labels=dict(request.labels),
+            worker_policy=request.worker_policy,
+            timeout_seconds=request.timeout_seconds,
+            silence_timeout_seconds=request.silence_timeout_seconds,
+            created_at=now + timedelta(microseconds=index),
+            cancel_requested=False,
+            next_event_seq=2,
+        )
+        for index, request in enumerate(requests)
+    ]
+    session.add_all(jobs)
     session.flush()
-    append_events(session, job, [("state", {"state": "queued"})], at=now)
-    return job
+    # The first event of each, written in one statement (`append_events` is per job).
+    session.execute(
+        insert(JOB_EVENTS),
+        [
+            {"job_id": job.id, "seq": 1, "at": now, "kind": "state", "data": {"state": "queued"}}
+            for job in jobs
+        ],
+    )
+    jobs_changed(session, [key for job in jobs for key in (job_key(job.id), queued_key(job.id))])
+    return jobs
 
 
 def get_job(*, session: Session, job_id: str) -> Job:
@@ -64,7 +104,7 @@ def list_jobs(*, session: Session, state: str | None, node_id: str | None, limit
     return list(session.scalars(query))
 
 
-def job_public(job: Job) -> JobPublic:
+def job_public(job: Job, waiting_reason: WaitingReason | None = None) -> JobPublic:
     entrypoint = dict(job.entrypoint)
     if "source" in entrypoint:
         entrypoint["source"] = sorted(entrypoint["source"])  # file names; the text stays private
@@ -90,6 +130,7 @@ def job_public(job: Job) -> JobPublic:
         if job.error_code
         else None,
         assigned_gpus=assigned_gpus(job),
+        waiting_reason=waiting_reason,
     )
 
 
@@ -97,26 +138,48 @@ def assigned_gpus(job: Job) -> list[AssignedGpu]:
     return [AssignedGpu.model_validate(gpu) for gpu in job.assigned_gpus or []]
 
 
+class JobRef(Protocol):
+    """A job as the event log needs it: a `Job`, or a `RunningJob` read without the row."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def node_id(self) -> str | None: ...
+
+
 def append_events(
-    session: Session, job: Job, events: list[tuple[str, Any]], *, at: datetime
+    session: Session, job: JobRef, events: list[tuple[str, Any]], *, at: datetime
 ) -> None:
     """Append in order; `next_event_seq` is bumped with the row lock held by this UPDATE.
 
-    Every change of a job passes here, so this registers the wake-up: a state change wakes
-    every replica's waiters, progress only this process's followers.
+    Every change of a job but its placement (`scheduling.place_batch`, in bulk) passes here,
+    so this registers the wake-ups: the job's followers; for a state change of a job on a node,
+    that node's cancellation watch, and the scheduler when it ended (the node has room again).
+    A state change wakes every replica's waiters, progress only this process's followers.
     """
     if not events:
         return
-    jobs_changed(session, replicas=any(kind == "state" for kind, _ in events))
+    keys = {job_key(job.id)}
+    states = [data.get("state") for kind, data in events if kind == "state"]
+    if states and job.node_id is not None:
+        keys.add(node_key(job.node_id))
+        if any(state in FINISHED for state in states):
+            keys.add(CAPACITY)
+    jobs_changed(session, keys, replicas=bool(states))
     first = session.execute(
-        update(Job)
-        .where(Job.id == job.id)
-        .values(next_event_seq=Job.next_event_seq + len(events))
-        .returning(Job.next_event_seq)
+        update(JOBS)
+        .where(JOBS.c.id == job.id)
+        .values(next_event_seq=JOBS.c.next_event_seq + len(events))
+        .returning(JOBS.c.next_event_seq)
     ).scalar_one() - len(events)
-    for offset, (kind, data) in enumerate(events):
-        session.add(JobEvent(job_id=job.id, seq=first + offset, at=at, kind=kind, data=data))
-    session.flush()
+    session.execute(
+        insert(JOB_EVENTS),
+        [
+            {"job_id": job.id, "seq": first + offset, "at": at, "kind": kind, "data": data}
+            for offset, (kind, data) in enumerate(events)
+        ],
+    )
 
 
 def list_events(*, session: Session, job_id: str, after: int, limit: int) -> list[JobEvent]:
@@ -133,7 +196,7 @@ def list_events(*, session: Session, job_id: str, after: int, limit: int) -> lis
 
 def _finish(
     session: Session,
-    job: Job,
+    job: JobRef,
     *,
     state: str,
     at: datetime,
@@ -143,12 +206,12 @@ def _finish(
     outputs: dict[str, str] | None = None,
     node_id: str | None = None,
 ) -> bool:
-    conditions = [Job.id == job.id, Job.state.in_(from_states)]
+    conditions = [JOBS.c.id == job.id, JOBS.c.state.in_(from_states)]
     if node_id is not None:
-        conditions.append(Job.node_id == node_id)
+        conditions.append(JOBS.c.node_id == node_id)
     changed = rowcount(
         session.execute(
-            update(Job)
+            update(JOBS)
             .where(*conditions)
             .values(
                 state=state,
@@ -165,6 +228,7 @@ def _finish(
         if error:
             data["error"] = {"code": error[0], "message": error[1]}
         append_events(session, job, [("state", data)], at=at)
+        job_finished(session, state=state, code=error[0] if error else None)
     return changed == 1
 
 
@@ -210,21 +274,44 @@ def delete_job(*, session: Session, job_id: str) -> None:
 # -- the agent's side ---------------------------------------------------------------------------
 
 
-def _owned_running(session: Session, job_id: str, node_id: str) -> Job:
-    job = session.get(Job, job_id)
-    if job is None or job.node_id != node_id:
-        raise NotFound(
+@dataclass(frozen=True)
+class RunningJob:
+    """What the agent's side needs of a job it runs (read without loading the whole row)."""
+
+    id: str
+    node_id: str | None
+    cancel_requested: bool
+
+
+def _owned_running(session: Session, job_id: str, node_id: str) -> RunningJob:
+    """The job, locked, when it runs on `node_id`; the agent's refusal otherwise."""
+    row = session.execute(
+        select(JOBS.c.node_id, JOBS.c.state, JOBS.c.cancel_requested)
+        .where(JOBS.c.id == job_id)
+        .with_for_update()
+    ).first()
+    problem = _not_owned_running(row, node_id)
+    if problem is not None:
+        raise problem
+    assert row is not None  # noqa: S101 - narrowed by _not_owned_running
+    return RunningJob(job_id, row.node_id, bool(row.cancel_requested))
+
+
+def _not_owned_running(row: Any, node_id: str) -> ModelForgeError | None:
+    """The refusal for an agent that reports on a job it does not run (row: node_id, state)."""
+    if row is None or row.node_id != node_id:
+        return NotFound(
             "This job is not assigned to this node.",
             "Drop it: the control plane does not expect this node to run it.",
             code="JOB_NOT_ASSIGNED",
         )
-    if job.state != "running":
-        raise Conflict(
-            f"This job is {job.state}.",
+    if row.state != "running":
+        return Conflict(
+            f"This job is {row.state}.",
             "Stop running it and kill its processes.",
             code="JOB_NOT_RUNNING",
         )
-    return job
+    return None
 
 
 def record_report(
@@ -238,9 +325,117 @@ def record_report(
     """Progress from the agent: appends events, renews contact. Returns cancel-requested."""
     job = _owned_running(session, job_id, node_id)
     now = clock.now()
-    session.execute(update(Job).where(Job.id == job_id).values(last_contact_at=now))
+    session.execute(update(JOBS).where(JOBS.c.id == job_id).values(last_contact_at=now))
     append_events(session, job, events, at=now)
     return job.cancel_requested
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What an agent reports when a job ends."""
+
+    job_id: str
+    node_id: str
+    state: str
+    result: Any
+    outputs: dict[str, str]
+    error: tuple[str, str] | None
+
+
+def complete_jobs(
+    *, session: Session, clock: Clock, outcomes: list[Outcome]
+) -> list[ModelForgeError | None]:
+    """Record many agents' outcomes in `session`'s transaction, in four statements whatever
+    their number (lock, update, events, and the wake-up): every placement ends here, so the
+    control plane commits them in groups. Returns, per outcome, its refusal or None; a refused
+    one changes nothing."""
+    now = clock.now()
+    rows = {
+        row.id: row
+        for row in session.execute(
+            select(
+                JOBS.c.id,
+                JOBS.c.node_id,
+                JOBS.c.state,
+                JOBS.c.cancel_requested,
+                JOBS.c.next_event_seq,
+            )
+            .where(JOBS.c.id.in_(sorted({outcome.job_id for outcome in outcomes})))
+            .order_by(JOBS.c.id)
+            .with_for_update()
+        )
+    }
+    problems: list[ModelForgeError | None] = []
+    changes: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+    keys: set[str] = set()
+    done: set[str] = set()
+    for outcome in outcomes:
+        row = rows.get(outcome.job_id)
+        problem = _not_owned_running(row, outcome.node_id)
+        if problem is None and outcome.job_id in done:  # reported twice in one group
+            problem = _not_owned_running(_Finished(outcome.node_id), outcome.node_id)
+        problems.append(problem)
+        if problem is not None or row is None:
+            continue
+        done.add(outcome.job_id)
+        state, error = outcome.state, outcome.error
+        if row.cancel_requested:
+            state, error = "cancelled", ("JOB_CANCELLED", "cancelled while running")
+        if state == "failed" and error is None:
+            error = ("JOB_FAILED", "the job failed without a reason")
+        succeeded = state == "succeeded"
+        changes.append(
+            {
+                "b_id": outcome.job_id,
+                "b_state": state,
+                "b_result": outcome.result if succeeded else None,
+                "b_outputs": outcome.outputs if succeeded else None,
+                "b_code": error[0] if error else None,
+                "b_message": error[1] if error else None,
+                "b_next_seq": row.next_event_seq + 1,
+            }
+        )
+        data: dict[str, Any] = {"state": state}
+        if error:
+            data["error"] = {"code": error[0], "message": error[1]}
+        events.append(
+            {
+                "job_id": outcome.job_id,
+                "seq": row.next_event_seq,
+                "at": now,
+                "kind": "state",
+                "data": data,
+            }
+        )
+        keys.update((job_key(outcome.job_id), node_key(outcome.node_id)))
+        job_finished(session, state=state, code=error[0] if error else None)
+    if changes:
+        session.execute(
+            update(JOBS)
+            .where(JOBS.c.id == bindparam("b_id"))
+            .values(
+                state=bindparam("b_state"),
+                finished_at=now,
+                result=bindparam("b_result", type_=JOBS.c.result.type),
+                outputs=bindparam("b_outputs", type_=JOBS.c.outputs.type),
+                error_code=bindparam("b_code"),
+                error_message=bindparam("b_message"),
+                next_event_seq=bindparam("b_next_seq"),
+            ),
+            changes,
+        )
+        session.execute(insert(JOB_EVENTS), events)
+        jobs_changed(session, [*keys, CAPACITY])
+    return problems
+
+
+@dataclass(frozen=True)
+class _Finished:
+    """A job an earlier outcome of the same group just ended, as `_not_owned_running` reads it."""
+
+    node_id: str
+    state: str = "finished"
 
 
 def complete_job(
@@ -253,25 +448,12 @@ def complete_job(
     result: Any,
     outputs: dict[str, str],
     error: tuple[str, str] | None,
-) -> Job:
-    job = _owned_running(session, job_id, node_id)
-    if job.cancel_requested:
-        state, error = "cancelled", ("JOB_CANCELLED", "cancelled while running")
-    if state == "failed" and error is None:
-        error = ("JOB_FAILED", "the job failed without a reason")
-    _finish(
-        session,
-        job,
-        state=state,
-        at=clock.now(),
-        from_states=("running",),
-        error=error,
-        result=result if state == "succeeded" else None,
-        outputs=outputs if state == "succeeded" else None,
-        node_id=node_id,
-    )
-    session.refresh(job)
-    return job
+) -> None:
+    """One agent's outcome (`complete_jobs` with one); raises its refusal."""
+    outcome = Outcome(job_id, node_id, state, result, outputs, error)
+    (problem,) = complete_jobs(session=session, clock=clock, outcomes=[outcome])
+    if problem is not None:
+        raise problem
 
 
 def cancellations(*, session: Session, node_id: str, job_ids: list[str]) -> list[str]:

@@ -49,7 +49,11 @@ class Liveness:
         return stored
 
     def state(self, node: Node, now: datetime) -> NodeState:
-        return liveness_state(self.last_seen(node.id, node.last_heartbeat_at), now, self.thresholds)
+        return self.state_of(node.id, node.last_heartbeat_at, now)
+
+    def state_of(self, node_id: str, stored: datetime | None, now: datetime) -> NodeState:
+        """`state` from the node's id and stored heartbeat, for readers that select columns."""
+        return liveness_state(self.last_seen(node_id, stored), now, self.thresholds)
 
     def reported(self, node: Node) -> dict[str, Any]:
         """What the node's latest heartbeat said: version, protocol and health."""

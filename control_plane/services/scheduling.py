@@ -1,29 +1,57 @@
-"""Scheduling: which queued job a node may take now.
+"""Scheduling: which queued jobs the nodes waiting for work get, in batches (SC-1, SC-2, SC-5).
 
 Only online, compatible nodes with an inventory get work. A job fits a node when the node
 carries the job's labels (`require`), or — with `prefer` — when no online node carrying them has
 room; and when its resource requests fit the node's inventory minus what its running jobs hold.
 GPUs are counted as a set: a job is handed specific GPUs of its node (index and UUID) that no
 other running job there holds, and waits, queued, while fewer are free than it asks for.
-The claim itself is a conditional UPDATE, so two replicas never hand out one job twice.
+
+The queued jobs are kept in memory (`JobQueue`), grouped by *shape* (labels, policy, resources):
+a batch walks the shapes' oldest jobs in age order, so a job that fits a waiting node is placed
+however many jobs that fit none were queued before it (no head-of-line blocking), and among the
+jobs that fit a node the oldest goes first. `place_batch` commits one batch in one transaction:
+the waiting nodes' rows are locked (in id order, so replicas never deadlock), their free capacity
+is read once, the chosen jobs are locked with `FOR UPDATE SKIP LOCKED` and updated only while
+still `queued` — so a job is handed out exactly once, also with several replicas on one
+PostgreSQL, each scheduling the claims it holds.
+
+`read_fleet` and `explain` say why a queued job waits (SC-4), from what the scheduler last saw.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+import heapq
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
-from control_plane.db import rowcount
-from control_plane.models import Job, Node
-from control_plane.services.jobs import append_events
+from control_plane.dispatch import CAPACITY, job_key, jobs_changed, queued_key
+from control_plane.models import JOB_EVENTS, JOBS, Job, JobEvent, Node
 from control_plane.services.liveness import Liveness
 
-_CANDIDATES = 200
+#: Matching rounds in one batch: a job lost to another replica (or cancelled) is replaced by
+#: the next fitting one while the nodes' locks are held.
+_ROUNDS = 3
+
+
+class Request(NamedTuple):
+    cpus: float
+    gpus: int
+    memory_mb: int
+
+    @classmethod
+    def of(cls, resources: dict[str, Any]) -> Request:
+        return cls(
+            float(resources.get("cpus", 0)),
+            int(resources.get("gpus", 0)),
+            int(resources.get("memory_mb", 0)),
+        )
 
 
 @dataclass(frozen=True)
@@ -35,33 +63,40 @@ class Capacity:
     gpus: tuple[dict[str, Any], ...]
     memory_mb: int
 
-    def fits(self, request: dict[str, Any]) -> bool:
-        return (
-            float(request.get("cpus", 0)) <= self.cpus + 1e-9
-            and int(request.get("gpus", 0)) <= len(self.gpus)
-            and int(request.get("memory_mb", 0)) <= self.memory_mb
+    @classmethod
+    def of_inventory(cls, inventory: dict[str, Any]) -> Capacity:
+        return cls(
+            float(inventory.get("cpu_count", 0)),
+            _inventory_gpus(inventory),
+            int(inventory.get("memory_mb", 0)),
         )
 
-    def pick_gpus(self, request: dict[str, Any]) -> list[dict[str, Any]]:
-        """The GPUs a job with `request` is handed: the free ones with the lowest indexes."""
-        return [dict(gpu) for gpu in self.gpus[: int(request.get("gpus", 0))]]
+    def fits(self, request: Request) -> bool:
+        return (
+            request.cpus <= self.cpus + 1e-9
+            and request.gpus <= len(self.gpus)
+            and request.memory_mb <= self.memory_mb
+        )
 
-    def minus(self, request: dict[str, Any], held_gpus: list[Any] | None) -> Capacity:
+    def pick_gpus(self, request: Request) -> list[dict[str, Any]]:
+        """The GPUs a job with `request` is handed: the free ones with the lowest indexes."""
+        return [dict(gpu) for gpu in self.gpus[: request.gpus]]
+
+    def minus(self, request: Request, held_gpus: list[Any] | None) -> Capacity:
         held = {gpu.get("uuid") for gpu in held_gpus or []}
         gpus = tuple(gpu for gpu in self.gpus if gpu["uuid"] not in held)
         if held_gpus is None:
             # A job running from before GPUs were assigned: it holds as many as it asked for,
             # which ones unknown; count them off the end so the total stays right.
-            gpus = gpus[: max(0, len(gpus) - int(request.get("gpus", 0)))]
-        return Capacity(
-            self.cpus - float(request.get("cpus", 0)),
-            gpus,
-            self.memory_mb - int(request.get("memory_mb", 0)),
-        )
+            gpus = gpus[: max(0, len(gpus) - request.gpus)]
+        return Capacity(self.cpus - request.cpus, gpus, self.memory_mb - request.memory_mb)
 
 
-def labels_match(wanted: dict[str, str], carried: dict[str, str]) -> bool:
-    return all(carried.get(key) == value for key, value in wanted.items())
+def labels_match(
+    wanted: dict[str, str] | tuple[tuple[str, str], ...], carried: dict[str, Any]
+) -> bool:
+    items = wanted.items() if isinstance(wanted, dict) else wanted
+    return all(carried.get(key) == value for key, value in items)
 
 
 def _inventory_gpus(inventory: dict[str, Any]) -> tuple[dict[str, Any], ...]:
@@ -73,88 +108,431 @@ def _inventory_gpus(inventory: dict[str, Any]) -> tuple[dict[str, Any], ...]:
     return tuple(sorted(gpus, key=lambda gpu: gpu["index"]))
 
 
-def _free_capacity(session: Session, node: Node) -> Capacity | None:
-    inventory = node.inventory
-    if not inventory:
-        return None
-    free = Capacity(
-        float(inventory.get("cpu_count", 0)),
-        _inventory_gpus(inventory),
-        int(inventory.get("memory_mb", 0)),
-    )
-    for held, held_gpus in session.execute(
-        select(Job.resources, Job.assigned_gpus).where(
-            Job.node_id == node.id, Job.state == "running"
+# -- the queue in memory ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What decides where a job may run; jobs of one shape are interchangeable to the matcher."""
+
+    labels: tuple[tuple[str, str], ...]
+    prefer: bool
+    request: Request
+
+    @classmethod
+    def of(cls, labels: dict[str, Any], worker_policy: str, resources: dict[str, Any]) -> Shape:
+        return cls(
+            tuple(sorted((str(k), str(v)) for k, v in labels.items())),
+            worker_policy == "prefer",
+            Request.of(resources),
         )
-    ):
-        free = free.minus(held, held_gpus)
+
+    def label_text(self) -> str:
+        return ", ".join(f"{key}={value}" for key, value in self.labels)
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    id: str
+    created_at: datetime
+    shape: Shape
+
+    @property
+    def order(self) -> tuple[datetime, str]:
+        return (self.created_at, self.id)
+
+
+QUEUED_COLUMNS = (Job.id, Job.created_at, Job.labels, Job.worker_policy, Job.resources)
+
+
+def queued_job(row: Any) -> QueuedJob:
+    return QueuedJob(row.id, row.created_at, Shape.of(row.labels, row.worker_policy, row.resources))
+
+
+class JobQueue:
+    """The queued jobs, per shape in age order. Removal is lazy: a shape's list keeps dead
+    entries until they outnumber the live ones, and iteration skips them."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, QueuedJob] = {}
+        self._by_shape: dict[Shape, list[QueuedJob]] = {}
+        self._dead: dict[Shape, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._jobs
+
+    def get(self, job_id: str) -> QueuedJob | None:
+        return self._jobs.get(job_id)
+
+    def add(self, job: QueuedJob) -> None:
+        if job.id in self._jobs:
+            return
+        self._jobs[job.id] = job
+        jobs = self._by_shape.setdefault(job.shape, [])
+        if not jobs or jobs[-1].order <= job.order:
+            jobs.append(job)
+        else:  # another replica's submission that committed late
+            bisect.insort(jobs, job, key=lambda queued: queued.order)
+
+    def discard(self, job_id: str) -> None:
+        job = self._jobs.pop(job_id, None)
+        if job is None:
+            return
+        dead = self._dead[job.shape] = self._dead.get(job.shape, 0) + 1
+        jobs = self._by_shape[job.shape]
+        if dead * 2 > len(jobs):
+            live = [queued for queued in jobs if self._jobs.get(queued.id) is queued]
+            if live:
+                self._by_shape[job.shape] = live
+            else:
+                del self._by_shape[job.shape]
+            self._dead.pop(job.shape, None)
+
+    def ids(self) -> set[str]:
+        return set(self._jobs)
+
+    def shapes(self) -> Iterator[tuple[Shape, Iterator[QueuedJob]]]:
+        """Each shape with its live jobs, oldest first."""
+        for shape, jobs in self._by_shape.items():
+            yield shape, (job for job in jobs if self._jobs.get(job.id) is job)
+
+    def live_shapes(self) -> list[Shape]:
+        """The shapes that have queued jobs."""
+        return [s for s, jobs in self._by_shape.items() if len(jobs) > self._dead.get(s, 0)]
+
+
+# -- matching -----------------------------------------------------------------------------------
+
+
+@dataclass
+class WaitingNode:
+    """A node with claims waiting in this batch: `slots` jobs at most, within `capacity`."""
+
+    node_id: str
+    labels: dict[str, Any]
+    capacity: Capacity
+    slots: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    job: QueuedJob
+    node_id: str
+    gpus: list[dict[str, Any]]
+
+
+@dataclass
+class _Stream:
+    shape: Shape
+    jobs: Iterator[QueuedJob]
+    candidates: list[WaitingNode] | None = None
+    next: int = 0
+
+
+def match(
+    queue: JobQueue,
+    nodes: list[WaitingNode],
+    room_elsewhere: Callable[[Shape], bool],
+    skip: frozenset[str] = frozenset(),
+) -> list[Placement]:
+    """Oldest fitting job first, for every waiting node. `room_elsewhere(shape)` says whether
+    an online node carrying a `prefer` shape's labels has room for it (then it waits for that
+    node instead of going to one without the labels).
+
+    Each shape keeps a cursor over its candidate nodes: capacity only shrinks within a batch,
+    so a node that cannot take a shape's job now never can in this batch, and the work is
+    O(shapes x nodes + placements x log shapes)."""
+    slots = sum(node.slots for node in nodes)
+    heap: list[tuple[datetime, str, int, QueuedJob]] = []
+    streams: list[_Stream] = []
+    for shape, live in queue.shapes():
+        jobs = (job for job in live if job.id not in skip) if skip else live
+        first = next(jobs, None)
+        if first is not None:
+            heap.append((first.created_at, first.id, len(streams), first))
+            streams.append(_Stream(shape, jobs))
+    heapq.heapify(heap)
+    placements: list[Placement] = []
+    while heap and slots:
+        _, _, index, job = heapq.heappop(heap)
+        stream = streams[index]
+        if stream.candidates is None:
+            stream.candidates = _candidates(stream.shape, nodes, room_elsewhere)
+        node = _pick(stream)
+        if node is None:
+            continue  # nothing waiting fits this shape: its younger jobs need not be looked at
+        gpus = node.capacity.pick_gpus(job.shape.request)
+        node.capacity = node.capacity.minus(job.shape.request, gpus)
+        node.slots -= 1
+        slots -= 1
+        placements.append(Placement(job, node.node_id, gpus))
+        following = next(stream.jobs, None)
+        if following is not None:
+            heapq.heappush(heap, (following.created_at, following.id, index, following))
+    return placements
+
+
+def _candidates(
+    shape: Shape, nodes: list[WaitingNode], room_elsewhere: Callable[[Shape], bool]
+) -> list[WaitingNode]:
+    carrying = [node for node in nodes if labels_match(shape.labels, node.labels)]
+    if not shape.prefer or len(carrying) == len(nodes):
+        return carrying
+    if any(node.capacity.fits(shape.request) for node in carrying) or room_elsewhere(shape):
+        return carrying
+    return carrying + [node for node in nodes if not labels_match(shape.labels, node.labels)]
+
+
+def _pick(stream: _Stream) -> WaitingNode | None:
+    candidates = stream.candidates or []
+    while stream.next < len(candidates):
+        node = candidates[stream.next]
+        if node.slots and node.capacity.fits(stream.shape.request):
+            return node
+        stream.next += 1
+    return None
+
+
+# -- one batch in one transaction ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlacedJob:
+    """A job handed to a waiting claim: what the claim answers with."""
+
+    id: str
+    node_id: str
+    created_at: datetime
+    entrypoint: dict[str, Any]
+    params: dict[str, Any]
+    inputs: dict[str, str]
+    resources: dict[str, Any]
+    assigned_gpus: list[dict[str, Any]]
+    timeout_seconds: float
+    silence_timeout_seconds: float
+
+
+@dataclass
+class BatchResult:
+    placed: list[PlacedJob] = field(default_factory=list)
+    #: Jobs that were not queued any more (taken by another replica, cancelled, deleted).
+    gone: list[str] = field(default_factory=list)
+    #: Whether a chosen job was locked by another replica's batch: worth another batch soon.
+    contended: bool = False
+
+
+def free_capacity(session: Session, inventories: dict[str, dict[str, Any]]) -> dict[str, Capacity]:
+    """Every listed node's inventory minus its running jobs, in one query."""
+    free = {node_id: Capacity.of_inventory(inv) for node_id, inv in inventories.items()}
+    if free:
+        for node_id, resources, held_gpus in session.execute(
+            select(Job.node_id, Job.resources, Job.assigned_gpus).where(
+                Job.state == "running", Job.node_id.in_(list(free))
+            )
+        ):
+            free[node_id] = free[node_id].minus(Request.of(resources), held_gpus)
     return free
 
 
-def _eligible(node: Node, now: datetime, liveness: Liveness) -> bool:
-    return (
-        liveness.state(node, now) == "online"
-        and node.compat_code is None
-        and node.inventory is not None
-    )
-
-
-def claim_next_job(
+def place_batch(
     *,
     session: Session,
     clock: Clock,
-    node_id: str,
     liveness: Liveness,
-) -> Job | None:
+    waiting: dict[str, int],
+    queue: JobQueue,
+    room_elsewhere: Callable[[Shape], bool],
+) -> BatchResult:
+    """Match `waiting` (node id -> claims waiting) to `queue` and commit the placements in
+    `session`'s transaction. The caller drops `gone` from its queue."""
     now = clock.now()
-    # Locks the node row on PostgreSQL: one claim per node at a time, so parallel slots of one
-    # agent never over-commit its resources (SQLite serialises writers anyway).
-    node = session.get(Node, node_id, with_for_update=True)
-    if node is None or not _eligible(node, now, liveness):
-        return None
-    free = _free_capacity(session, node)
-    if free is None:
-        return None
-    queued = session.scalars(
-        select(Job).where(Job.state == "queued").order_by(Job.created_at).limit(_CANDIDATES)
+    result = BatchResult()
+    # Locks the waiting nodes' rows (in id order: replicas never deadlock): a node's claims
+    # held by another replica wait here, so no two batches over-commit one node.
+    rows = session.execute(
+        select(Node.id, Node.labels, Node.inventory, Node.compat_code, Node.last_heartbeat_at)
+        .where(Node.id.in_(sorted(waiting)))
+        .order_by(Node.id)
+        .with_for_update()
     ).all()
-    others: list[tuple[Node, Capacity]] | None = None
-    for job in queued:
-        if not free.fits(job.resources):
-            continue
-        if not labels_match(job.labels, node.labels):
-            if job.worker_policy == "require":
-                continue
-            if others is None:
-                others = [
-                    (other, capacity)
-                    for other in session.scalars(select(Node).where(Node.id != node_id))
-                    if _eligible(other, now, liveness)
-                    and (capacity := _free_capacity(session, other)) is not None
-                ]
-            if any(labels_match(job.labels, o.labels) and c.fits(job.resources) for o, c in others):
-                continue  # `prefer`: a node carrying the labels has room; leave it to that one
-        gpus = free.pick_gpus(job.resources)
-        won = rowcount(
-            session.execute(
-                update(Job)
-                .where(Job.id == job.id, Job.state == "queued")
-                .values(
-                    state="running",
-                    node_id=node_id,
-                    started_at=now,
-                    last_contact_at=now,
-                    assigned_gpus=gpus,
-                )
+    eligible = {
+        row.id: row
+        for row in rows
+        if row.inventory is not None
+        and row.compat_code is None
+        and liveness.state_of(row.id, row.last_heartbeat_at, now) == "online"
+    }
+    if not eligible:
+        return result
+    free = free_capacity(session, {node_id: row.inventory for node_id, row in eligible.items()})
+    nodes = [
+        WaitingNode(node_id, dict(eligible[node_id].labels or {}), free[node_id], waiting[node_id])
+        for node_id in eligible
+    ]
+    placements: list[Placement] = []
+    locked: dict[str, Any] = {}
+    skip: set[str] = set()
+    for _ in range(_ROUNDS):
+        # Each round matches the slots still open, without the jobs earlier rounds lost.
+        open_nodes = [node for node in _after(nodes, placements) if node.slots]
+        chosen = match(queue, open_nodes, room_elsewhere, frozenset(skip))
+        if not chosen:
+            break
+        won = _lock_queued(session, [placement.job.id for placement in chosen])
+        locked.update(won)
+        placements += [placement for placement in chosen if placement.job.id in won]
+        lost = [placement.job.id for placement in chosen if placement.job.id not in won]
+        if not lost:
+            break
+        skip.update(won, lost)
+        still_queued = set(
+            session.scalars(select(Job.id).where(Job.id.in_(lost), Job.state == "queued"))
+        )
+        result.gone += [job_id for job_id in lost if job_id not in still_queued]
+        result.contended = result.contended or bool(still_queued)
+    if not placements:
+        return result
+    jobs = JOBS
+    session.execute(
+        update(jobs)
+        .where(jobs.c.id == bindparam("b_id"))
+        .values(
+            state="running",
+            node_id=bindparam("b_node"),
+            started_at=now,
+            last_contact_at=now,
+            assigned_gpus=bindparam("b_gpus", type_=jobs.c.assigned_gpus.type),
+            next_event_seq=bindparam("b_next_seq"),
+        ),
+        [
+            {
+                "b_id": placement.job.id,
+                "b_node": placement.node_id,
+                "b_gpus": placement.gpus,
+                "b_next_seq": locked[placement.job.id].next_event_seq + 1,
+            }
+            for placement in placements
+        ],
+    )
+    session.execute(
+        insert(JOB_EVENTS),
+        [
+            {
+                "job_id": placement.job.id,
+                "seq": locked[placement.job.id].next_event_seq,
+                "at": now,
+                "kind": "state",
+                "data": {
+                    "state": "running",
+                    "node_id": placement.node_id,
+                    "assigned_gpus": placement.gpus,
+                },
+            }
+            for placement in placements
+        ],
+    )
+    jobs_changed(session, [job_key(placement.job.id) for placement in placements])
+    for placement in placements:
+        row = locked[placement.job.id]
+        result.placed.append(
+            PlacedJob(
+                id=row.id,
+                node_id=placement.node_id,
+                created_at=placement.job.created_at,
+                entrypoint=row.entrypoint,
+                params=row.params,
+                inputs=row.inputs,
+                resources=row.resources,
+                assigned_gpus=placement.gpus,
+                timeout_seconds=row.timeout_seconds,
+                silence_timeout_seconds=row.silence_timeout_seconds,
             )
         )
-        if won:
-            append_events(
-                session,
-                job,
-                [("state", {"state": "running", "node_id": node_id, "assigned_gpus": gpus})],
-                at=now,
+    return result
+
+
+def _after(nodes: list[WaitingNode], placements: list[Placement]) -> list[WaitingNode]:
+    """`nodes` as they were before matching, minus what `placements` took."""
+    taken: dict[str, list[Placement]] = {}
+    for placement in placements:
+        taken.setdefault(placement.node_id, []).append(placement)
+    after = []
+    for node in nodes:
+        capacity, slots = node.capacity, node.slots
+        for placement in taken.get(node.node_id, []):
+            capacity = capacity.minus(placement.job.shape.request, placement.gpus)
+            slots -= 1
+        after.append(WaitingNode(node.node_id, node.labels, capacity, slots))
+    return after
+
+
+def _lock_queued(session: Session, job_ids: list[str]) -> dict[str, Any]:
+    """Lock those of `job_ids` still queued and not locked by another batch (SKIP LOCKED: a
+    batch never waits for another replica's), with what the claim's answer needs."""
+    return {
+        row.id: row
+        for row in session.execute(
+            select(
+                Job.id,
+                Job.next_event_seq,
+                Job.entrypoint,
+                Job.params,
+                Job.inputs,
+                Job.resources,
+                Job.timeout_seconds,
+                Job.silence_timeout_seconds,
             )
-            session.refresh(job)
-            return job
-    return None
+            .where(Job.id.in_(job_ids), Job.state == "queued")
+            .order_by(Job.id)
+            .with_for_update(skip_locked=True)
+        )
+    }
+
+
+def return_unanswered(
+    *, session: Session, clock: Clock, placed: list[PlacedJob], reason: str
+) -> int:
+    """Put jobs back in the queue whose claim was gone before it could be answered: the node
+    never received them. Only while they are still `running` on that node, untouched since."""
+    now = clock.now()
+    returned = 0
+    for job in placed:
+        seq = session.execute(
+            update(Job)
+            .where(
+                Job.id == job.id,
+                Job.state == "running",
+                Job.node_id == job.node_id,
+                Job.last_contact_at == Job.started_at,
+            )
+            .values(
+                state="queued",
+                node_id=None,
+                started_at=None,
+                last_contact_at=None,
+                assigned_gpus=None,
+                next_event_seq=Job.next_event_seq + 1,
+            )
+            .returning(Job.next_event_seq)
+        ).scalar_one_or_none()
+        if seq is None:
+            continue
+        session.add(
+            JobEvent(
+                job_id=job.id,
+                seq=seq - 1,
+                at=now,
+                kind="state",
+                data={"state": "queued", "reason": reason},
+            )
+        )
+        returned += 1
+    if returned:
+        jobs_changed(
+            session,
+            [CAPACITY, *(key for job in placed for key in (job_key(job.id), queued_key(job.id)))],
+        )
+    return returned

@@ -1,5 +1,6 @@
-"""One call says "jobs changed": `jobs_changed(session)` wakes this process's waiters, and every
-replica's through PostgreSQL NOTIFY, only once the session's transaction commits (WL-2)."""
+"""One call says "jobs changed": `jobs_changed(session, keys)` wakes this process's waiters on
+those keys, and every replica's through PostgreSQL NOTIFY, only once the session's transaction
+commits (WL-2); a waiter on other keys sleeps on (SC-2)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from control_plane.db import make_engine, make_session_factory
-from control_plane.dispatch import CHANNEL, Dispatcher, jobs_changed
+from control_plane.dispatch import CHANNEL, Dispatcher, Keys, jobs_changed
 
 
 class _Boom(Exception):
@@ -23,62 +24,110 @@ def test_wakes_after_commit_and_never_after_rollback(database_url: str) -> None:
     factory = make_session_factory(engine)
     dispatcher = Dispatcher()
     dispatcher.attach(factory)
+    heard: list[Keys] = []
+    dispatcher.subscribe(heard.append)
 
-    async def scenario() -> list[int]:
+    async def scenario() -> list[list[Keys]]:
         dispatcher.bind(asyncio.get_running_loop())
-        seen = [dispatcher.generation]
+        seen: list[list[Keys]] = []
 
         async def settle() -> None:
             await asyncio.sleep(0.01)  # let call_soon_threadsafe run
-            seen.append(dispatcher.generation)
+            seen.append(list(heard))
+            heard.clear()
 
         with factory.begin() as session:
-            jobs_changed(session)
+            jobs_changed(session, ["job:a"])
             session.execute(text("SELECT 1"))
             await asyncio.sleep(0.01)
-            seen.append(dispatcher.generation)  # not yet: the transaction is still open
+            seen.append(list(heard))  # not yet: the transaction is still open
         await settle()
         with pytest.raises(_Boom), factory.begin() as session:
-            jobs_changed(session)
+            jobs_changed(session, ["job:b"])
             raise _Boom
         await settle()
         with factory.begin() as session:
             session.execute(text("SELECT 1"))  # a commit that changed no job
         await settle()
         with factory() as session:
-            jobs_changed(session, replicas=False)
+            jobs_changed(session, ["job:c"], replicas=False)
+            jobs_changed(session, ["node:n"], replicas=False)
             session.commit()
         await settle()
         return seen
 
     try:
-        first, during, committed, rolled_back, unrelated, local = asyncio.run(scenario())
+        during, committed, rolled_back, unrelated, local = asyncio.run(scenario())
     finally:
         engine.dispose()
-    assert during == first
-    assert committed == first + 1
-    assert rolled_back == committed
-    assert unrelated == committed
-    assert local == committed + 1
+    assert during == []
+    assert committed == [frozenset({"job:a"})]
+    assert rolled_back == []
+    assert unrelated == []
+    assert local == [frozenset({"job:c", "node:n"})]
 
 
-def test_other_replicas_hear_only_committed_changes(pg_database_url: str) -> None:
+def test_a_change_wakes_only_the_waiters_on_its_keys(database_url: str) -> None:
+    engine = make_engine(database_url)
+    factory = make_session_factory(engine)
+    dispatcher = Dispatcher()
+    dispatcher.attach(factory)
+    attempts: dict[str, list[float]] = {"job:a": [], "job:b": []}
+
+    async def scenario() -> tuple[str | None, str | None]:
+        dispatcher.bind(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+
+        def waiter(key: str) -> asyncio.Task[str | None]:
+            async def attempt() -> str | None:
+                attempts[key].append(loop.time() - started)
+                return key if len(attempts[key]) > 1 and key == "job:a" else None
+
+            return asyncio.create_task(dispatcher.poll(1.0, attempt, [key]))
+
+        a, b = waiter("job:a"), waiter("job:b")
+        await asyncio.sleep(0.05)
+        with factory.begin() as session:
+            jobs_changed(session, ["job:a"])
+        return await a, await b
+
+    try:
+        woke_a, woke_b = asyncio.run(scenario())
+    finally:
+        engine.dispose()
+    assert woke_a == "job:a" and len(attempts["job:a"]) == 2 and attempts["job:a"][1] < 0.5
+    # Never woken by the other key's change: tried at the start and once more as its hold ended.
+    assert woke_b is None and len(attempts["job:b"]) == 2 and attempts["job:b"][1] >= 0.9
+    assert dispatcher.waiting == 0
+
+
+def test_other_replicas_hear_only_committed_changes_and_their_keys(pg_database_url: str) -> None:
     engine = make_engine(pg_database_url)
     factory = make_session_factory(engine)
-    Dispatcher().attach(factory)
+    dispatcher = Dispatcher()
+    dispatcher.attach(factory)
     conninfo = make_url(pg_database_url).set(drivername="postgresql").render_as_string(False)
+    many = [f"queued:job_{i:024d}" for i in range(1000)]  # ~35 KB: more than one NOTIFY
     try:
         with psycopg.connect(conninfo, autocommit=True) as listener:
             listener.execute(f"LISTEN {CHANNEL}")
             with pytest.raises(_Boom), factory.begin() as session:
-                jobs_changed(session)
+                jobs_changed(session, ["job:x"])
                 raise _Boom
             with factory.begin() as session:
-                jobs_changed(session, replicas=False)  # progress: this process only
+                jobs_changed(session, ["job:y"], replicas=False)  # progress: this process only
             with factory.begin() as session:
-                jobs_changed(session)
-                jobs_changed(session, replicas=False)  # never downgrades the first
+                jobs_changed(session, ["job:z"])
+                jobs_changed(session, ["job:w"], replicas=False)  # never downgrades the first
+            with factory.begin() as session:
+                jobs_changed(session, many)
             heard = list(listener.notifies(timeout=1.0))
     finally:
         engine.dispose()
-    assert [n.channel for n in heard] == [CHANNEL]
+    assert {n.channel for n in heard} == {CHANNEL}
+    payloads = [n.payload.split(" ") for n in heard]
+    assert all(origin == dispatcher.origin for origin, *_ in payloads)
+    assert payloads[0][1:] == ["job:w", "job:z"]
+    assert len(payloads) > 2 and all(len(n.payload) < 8000 for n in heard)
+    assert sorted(key for _, *keys in payloads[1:] for key in keys) == sorted(many)

@@ -8,10 +8,16 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from control_plane.models import Job
-from control_plane.services.scheduling import claim_next_job
+from control_plane.services.scheduling import (
+    QUEUED_COLUMNS,
+    JobQueue,
+    PlacedJob,
+    place_batch,
+    queued_job,
+)
 from tests.control_plane.test_jobs import _claim, _node, _submit
 from tests.factories import ControlPlane, control_plane
 
@@ -89,41 +95,54 @@ def test_running_jobs_hold_distinct_gpus_and_a_bigger_job_waits(
         assert got["assigned_gpus"] == [gpu0]
 
 
-def test_claims_at_the_same_moment_never_share_a_gpu(tmp_path: Path, database_url: str) -> None:
+def test_batches_at_the_same_moment_never_share_a_gpu(tmp_path: Path, database_url: str) -> None:
+    """Three schedulers (as three replicas would) each place a claim of the same node at the
+    same moment, each with its own copy of the queue: the node's row lock and the conditional
+    update hand out both GPUs, each once, and the third batch places nothing."""
     with control_plane(tmp_path, database_url) as cp:
         node = _node(cp, cpus=16, gpus=2)
         for _ in range(3):
             _submit(cp, resources={"cpus": 1, "gpus": 1})
         ctx = cp.ctx
         start = threading.Barrier(3)
-        claimed: list[list[dict[str, Any]] | None] = []
+        placed: list[list[PlacedJob]] = []
         errors: list[BaseException] = []
 
-        def claim() -> None:
+        def batch() -> None:
             try:
+                queue = JobQueue()
+                with ctx.session_factory() as session:
+                    for row in session.execute(
+                        select(*QUEUED_COLUMNS).where(Job.state == "queued")
+                    ):
+                        queue.add(queued_job(row))
                 start.wait(10)
                 with ctx.session_factory.begin() as session:
-                    job = claim_next_job(
+                    result = place_batch(
                         session=session,
                         clock=ctx.clock,
-                        node_id=node["node_id"],
                         liveness=ctx.liveness,
+                        waiting={node["node_id"]: 1},
+                        queue=queue,
+                        room_elsewhere=lambda shape: False,
                     )
-                    claimed.append(None if job is None else list(job.assigned_gpus or []))
+                placed.append(result.placed)
             except BaseException as exc:  # reported below, in the test's thread
                 errors.append(exc)
 
-        threads = [threading.Thread(target=claim) for _ in range(3)]
+        threads = [threading.Thread(target=batch) for _ in range(3)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(30)
         assert errors == []
         holding = sorted(
-            (gpus for gpus in claimed if gpus is not None), key=lambda gpus: gpus[0]["index"]
+            (job.assigned_gpus for jobs in placed for job in jobs),
+            key=lambda gpus: gpus[0]["index"],
         )
         assert holding == [[gpu] for gpu in _gpus(node)]  # both GPUs, each once
-        assert claimed.count(None) == 1  # the third waits
+        assert sorted(len(jobs) for jobs in placed) == [0, 1, 1]  # the third waits
+        assert len({job.id for jobs in placed for job in jobs}) == 2
 
 
 def test_a_job_running_from_before_assignment_still_counts_its_gpus(

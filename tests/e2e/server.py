@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from tests.factories import ADMIN_TOKEN
 
@@ -114,6 +115,30 @@ class LiveServer:
             self.process.send_signal(sig)
         code = self.process.wait(timeout=timeout)
         return code
+
+    def kill(self) -> None:
+        """SIGKILL the server and its Granian worker process together, as a crashed host would
+        end them: nothing is flushed and no request in flight is answered. All are stopped first,
+        so that none reacts to the death of another."""
+        assert self.process is not None
+        root = psutil.Process(self.process.pid)
+        processes = [root, *root.children(recursive=True)]
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for process in processes:
+                try:
+                    process.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    pass
+        self.process.wait(timeout=20)
+        # Dead is enough: the worker's zombie waits for whichever process reaps orphans here.
+        deadline = time.monotonic() + 20
+        for process in processes[1:]:
+            try:
+                while process.status() != psutil.STATUS_ZOMBIE:
+                    assert time.monotonic() < deadline, f"process {process.pid} survived SIGKILL"
+                    time.sleep(0.01)
+            except psutil.NoSuchProcess:
+                pass
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -1,23 +1,27 @@
-"""The heartbeat fast path answers exactly like the FastAPI route, and hands everything it is
-not certain about to that route with the complete body (HB-4)."""
+"""The agents' fast path answers heartbeats, claims and completions exactly like the FastAPI
+routes, and hands everything it is not certain about to those routes with the complete body
+(HB-4, SC-3)."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from control_plane.api.agent_fast import FAST_BODY_LIMIT, AgentFastPath
 from control_plane.api.edge import Edge
-from control_plane.api.heartbeat_fast import FAST_BODY_LIMIT, HeartbeatFastPath
 from modelforge_contracts import protocol
+from tests.control_plane.test_jobs import _claim, _node, _submit
 from tests.factories import ControlPlane, control_plane, heartbeat_body
 
 
-def _fast_path(cp: ControlPlane) -> HeartbeatFastPath:
+def _fast_path(cp: ControlPlane) -> AgentFastPath:
     served = cp.client.app
-    assert isinstance(served, HeartbeatFastPath)  # the served app: the fast path is outermost,
+    assert isinstance(served, AgentFastPath)  # the served app: the fast path is outermost,
     assert isinstance(served.app, Edge)  # and whatever it does not answer meets the edge
     return served
 
@@ -151,3 +155,92 @@ def test_the_edge_bounds_heartbeats_and_heads_their_answers(
         response = cp.client.post("/api/v1/agent/heartbeat", headers=headers, content=nan)
         assert (response.status_code, response.json()["error"]["code"]) == (422, "JSON_NOT_FINITE")
         assert fast.answered == 1
+
+
+def test_claims_and_completions_take_the_fast_path_and_answer_alike(
+    tmp_path: Path, database_url: str
+) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        node = _node(cp)  # its heartbeat verified the credential: cached
+        other = _node(cp)
+        fast = _fast_path(cp)
+        headers = {"Authorization": node["Authorization"]}
+        jobs = [_submit(cp) for _ in range(2)]
+        claimed = cp.client.post(
+            "/api/v1/agent/work/claim", headers=headers, json={"hold_seconds": 5}
+        )
+        assert claimed.status_code == 200 and fast.claims == 1
+        assert claimed.json()["job_id"] == jobs[0]["job_id"]
+        assert claimed.headers["content-security-policy"]
+        # A claim with no work: 204 with no body, from the fast path too.
+        assert _claim(cp, node)["job_id"] == jobs[1]["job_id"]  # type: ignore[index]
+        empty = cp.client.post(
+            "/api/v1/agent/work/claim", headers=headers, json={"hold_seconds": 0}
+        )
+        assert empty.status_code == 204 and empty.content == b"" and fast.claims == 3
+
+        done = cp.client.post(
+            f"/api/v1/agent/jobs/{jobs[0]['job_id']}/complete",
+            headers=headers,
+            json={"state": "succeeded", "result": {"y": 42}},
+        )
+        assert (done.status_code, done.json()) == (200, {"cancel": False})
+        assert fast.completions == 1
+        view = cp.client.get(f"/api/v1/jobs/{jobs[0]['job_id']}", headers=cp.admin).json()
+        assert view["state"] == "succeeded" and view["result"] == {"y": 42}
+
+        # Refusals from the fast path are the routes' refusals.
+        again = cp.client.post(
+            f"/api/v1/agent/jobs/{jobs[0]['job_id']}/complete",
+            headers=headers,
+            json={"state": "succeeded"},
+        )
+        assert again.status_code == 409 and again.json()["error"]["code"] == "JOB_NOT_RUNNING"
+        stranger = cp.client.post(
+            f"/api/v1/agent/jobs/{jobs[1]['job_id']}/complete",
+            headers={"Authorization": other["Authorization"]},
+            json={"state": "succeeded"},
+        )
+        assert stranger.status_code == 404
+        assert stranger.json()["error"]["code"] == "JOB_NOT_ASSIGNED"
+
+        # What it is not sure of goes to the routes: a non-finite result, an unknown field.
+        not_finite = cp.client.post(
+            f"/api/v1/agent/jobs/{jobs[1]['job_id']}/complete",
+            headers={**headers, "Content-Type": "application/json"},
+            content=b'{"state": "succeeded", "result": NaN}',
+        )
+        assert not_finite.status_code == 422
+        assert not_finite.json()["error"]["code"] == "JSON_NOT_FINITE"
+        unknown = cp.client.post(
+            f"/api/v1/agent/jobs/{jobs[1]['job_id']}/complete",
+            headers=headers,
+            json={"state": "succeeded", "surprise": 1},
+        )
+        assert unknown.status_code == 422
+        assert unknown.json()["error"]["code"] == "INVALID_REQUEST"
+        running = cp.client.get(f"/api/v1/jobs/{jobs[1]['job_id']}", headers=cp.admin).json()
+        assert running["state"] == "running"  # none of them changed it
+
+
+def test_a_claim_whose_credential_is_revoked_while_it_waits_is_refused(
+    tmp_path: Path, database_url: str
+) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        node = _node(cp)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            waiting = pool.submit(
+                cp.client.post,
+                "/api/v1/agent/work/claim",
+                headers={"Authorization": node["Authorization"]},
+                json={"hold_seconds": 20},
+            )
+            while cp.ctx.scheduler.waiting == 0:
+                time.sleep(0.01)
+            cp.client.post(
+                f"/api/v1/admin/nodes/{node['node_id']}/credential/revoke", headers=cp.admin
+            )
+            refused = waiting.result(timeout=10)
+        assert refused.status_code == 403
+        assert refused.json()["error"]["code"] == "CREDENTIAL_REVOKED"
+        assert _fast_path(cp).claims == 1

@@ -1,0 +1,414 @@
+"""The scheduler of one control plane process (SC-1..SC-4): claims wait here, not in a race.
+
+A node's long-poll claim registers as a waiter and sleeps. One task matches the waiters to the
+queued jobs in batches (`services.scheduling.place_batch`, one transaction each) and answers only
+the claims that got a job. It runs when something can change the answer: a claim arrives, a job
+is queued (`queued:<id>` wake-ups, from this replica or another), a running job ends
+(`capacity`), or once a second while claims and jobs are both waiting (a node that just came
+online). A submission therefore costs one batch, not one attempt per waiting claim.
+
+Each replica schedules the claims it holds; the queue it keeps in memory is filled from the
+wake-ups and re-read in full every `RESYNC_SECONDS`, and a job another replica took is dropped
+when the batch finds it no longer queued. See docs/jobs.md#scheduling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from anyio import CapacityLimiter, to_thread
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from control_plane.clock import Clock
+from control_plane.db import is_database_unavailable
+from control_plane.dispatch import CAPACITY, Dispatcher, Keys
+from control_plane.models import Job
+from control_plane.schemas import WaitingReason
+from control_plane.services.liveness import Liveness
+from control_plane.services.scheduling import (
+    QUEUED_COLUMNS,
+    BatchResult,
+    JobQueue,
+    PlacedJob,
+    Shape,
+    free_capacity,
+    place_batch,
+    queued_job,
+    return_unanswered,
+)
+from control_plane.services.waiting import Fleet, explain, read_fleet
+
+log = logging.getLogger(__name__)
+
+#: How often the whole queue is re-read (wake-ups lost while the listener reconnected, jobs
+#: another replica took or cancelled).
+RESYNC_SECONDS = 30.0
+#: While claims and jobs both wait, a batch runs at least this often (nodes come online).
+TICK_SECONDS = 1.0
+#: How old the fleet view behind `waiting_reason` and `prefer` may be.
+FLEET_MAX_AGE_SECONDS = 1.0
+_CHUNK = 1000
+
+
+@dataclass(eq=False)
+class _Waiter:
+    node_id: str
+    future: asyncio.Future[PlacedJob | None]
+    since: datetime
+    still_valid: Callable[[], bool]
+    in_batch: bool = False
+    #: The claim's hold ended while its batch ran: answer None unless the batch placed a job.
+    expired: bool = False
+    #: The claim is gone (its client left): a job placed for it must go back to the queue.
+    gone: bool = False
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        session_factory: sessionmaker[Session],
+        clock: Clock,
+        liveness: Callable[[], Liveness],
+        dispatcher: Dispatcher,
+        on_placed: Callable[[Sequence[float]], None] | None = None,
+    ) -> None:
+        self._session_factory = session_factory
+        self._clock = clock
+        self._liveness = liveness
+        self._dispatcher = dispatcher
+        self._on_placed = on_placed
+        self._queue = JobQueue()
+        self._waiting: dict[str, list[_Waiter]] = {}
+        self._arrived: set[str] = set()
+        self._left: set[str] = set()
+        #: The last batch lost jobs to other replicas or to closed claims: run another before
+        #: answering claims whose hold ended.
+        self._retry = False
+        self._resync = True
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._limiter: CapacityLimiter | None = None
+        self._fleet: Fleet | None = None
+        self._fleet_lock = threading.Lock()
+        self._fleet_read = 0.0
+        self._reasons: tuple[Fleet | None, dict[Shape, WaitingReason]] = (None, {})
+        #: Batches run (committed or not); tests count them.
+        self.batches = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """On the event loop: subscribe to wake-ups and start the batch task."""
+        self._wake = asyncio.Event()
+        # Its own thread: never queued behind the request handlers' blocking work.
+        self._limiter = CapacityLimiter(1)
+        self._dispatcher.subscribe(self._heard)
+        self._task = asyncio.create_task(self._run(), name="scheduler")
+
+    async def stop(self) -> None:
+        """Let a running batch finish (its claims are answered), then answer the rest None."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for waiters in self._waiting.values():
+            for waiter in waiters:
+                if not waiter.future.done():
+                    waiter.future.set_result(None)
+        self._waiting.clear()
+
+    # -- claims ------------------------------------------------------------------------------
+
+    async def claim(
+        self, node_id: str, hold: float, still_valid: Callable[[], bool]
+    ) -> PlacedJob | None:
+        """Wait up to `hold` seconds for a job for `node_id`. `still_valid` is asked before each
+        batch (a revoked credential gets nothing)."""
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(node_id, loop.create_future(), self._clock.now(), still_valid)
+        self._waiting.setdefault(node_id, []).append(waiter)
+        self._wake.set()
+        try:
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiter.future), hold)
+            except TimeoutError:
+                # The scheduler answers: None unless the batch now running (or, for a claim
+                # that never waited through one, the next) places a job for it.
+                waiter.expired = True
+                self._wake.set()
+                return await waiter.future
+        finally:
+            if not waiter.future.done():
+                waiter.gone = True
+            self._forget(waiter)
+
+    def _forget(self, waiter: _Waiter) -> None:
+        waiters = self._waiting.get(waiter.node_id)
+        if waiters is not None and waiter in waiters:
+            waiters.remove(waiter)
+            if not waiters:
+                del self._waiting[waiter.node_id]
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(waiters) for waiters in self._waiting.values())
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    # -- why a job waits ---------------------------------------------------------------------
+
+    def waiting_reason(self, job: Job, session: Session) -> WaitingReason | None:
+        """For a queued job: why it waits, from a fleet view at most a second old (read with
+        `session` when it is older: on SQLite a second connection would wait for this one).
+        Thread-safe; one read a second serves every caller."""
+        if job.state != "queued":
+            return None
+        shape = Shape.of(job.labels, job.worker_policy, job.resources)
+        fleet = self.fleet(session)
+        with self._fleet_lock:
+            if self._reasons[0] is not fleet:
+                self._reasons = (fleet, {})
+            reason = self._reasons[1].get(shape)
+            if reason is None:
+                reason = self._reasons[1][shape] = explain(fleet, shape)
+            return reason
+
+    def fleet(self, session: Session | None = None) -> Fleet:
+        """Every node as seen at most `FLEET_MAX_AGE_SECONDS` ago (one read for all callers),
+        read with `session` if one is given, else in a session of its own."""
+        with self._fleet_lock:
+            fleet = self._fleet
+            if fleet is None or time.monotonic() - self._fleet_read > FLEET_MAX_AGE_SECONDS:
+                now, liveness = self._clock.now(), self._liveness()
+                if session is not None:
+                    fleet = read_fleet(session, now=now, liveness=liveness)
+                else:
+                    with self._session_factory() as own:
+                        fleet = read_fleet(own, now=now, liveness=liveness)
+                self._fleet, self._fleet_read = fleet, time.monotonic()
+            return fleet
+
+    # -- the batch task ----------------------------------------------------------------------
+
+    def _heard(self, keys: Keys) -> None:
+        """On the loop: note what changed; the batch task applies it between batches."""
+        if keys is None:
+            self._resync = True
+            self._wake.set()
+            return
+        for key in keys:
+            kind, _, job_id = key.partition(":")
+            if kind == "queued":
+                self._arrived.add(job_id)
+                self._left.discard(job_id)  # queued again since it left
+            elif kind == "job" and job_id in self._queue and f"queued:{job_id}" not in keys:
+                self._left.add(job_id)  # taken by another replica, or cancelled
+                continue
+            elif kind == "node" and job_id in self._waiting:
+                pass  # its credential may have been revoked: the round re-checks its claims
+            elif key != CAPACITY:
+                continue
+            self._wake.set()
+
+    async def _run(self) -> None:
+        last_resync = 0.0
+        failures = 0
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), TICK_SECONDS)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            present = {id(w) for waiters in self._waiting.values() for w in waiters}
+            try:
+                left, self._left = self._left, set()
+                for job_id in left:
+                    self._queue.discard(job_id)
+                if self._resync or time.monotonic() - last_resync > RESYNC_SECONDS:
+                    self._resync = False
+                    self._arrived.clear()
+                    await to_thread.run_sync(self._read_queue, limiter=self._limiter)
+                    last_resync = time.monotonic()
+                elif self._arrived:
+                    arrived, self._arrived = self._arrived, set()
+                    await to_thread.run_sync(self._read_arrived, arrived, limiter=self._limiter)
+                self._retry = False
+                self._answer_revoked()
+                if self._waiting and len(self._queue):
+                    await self._batch()
+                self._answer_expired(present)
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failures += 1
+                self._resync = True
+                self._answer_expired(present)
+                if not is_database_unavailable(exc) and failures in (1, 10, 100, 1000):
+                    log.warning(
+                        "scheduling failed (%s, %d in a row); retrying",
+                        type(exc).__name__,
+                        failures,
+                        exc_info=failures == 1,
+                    )
+                await asyncio.sleep(min(1.0, 0.05 * failures))
+
+    def _answer_revoked(self) -> None:
+        """None for claims whose credential was revoked meanwhile (the route refuses them)."""
+        for waiters in self._waiting.values():
+            for waiter in waiters:
+                if not waiter.future.done() and not waiter.still_valid():
+                    waiter.future.set_result(None)
+
+    def _answer_expired(self, present: set[int]) -> None:
+        """None for the claims whose hold ended and that were waiting when this round began
+        (so they took part in its batch, or there was nothing to place)."""
+        if self._retry:
+            return
+        for waiters in self._waiting.values():
+            for waiter in waiters:
+                if (
+                    waiter.expired
+                    and id(waiter) in present
+                    and not waiter.in_batch
+                    and not waiter.future.done()
+                ):
+                    waiter.future.set_result(None)
+
+    def _read_queue(self) -> None:
+        with self._session_factory() as session:
+            ids = set(session.scalars(select(Job.id).where(Job.state == "queued")))
+            for gone in self._queue.ids() - ids:
+                self._queue.discard(gone)
+            self._load(session, [job_id for job_id in ids if job_id not in self._queue])
+
+    def _read_arrived(self, arrived: set[str]) -> None:
+        with self._session_factory() as session:
+            self._load(session, [job_id for job_id in arrived if job_id not in self._queue])
+
+    def _load(self, session: Session, ids: list[str]) -> None:
+        for start in range(0, len(ids), _CHUNK):
+            chunk = ids[start : start + _CHUNK]
+            rows = session.execute(
+                select(*QUEUED_COLUMNS).where(Job.id.in_(chunk), Job.state == "queued")
+            )
+            for row in rows:
+                self._queue.add(queued_job(row))
+
+    async def _batch(self) -> None:
+        """One batch: every valid waiting claim takes part; all of it on the loop except the
+        transaction, so waiters never change under it."""
+        batch: dict[str, list[_Waiter]] = {}
+        for node_id, waiters in self._waiting.items():
+            for waiter in waiters:
+                if waiter.future.done():
+                    continue
+                if waiter.still_valid():
+                    waiter.in_batch = True
+                    batch.setdefault(node_id, []).append(waiter)
+                else:
+                    waiter.future.set_result(None)  # the route re-checks and refuses
+        if not batch:
+            return
+        result = BatchResult()
+        try:
+            result = await to_thread.run_sync(
+                self._place,
+                {node_id: len(waiters) for node_id, waiters in batch.items()},
+                limiter=self._limiter,
+            )
+        finally:
+            unanswered = self._deliver(batch, result)
+        if unanswered:
+            await to_thread.run_sync(self._return, unanswered, limiter=self._limiter)
+        if unanswered or result.contended or result.gone:
+            self._retry = True
+            self._wake.set()  # the claims that got nothing try again at once
+
+    def _place(self, waiting: dict[str, int]) -> BatchResult:
+        """In a worker thread: skip the nodes the fleet view says can take none of the queued
+        shapes (offline, incompatible, too small, other labels), then one transaction."""
+        fleet = self.fleet()
+        shapes = self._queue.live_shapes()
+        waiting = {
+            node_id: slots for node_id, slots in waiting.items() if fleet.may_take(node_id, shapes)
+        }
+        if not waiting:
+            return BatchResult()
+        self.batches += 1
+        with self._session_factory.begin() as session:
+
+            def room_elsewhere(shape: Shape) -> bool:
+                # Exact, not from the fleet view: this batch's own placements count.
+                free = free_capacity(session, fleet.carrying(shape))
+                return any(capacity.fits(shape.request) for capacity in free.values())
+
+            result = place_batch(
+                session=session,
+                clock=self._clock,
+                liveness=self._liveness(),
+                waiting=waiting,
+                queue=self._queue,
+                room_elsewhere=room_elsewhere,
+            )
+        for job_id in result.gone:
+            self._queue.discard(job_id)
+        for placed in result.placed:
+            self._queue.discard(placed.id)
+        return result
+
+    def _deliver(self, batch: dict[str, list[_Waiter]], result: BatchResult) -> list[PlacedJob]:
+        """Answer the claims that got a job, and those whose hold ended meanwhile; returns the
+        jobs placed for claims that closed meanwhile."""
+        now = self._clock.now()
+        latencies: list[float] = []
+        unanswered: list[PlacedJob] = []
+        by_node: dict[str, list[PlacedJob]] = {}
+        for placed in result.placed:
+            by_node.setdefault(placed.node_id, []).append(placed)
+        for node_id, waiters in batch.items():
+            jobs = by_node.get(node_id, [])
+            for waiter in waiters:
+                waiter.in_batch = False
+                if waiter.gone or waiter.future.done():
+                    continue
+                if jobs:
+                    placed = jobs.pop(0)
+                    waiter.future.set_result(placed)
+                    waited_from = max(waiter.since, placed.created_at)
+                    latencies.append(max(0.0, (now - waited_from).total_seconds()))
+                elif waiter.expired:
+                    waiter.future.set_result(None)
+            unanswered.extend(jobs)
+        if latencies and self._on_placed is not None:
+            self._on_placed(latencies)
+        return unanswered
+
+    def _return(self, unanswered: list[PlacedJob]) -> None:
+        try:
+            with self._session_factory.begin() as session:
+                returned = return_unanswered(
+                    session=session,
+                    clock=self._clock,
+                    placed=unanswered,
+                    reason="the claim it was placed for closed before it was answered",
+                )
+        except Exception as exc:
+            # The job contact sweep fails them later (JOB_CONTACT_LOST): nothing is lost.
+            log.warning(
+                "%d jobs placed for closed claims could not be re-queued (%s)",
+                len(unanswered),
+                type(exc).__name__,
+            )
+            return
+        if returned:
+            log.info("re-queued %d jobs whose claims closed before they were answered", returned)

@@ -1,0 +1,203 @@
+"""Why a queued job waits (SC-4), and whether a `prefer` job's labelled nodes have room.
+
+Both read a `Fleet`: every node's labels, liveness, compatibility, inventory and free capacity,
+read in two queries and kept by the scheduler for about a second, so the answer follows the
+fleet as it changes without a query per job or per node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cached_property
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from control_plane.models import Node
+from control_plane.schemas import WaitingReason
+from control_plane.services.liveness import Liveness
+from control_plane.services.scheduling import Capacity, Request, Shape, free_capacity, labels_match
+
+
+@dataclass(frozen=True)
+class FleetNode:
+    id: str
+    name: str
+    labels: dict[str, Any]
+    state: str
+    needs_upgrade: bool
+    inventory: dict[str, Any] | None
+    total: Capacity | None
+    free: Capacity | None
+
+    @property
+    def usable(self) -> bool:
+        return self.state == "online" and not self.needs_upgrade and self.total is not None
+
+
+@dataclass(frozen=True)
+class Fleet:
+    nodes: tuple[FleetNode, ...]
+    read_at: datetime
+
+    @cached_property
+    def by_id(self) -> dict[str, FleetNode]:
+        return {node.id: node for node in self.nodes}
+
+    def may_take(self, node_id: str, shapes: list[Shape]) -> bool:
+        """Whether the node, as last seen, could run a job of one of `shapes` at all: its
+        labels (unless `prefer`) and its size. Liveness, compatibility and free capacity change
+        by the second; the batch judges them exactly. A node not seen yet, or without an
+        inventory then, may."""
+        node = self.by_id.get(node_id)
+        if node is None or node.total is None:
+            return True
+        total = node.total
+        return any(
+            (shape.prefer or labels_match(shape.labels, node.labels)) and total.fits(shape.request)
+            for shape in shapes
+        )
+
+    def room_for(self, shape: Shape) -> bool:
+        """An online, compatible node carrying the shape's labels had room for it."""
+        return any(
+            node.usable
+            and node.free is not None
+            and labels_match(shape.labels, node.labels)
+            and node.free.fits(shape.request)
+            for node in self.nodes
+        )
+
+    def carrying(self, shape: Shape) -> dict[str, dict[str, Any]]:
+        """The inventories of the usable nodes that carry the shape's labels."""
+        return {
+            node.id: node.inventory
+            for node in self.nodes
+            if node.usable and node.inventory and labels_match(shape.labels, node.labels)
+        }
+
+
+def read_fleet(session: Session, *, now: datetime, liveness: Liveness) -> Fleet:
+    rows = session.execute(
+        select(
+            Node.id,
+            Node.display_name,
+            Node.labels,
+            Node.inventory,
+            Node.compat_code,
+            Node.last_heartbeat_at,
+        ).order_by(Node.id)
+    ).all()
+    free = free_capacity(session, {row.id: row.inventory for row in rows if row.inventory})
+    return Fleet(
+        tuple(
+            FleetNode(
+                id=row.id,
+                name=row.display_name,
+                labels=dict(row.labels or {}),
+                state=liveness.state_of(row.id, row.last_heartbeat_at, now),
+                needs_upgrade=row.compat_code is not None,
+                inventory=row.inventory,
+                total=Capacity.of_inventory(row.inventory) if row.inventory else None,
+                free=free.get(row.id),
+            )
+            for row in rows
+        ),
+        now,
+    )
+
+
+def explain(fleet: Fleet, shape: Shape) -> WaitingReason:
+    """The first thing that keeps a job of `shape` from running, in the order an operator
+    would check: a node with the labels, online, compatible, big enough, with room now."""
+    wanted = shape.label_text()
+    required = bool(shape.labels) and not shape.prefer
+    pool = [n for n in fleet.nodes if not required or labels_match(shape.labels, n.labels)]
+    carrying = f" carrying {wanted}" if required else ""
+    if shape.prefer and shape.labels and not fleet.room_for(shape):
+        # It may run anywhere now; say why nowhere.
+        carrying = ""
+    if not pool:
+        if required:
+            return _reason(
+                "NO_MATCHING_NODE",
+                f"no node carries {wanted}",
+                "Enroll a node with these labels, or change the job's labels.",
+            )
+        return _reason("NO_NODES", "no node is enrolled", "Enroll a node (see docs/nodes.md).")
+    compatible = [n for n in pool if n.state == "online" and not n.needs_upgrade]
+    if not compatible:
+        # An agent the control plane refuses is refused its heartbeats too, so it also looks
+        # offline: the upgrade is the thing to fix.
+        refused = [n for n in pool if n.needs_upgrade]
+        if refused:
+            names = ", ".join(n.name for n in refused[:5])
+            return _reason(
+                "NODES_NEED_UPGRADE",
+                f"the nodes{carrying} that could run it need an upgrade ({names})",
+                "Upgrade their node agent or runtime worker: see docs/COMPATIBILITY.md.",
+            )
+        offline = sum(n.state == "offline" for n in pool)
+        return _reason(
+            "NODES_OFFLINE",
+            f"{_count(pool)}{carrying}, none online ({offline} offline, "
+            f"{len(pool) - offline} stale)",
+            "Check that their node agents run and reach the control plane "
+            "(docs/nodes.md#troubleshooting-by-message).",
+        )
+    usable = [n for n in compatible if n.total is not None]
+    if not usable:
+        return _reason(
+            "NO_INVENTORY",
+            f"no online node{carrying} has reported its inventory yet",
+            "Wait for the agents' first inventory report.",
+        )
+    totals = [n.total for n in usable if n.total is not None]
+    short = _shortfall(shape.request, totals, f"the most any online node{carrying} has")
+    if short:
+        return _reason("TOO_LARGE", short, "Lower the job's resources, or add a larger node.")
+    frees = [n.free for n in usable if n.free is not None]
+    short = _shortfall(shape.request, frees, f"the most free on any online node{carrying}")
+    if short:
+        return _reason("NO_ROOM", short, "It starts when running work ends; or add nodes.")
+    roomy = sum(1 for n in usable if n.free is not None and n.free.fits(shape.request))
+    return _reason(
+        "WAITING_FOR_CLAIM",
+        f"{_count(usable[:roomy] if roomy else usable)}{carrying} "
+        f"{'has' if roomy == 1 else 'have'} room; waiting for one to ask for work",
+        "Nothing to do: it starts when one of them claims it (their work slots may be busy).",
+    )
+
+
+def _shortfall(request: Request, capacities: list[Capacity], most: str) -> str | None:
+    """`needs 2 GPUs; <most> is 1` for the first resource no capacity covers, or None when
+    some single capacity covers the whole request."""
+    if any(capacity.fits(request) for capacity in capacities):
+        return None
+    most_gpus = max(len(capacity.gpus) for capacity in capacities)
+    if request.gpus > most_gpus:
+        return f"needs {_n(request.gpus, 'GPU')}; {most} is {most_gpus}"
+    most_cpus = max(capacity.cpus for capacity in capacities)
+    if request.cpus > most_cpus + 1e-9:
+        return f"needs {request.cpus:g} CPUs; {most} is {most_cpus:g}"
+    most_memory = max(capacity.memory_mb for capacity in capacities)
+    if request.memory_mb > most_memory:
+        return f"needs {request.memory_mb} MB of memory; {most} is {most_memory} MB"
+    return (
+        f"needs {request.cpus:g} CPUs, {_n(request.gpus, 'GPU')} and {request.memory_mb} MB "
+        f"on one node; no node offers all three ({most} is less in one)"
+    )
+
+
+def _count(nodes: list[FleetNode]) -> str:
+    return _n(len(nodes), "node")
+
+
+def _n(count: int, thing: str) -> str:
+    return f"{count} {thing}{'' if count == 1 else 's'}"
+
+
+def _reason(code: str, message: str, next_step: str) -> WaitingReason:
+    return WaitingReason(code=code, message=message, next_step=next_step)
