@@ -32,6 +32,7 @@ class Completions:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._limiter: CapacityLimiter | None = None
+        self._stopping = False
         #: Transactions run; tests count them.
         self.groups = 0
 
@@ -41,9 +42,11 @@ class Completions:
         self._task = asyncio.create_task(self._run(), name="job completions")
 
     async def stop(self) -> None:
-        """Commit what is queued, then stop."""
+        """Commit what is queued (the group in progress included), then stop; later outcomes
+        are committed by their own request."""
+        self._stopping = True
+        self._wake.set()
         if self._task is not None:
-            self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         while self._pending:
@@ -54,12 +57,12 @@ class Completions:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append((outcome, future))
         self._wake.set()
-        if self._task is None:  # not started (stopping): commit it here
+        if self._task is None:  # not started, or stopped: commit it here
             await self._commit_group()
         await future
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             await self._wake.wait()
             self._wake.clear()
             while self._pending:

@@ -57,6 +57,10 @@ FLEET_MAX_AGE_SECONDS = 1.0
 _CHUNK = 1000
 
 
+def _holds_job(future: asyncio.Future[PlacedJob | None]) -> bool:
+    return future.done() and not future.cancelled() and future.result() is not None
+
+
 @dataclass(eq=False)
 class _Waiter:
     node_id: str
@@ -89,6 +93,9 @@ class Scheduler:
         self._waiting: dict[str, list[_Waiter]] = {}
         self._arrived: set[str] = set()
         self._left: set[str] = set()
+        #: Jobs placed for claims that closed before their answer: to go back to the queue.
+        self._unanswered: list[PlacedJob] = []
+        self._stopping = False
         #: The last batch lost jobs to other replicas or to closed claims: run another before
         #: answering claims whose hold ended.
         self._retry = False
@@ -114,10 +121,13 @@ class Scheduler:
         self._task = asyncio.create_task(self._run(), name="scheduler")
 
     async def stop(self) -> None:
-        """Let a running batch finish (its claims are answered), then answer the rest None."""
+        """Let the round in progress finish (its claims are answered, what it committed is
+        delivered), then answer every claim still waiting None; later claims get None."""
+        self._stopping = True
+        self._wake.set()
         if self._task is not None:
-            self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
         for waiters in self._waiting.values():
             for waiter in waiters:
                 if not waiter.future.done():
@@ -130,7 +140,10 @@ class Scheduler:
         self, node_id: str, hold: float, still_valid: Callable[[], bool]
     ) -> PlacedJob | None:
         """Wait up to `hold` seconds for a job for `node_id`. `still_valid` is asked before each
-        batch (a revoked credential gets nothing)."""
+        batch (a revoked credential gets nothing). Cancelled (the client left), the claim is
+        withdrawn, and a job already placed for it goes back to the queue."""
+        if self._stopping:
+            return None
         loop = asyncio.get_running_loop()
         waiter = _Waiter(node_id, loop.create_future(), self._clock.now(), still_valid)
         self._waiting.setdefault(node_id, []).append(waiter)
@@ -144,10 +157,21 @@ class Scheduler:
                 waiter.expired = True
                 self._wake.set()
                 return await waiter.future
+        except asyncio.CancelledError:
+            placed = waiter.future.result() if _holds_job(waiter.future) else None
+            if placed is not None:
+                self.give_back(placed)
+            raise
         finally:
             if not waiter.future.done():
                 waiter.gone = True
             self._forget(waiter)
+
+    def give_back(self, placed: PlacedJob) -> None:
+        """A job placed for a claim that could not be answered: back to the queue (the node
+        never saw it). On the loop."""
+        self._unanswered.append(placed)
+        self._wake.set()
 
     def _forget(self, waiter: _Waiter) -> None:
         waiters = self._waiting.get(waiter.node_id)
@@ -183,19 +207,22 @@ class Scheduler:
             return reason
 
     def fleet(self, session: Session | None = None) -> Fleet:
-        """Every node as seen at most `FLEET_MAX_AGE_SECONDS` ago (one read for all callers),
-        read with `session` if one is given, else in a session of its own."""
+        """Every node as seen at most `FLEET_MAX_AGE_SECONDS` ago, read with `session` if one
+        is given, else in a session of its own. The lock only guards the cached view, never a
+        read: on SQLite a transaction waits for another's, which may be waiting for this."""
         with self._fleet_lock:
             fleet = self._fleet
-            if fleet is None or time.monotonic() - self._fleet_read > FLEET_MAX_AGE_SECONDS:
-                now, liveness = self._clock.now(), self._liveness()
-                if session is not None:
-                    fleet = read_fleet(session, now=now, liveness=liveness)
-                else:
-                    with self._session_factory() as own:
-                        fleet = read_fleet(own, now=now, liveness=liveness)
-                self._fleet, self._fleet_read = fleet, time.monotonic()
-            return fleet
+            if fleet is not None and time.monotonic() - self._fleet_read <= FLEET_MAX_AGE_SECONDS:
+                return fleet
+        now, liveness = self._clock.now(), self._liveness()
+        if session is not None:
+            fleet = read_fleet(session, now=now, liveness=liveness)
+        else:
+            with self._session_factory() as own:
+                fleet = read_fleet(own, now=now, liveness=liveness)
+        with self._fleet_lock:
+            self._fleet, self._fleet_read = fleet, time.monotonic()
+        return fleet
 
     # -- the batch task ----------------------------------------------------------------------
 
@@ -228,8 +255,15 @@ class Scheduler:
             except TimeoutError:
                 pass
             self._wake.clear()
+            if self._stopping:
+                if self._unanswered:
+                    await self._return_unanswered()
+                return
             present = {id(w) for waiters in self._waiting.values() for w in waiters}
+            self._retry = False
             try:
+                if self._unanswered:
+                    await self._return_unanswered()
                 left, self._left = self._left, set()
                 for job_id in left:
                     self._queue.discard(job_id)
@@ -241,7 +275,6 @@ class Scheduler:
                 elif self._arrived:
                     arrived, self._arrived = self._arrived, set()
                     await to_thread.run_sync(self._read_arrived, arrived, limiter=self._limiter)
-                self._retry = False
                 self._answer_revoked()
                 if self._waiting and len(self._queue):
                     await self._batch()
@@ -329,7 +362,8 @@ class Scheduler:
         finally:
             unanswered = self._deliver(batch, result)
         if unanswered:
-            await to_thread.run_sync(self._return, unanswered, limiter=self._limiter)
+            self._unanswered += unanswered
+            await self._return_unanswered()
         if unanswered or result.contended or result.gone:
             self._retry = True
             self._wake.set()  # the claims that got nothing try again at once
@@ -392,6 +426,10 @@ class Scheduler:
         if latencies and self._on_placed is not None:
             self._on_placed(latencies)
         return unanswered
+
+    async def _return_unanswered(self) -> None:
+        unanswered, self._unanswered = self._unanswered, []
+        await to_thread.run_sync(self._return, unanswered, limiter=self._limiter)
 
     def _return(self, unanswered: list[PlacedJob]) -> None:
         try:

@@ -21,7 +21,7 @@ import re
 
 from pydantic import ValidationError
 
-from control_plane.api.agent_work import assignment, outcome
+from control_plane.api.agent_work import CLOSED, assignment, claim_until_closed, outcome
 from control_plane.api.asgi import ASGIApp, Receive, Scope, Send, replay
 from control_plane.api.edge import SECURITY_HEADERS, check_json
 from control_plane.context import AppContext
@@ -29,11 +29,13 @@ from control_plane.errors import ModelForgeError, ProtocolIncompatible
 from control_plane.schemas import AgentJobComplete, AgentJobControl, HeartbeatRequest, WorkClaim
 from control_plane.services.credentials import NodePrincipal, revoked
 from control_plane.services.heartbeats import accept_heartbeat
+from control_plane.services.scheduling import PlacedJob
 
 PATH = "/api/v1/agent/heartbeat"
 CLAIM_PATH = "/api/v1/agent/work/claim"
 _FIXED = frozenset({PATH, CLAIM_PATH})
 _COMPLETE = re.compile(r"^/api/v1/agent/jobs/([A-Za-z0-9_-]{1,64})/complete$")
+_GONE = (0, b"")
 _NOT_CANCELLED = AgentJobControl(cancel=False).model_dump_json().encode()
 #: The most this seam reads before it hands the request on; a real heartbeat is ~150 bytes.
 FAST_BODY_LIMIT = 16 * 1024
@@ -78,7 +80,9 @@ class AgentFastPath:
             if path == PATH:
                 answer = self._heartbeat(principal.node_id, body)
             elif path == CLAIM_PATH:
-                answer = await self._claim(principal, body)
+                answer = await self._claim(principal, body, receive)
+                if answer is _GONE:
+                    return  # the agent closed the connection: nobody to answer
             elif completing is not None:
                 answer = await self._complete(principal.node_id, completing.group(1), body)
         if answer is None:
@@ -123,19 +127,23 @@ class AgentFastPath:
         self.answered += 1
         return 200, response.model_dump_json().encode()
 
-    async def _claim(self, principal: NodePrincipal, body: bytes) -> tuple[int, bytes] | None:
+    async def _claim(
+        self, principal: NodePrincipal, body: bytes, receive: Receive
+    ) -> tuple[int, bytes] | None:
         """The claim route's answer: a job, 204, or the refusal of a credential revoked while
-        it waited."""
+        it waited; `_GONE` when the agent (or a balancer's timeout) closed the connection
+        first — the claim is withdrawn, and a job placed for it meanwhile goes back to the
+        queue."""
         try:
             claim = WorkClaim.model_validate_json(body)
         except ValidationError:
             return None
         authority = self.ctx.authority
         self.claims += 1
-        placed = await self.ctx.scheduler.claim(
-            principal.node_id, claim.hold_seconds, lambda: authority.still_active(principal)
-        )
-        if placed is None:
+        placed = await claim_until_closed(self.ctx, principal, claim.hold_seconds, receive)
+        if placed is CLOSED:
+            return _GONE
+        if not isinstance(placed, PlacedJob):
             if not authority.still_active(principal):
                 return _refusal(revoked())
             return 204, b""
@@ -160,4 +168,6 @@ class AgentFastPath:
 
 
 def _refusal(error: ModelForgeError) -> tuple[int, bytes]:
-    return error.http_status, json.dumps(error.to_body()).encode()
+    """The refusal as the routes render it (Starlette's JSONResponse: compact, UTF-8)."""
+    body = json.dumps(error.to_body(), ensure_ascii=False, separators=(",", ":"))
+    return error.http_status, body.encode()

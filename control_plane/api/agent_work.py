@@ -3,10 +3,13 @@ reports, completion, and artifact transfer — all authenticated by the node cre
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 
+from control_plane.api.asgi import Receive
 from control_plane.api.deps import ContextDep, NodeDep
 from control_plane.api.ranges import artifact_response
 from control_plane.context import AppContext
@@ -25,6 +28,7 @@ from control_plane.schemas import (
     WorkClaim,
 )
 from control_plane.services import artifacts, jobs
+from control_plane.services.credentials import NodePrincipal
 from control_plane.services.scheduling import PlacedJob
 
 router = APIRouter(prefix="/api/v1/agent", tags=["agent"])
@@ -45,17 +49,45 @@ def assignment(ctx: AppContext, job: PlacedJob) -> JobAssignment:
     )
 
 
+#: What `claim_until_closed` returns when the agent closed the connection first.
+CLOSED = object()
+
+
+async def claim_until_closed(
+    ctx: AppContext, node: NodePrincipal, hold: float, receive: Receive
+) -> PlacedJob | None | object:
+    """Wait for a job for `node` (the route and the agents' fast path): the job, None at the end
+    of the hold, or `CLOSED` when the connection closed first (a stopped agent, a balancer's
+    timeout) — the claim is withdrawn then, and a job placed for it meanwhile goes back to the
+    queue, so no job is handed to a claim nobody reads."""
+    waiting = asyncio.ensure_future(
+        ctx.scheduler.claim(node.node_id, hold, lambda: ctx.authority.still_active(node))
+    )
+    closed = asyncio.ensure_future(receive())  # the body is read: next comes a disconnect
+    await asyncio.wait((waiting, closed), return_when=asyncio.FIRST_COMPLETED)
+    if waiting.done():
+        closed.cancel()
+        return waiting.result()
+    waiting.cancel()
+    (outcome,) = await asyncio.gather(waiting, return_exceptions=True)
+    if isinstance(outcome, PlacedJob):  # answered just as it was withdrawn
+        ctx.scheduler.give_back(outcome)
+    return CLOSED
+
+
 @router.post(
     "/work/claim",
     response_model=JobAssignment,
     responses={204: {"description": "no work within the hold"}},
 )
-async def claim_work(body: WorkClaim, node: NodeDep, ctx: ContextDep) -> JobAssignment | Response:
+async def claim_work(
+    body: WorkClaim, node: NodeDep, ctx: ContextDep, request: Request
+) -> JobAssignment | Response:
     """Long poll: answers with a job as soon as the scheduler places one on this node."""
-    placed = await ctx.scheduler.claim(
-        node.node_id, body.hold_seconds, lambda: ctx.authority.still_active(node)
-    )
-    if placed is None:
+    placed = await claim_until_closed(ctx, node, body.hold_seconds, request.receive)
+    if placed is CLOSED:
+        return Response(status_code=status.HTTP_204_NO_CONTENT)  # nobody reads it
+    if not isinstance(placed, PlacedJob):
         # A credential revoked while the claim waited ends it, and it got nothing.
         ctx.authority.recheck(node)
         return Response(status_code=status.HTTP_204_NO_CONTENT)

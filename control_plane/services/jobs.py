@@ -250,12 +250,15 @@ def cancel_job(*, session: Session, clock: Clock, job_id: str) -> Job:
         error=("JOB_CANCELLED", "cancelled before it started"),
     ):
         # Running: the agent learns it through its watch and kills the job's process group.
-        session.execute(
-            update(Job)
-            .where(Job.id == job_id, Job.state == "running")
+        # The node as it is now (a batch may have placed it since `job` was read).
+        node_id = session.execute(
+            update(JOBS)
+            .where(JOBS.c.id == job_id, JOBS.c.state == "running")
             .values(cancel_requested=True)
-        )
-        append_events(session, job, [("state", {"cancel_requested": True})], at=now)
+            .returning(JOBS.c.node_id)
+        ).scalar_one_or_none()
+        running = RunningJob(job_id, node_id, True)
+        append_events(session, running, [("state", {"cancel_requested": True})], at=now)
     session.refresh(job)
     return job
 
@@ -436,6 +439,20 @@ class _Finished:
 
     node_id: str
     state: str = "finished"
+
+
+def cancel_unstarted(*, session: Session, clock: Clock, job_id: str, node_id: str) -> bool:
+    """End as cancelled a job placed on `node_id` that the node never received, when its
+    cancellation was asked for meanwhile (it must not go back to the queue)."""
+    return _finish(
+        session,
+        RunningJob(job_id, node_id, True),
+        state="cancelled",
+        at=clock.now(),
+        from_states=("running",),
+        error=("JOB_CANCELLED", "cancelled before it started"),
+        node_id=node_id,
+    )
 
 
 def complete_job(

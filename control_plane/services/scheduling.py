@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session
 from control_plane.clock import Clock
 from control_plane.dispatch import CAPACITY, job_key, jobs_changed, queued_key
 from control_plane.models import JOB_EVENTS, JOBS, Job, JobEvent, Node
+from control_plane.services.jobs import cancel_unstarted
 from control_plane.services.liveness import Liveness
 
 #: Matching rounds in one batch: a job lost to another replica (or cancelled) is replaced by
@@ -507,6 +508,7 @@ def return_unanswered(
                 Job.state == "running",
                 Job.node_id == job.node_id,
                 Job.last_contact_at == Job.started_at,
+                Job.cancel_requested.is_(False),
             )
             .values(
                 state="queued",
@@ -519,6 +521,17 @@ def return_unanswered(
             .returning(Job.next_event_seq)
         ).scalar_one_or_none()
         if seq is None:
+            # Cancelled meanwhile: it ends cancelled rather than going back to the queue.
+            untouched = session.execute(
+                select(Job.id).where(
+                    Job.id == job.id,
+                    Job.node_id == job.node_id,
+                    Job.cancel_requested.is_(True),
+                    Job.last_contact_at == Job.started_at,
+                )
+            ).first()
+            if untouched is not None:
+                cancel_unstarted(session=session, clock=clock, job_id=job.id, node_id=job.node_id)
             continue
         session.add(
             JobEvent(

@@ -259,3 +259,34 @@ def test_a_job_placed_for_a_closed_claim_goes_back_to_the_queue(
             assert (
                 return_unanswered(session=session, clock=cp.clock, placed=[placed], reason="r") == 0
             )
+
+
+def test_a_job_cancelled_before_its_closed_claim_gave_it_back_ends_cancelled(
+    tmp_path: Path, database_url: str
+) -> None:
+    """Placed for a claim that closed, and cancelled before the scheduler gave it back: it
+    ends cancelled, never queued again."""
+    with control_plane(tmp_path, database_url) as cp:
+        node = _node(cp)
+        job = _submit(cp)
+        assert _claim(cp, node) is not None
+        cancel = cp.client.post(f"/api/v1/jobs/{job['job_id']}/cancel", headers=cp.admin)
+        assert cancel.json()["cancel_requested"] is True
+        placed = PlacedJob(
+            id=job["job_id"],
+            node_id=node["node_id"],
+            created_at=cp.clock.now(),
+            entrypoint={},
+            params={},
+            inputs={},
+            resources={},
+            assigned_gpus=[],
+            timeout_seconds=1,
+            silence_timeout_seconds=1,
+        )
+        with cp.ctx.session_factory.begin() as session:
+            assert (
+                return_unanswered(session=session, clock=cp.clock, placed=[placed], reason="r") == 0
+            )
+        view = cp.client.get(f"/api/v1/jobs/{job['job_id']}", headers=cp.admin).json()
+        assert view["state"] == "cancelled" and view["error"]["code"] == "JOB_CANCELLED"
