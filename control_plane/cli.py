@@ -93,6 +93,7 @@ def _serve(settings: Settings) -> None:
         address=settings.host,
         port=settings.port,
         workers=1,
+        backpressure=settings.max_concurrent_requests,
         ssl_cert=settings.tls_cert,
         ssl_key=settings.tls_key,
         log_level=settings.log_level,  # type: ignore[arg-type]

@@ -55,6 +55,9 @@ TICK_SECONDS = 1.0
 #: How old the fleet view behind `waiting_reason` and `prefer` may be.
 FLEET_MAX_AGE_SECONDS = 1.0
 _CHUNK = 1000
+#: A batch locks at most max(this, 2 x queued jobs) waiting nodes: one submitted job with a
+#: thousand claims waiting costs a batch over a few nodes, not over all of them.
+MIN_BATCH_NODES = 32
 
 
 def _holds_job(future: asyncio.Future[PlacedJob | None]) -> bool:
@@ -96,12 +99,17 @@ class Scheduler:
         #: Jobs placed for claims that closed before their answer: to go back to the queue.
         self._unanswered: list[PlacedJob] = []
         self._stopping = False
+        #: Nodes that took part in a batch and got nothing, since the queue or room last
+        #: changed: considered last when a batch takes only some of the waiting nodes.
+        self._fruitless: set[str] = set()
+        self._fresh = False
         #: The last batch lost jobs to other replicas or to closed claims: run another before
         #: answering claims whose hold ended.
         self._retry = False
         self._resync = True
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._refresher: asyncio.Task[None] | None = None
         self._limiter: CapacityLimiter | None = None
         self._fleet: Fleet | None = None
         self._fleet_lock = threading.Lock()
@@ -119,12 +127,17 @@ class Scheduler:
         self._limiter = CapacityLimiter(1)
         self._dispatcher.subscribe(self._heard)
         self._task = asyncio.create_task(self._run(), name="scheduler")
+        self._refresher = asyncio.create_task(self._refresh_fleet(), name="fleet view")
 
     async def stop(self) -> None:
         """Let the round in progress finish (its claims are answered, what it committed is
         delivered), then answer every claim still waiting None; later claims get None."""
         self._stopping = True
         self._wake.set()
+        if self._refresher is not None:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
+            self._refresher = None
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
@@ -235,6 +248,7 @@ class Scheduler:
         for key in keys:
             kind, _, job_id = key.partition(":")
             if kind == "queued":
+                self._fresh = True
                 self._arrived.add(job_id)
                 self._left.discard(job_id)  # queued again since it left
             elif kind == "job" and job_id in self._queue and f"queued:{job_id}" not in keys:
@@ -244,6 +258,8 @@ class Scheduler:
                 pass  # its credential may have been revoked: the round re-checks its claims
             elif key != CAPACITY:
                 continue
+            else:
+                self._fresh = True
             self._wake.set()
 
     async def _run(self) -> None:
@@ -261,6 +277,9 @@ class Scheduler:
                 return
             present = {id(w) for waiters in self._waiting.values() for w in waiters}
             self._retry = False
+            if self._fresh:  # new jobs or room: every node deserves a look again
+                self._fresh = False
+                self._fruitless.clear()
             try:
                 if self._unanswered:
                     await self._return_unanswered()
@@ -294,6 +313,19 @@ class Scheduler:
                         exc_info=failures == 1,
                     )
                 await asyncio.sleep(min(1.0, 0.05 * failures))
+
+    async def _refresh_fleet(self) -> None:
+        """While claims wait: keep the fleet view at most about a second old, off the batches'
+        path (its own thread)."""
+        while True:
+            await asyncio.sleep(FLEET_MAX_AGE_SECONDS / 2)
+            if not self._waiting or time.monotonic() - self._fleet_read < FLEET_MAX_AGE_SECONDS:
+                continue
+            try:
+                await to_thread.run_sync(self.fleet)
+            except Exception as exc:  # the batches and the API read it themselves meanwhile
+                if not is_database_unavailable(exc):
+                    log.warning("reading the fleet view failed (%s)", type(exc).__name__)
 
     def _answer_revoked(self) -> None:
         """None for claims whose credential was revoked meanwhile (the route refuses them)."""
@@ -364,18 +396,31 @@ class Scheduler:
         if unanswered:
             self._unanswered += unanswered
             await self._return_unanswered()
-        if unanswered or result.contended or result.gone:
+        placed_on = {placed.node_id for placed in result.placed}
+        self._fruitless.update(result.considered - placed_on)
+        self._fruitless.difference_update(placed_on)
+        if unanswered or result.contended or result.gone or (result.more and len(self._queue)):
             self._retry = True
             self._wake.set()  # the claims that got nothing try again at once
 
     def _place(self, waiting: dict[str, int]) -> BatchResult:
         """In a worker thread: skip the nodes the fleet view says can take none of the queued
         shapes (offline, incompatible, too small, other labels), then one transaction."""
-        fleet = self.fleet()
+        # The view kept fresh by `_refresh_fleet`, never read on a batch's path (a thousand
+        # nodes take a while); labels and sizes are all `may_take` needs of it.
+        fleet = self._fleet or self.fleet()
         shapes = self._queue.live_shapes()
         waiting = {
             node_id: slots for node_id, slots in waiting.items() if fleet.may_take(node_id, shapes)
         }
+        more = False
+        limit = max(MIN_BATCH_NODES, 2 * len(self._queue))
+        if len(waiting) > limit:
+            # A few jobs, many waiting nodes: lock only as many nodes as could take them,
+            # those that got nothing in an earlier batch last (arrival order otherwise).
+            ordered = sorted(waiting, key=lambda node_id: node_id in self._fruitless)
+            more = any(node_id not in self._fruitless for node_id in ordered[limit:])
+            waiting = {node_id: waiting[node_id] for node_id in ordered[:limit]}
         if not waiting:
             return BatchResult()
         self.batches += 1
@@ -398,6 +443,8 @@ class Scheduler:
             self._queue.discard(job_id)
         for placed in result.placed:
             self._queue.discard(placed.id)
+        result.considered = set(waiting)
+        result.more = more
         return result
 
     def _deliver(self, batch: dict[str, list[_Waiter]], result: BatchResult) -> list[PlacedJob]:

@@ -35,6 +35,10 @@ class Settings(BaseSettings):
     #: the admin token (sent as `Authorization: Bearer <token>`).
     metrics_token: SecretStr | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    #: Requests one process serves at once. Every node holds a claim per work slot and a
+    #: cancellation watch open all the time (long polls cost no thread, no connection to the
+    #: database), so this bounds the fleet one replica can serve.
+    max_concurrent_requests: int = Field(default=16384, ge=64, le=1_000_000)
 
     node_stale_after_seconds: float = 30.0
     node_offline_after_seconds: float = 90.0

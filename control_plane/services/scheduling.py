@@ -323,6 +323,10 @@ class BatchResult:
     gone: list[str] = field(default_factory=list)
     #: Whether a chosen job was locked by another replica's batch: worth another batch soon.
     contended: bool = False
+    #: The nodes that took part (set by the scheduler), and whether waiting nodes were left
+    #: out of this batch that might take what is still queued.
+    considered: set[str] = field(default_factory=set)
+    more: bool = False
 
 
 def free_capacity(session: Session, inventories: dict[str, dict[str, Any]]) -> dict[str, Capacity]:
