@@ -47,11 +47,11 @@ A run stopped by ``--max-seconds`` is reported as PARTIAL: its rate and latencie
 jobs placed in time; the jobs still queued waited longer than any latency shown.
 
 The SC-3 targets are printed, not turned into a failure: at 10,000 jobs x 1,000 nodes at least 500
-placements/s and a dispatch-probe p99 below 250 ms, and control-plane CPU per placement within 1.5x between 1,000 x
-100 and 10,000 x 1,000. The exit status is non-zero only for a correctness failure: a job lost or
-handed out twice, a claim answered with anything but 200 or 204 (or not in time), a completion
-refused or not answered, or (in a complete run) a job that did not succeed. The latencies of a
-run with claim timeouts are censored at the timeout.
+placements/s and a dispatch-probe p99 below 250 ms, and control-plane CPU per placement within 1.5x
+between 1,000 x 100 and 10,000 x 1,000. The exit status is non-zero only for a correctness failure:
+a job lost or handed out twice, a claim answered with anything but 200 or 204 (or not in time), a
+completion refused or not answered, or (in a complete run) a job that did not succeed. The latencies
+of a run with claim timeouts are censored at the timeout.
 
 Run (PostgreSQL reachable with the given user)::
 
