@@ -55,11 +55,9 @@ import asyncio
 import json
 import os
 import re
-import resource
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -68,6 +66,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+import fleet
 
 HEARTBEAT_PATH = "/api/v1/agent/heartbeat"
 HEARTBEAT_BODY = (
@@ -207,13 +207,18 @@ def run_pgbench(
         pgbench, "-h", pg.host, "-p", str(pg.port), "-U", pg.user, "-n", "-f", str(script),
         "-c", str(clients), "-j", str(jobs), "-T", str(duration), pg.database,
     ]  # fmt: skip
-    busy, postgres, children, start = _busy_s(), _postgres_cpu_s(), _children_s(), time.monotonic()
+    busy, postgres, children, start = (
+        fleet.busy_s(),
+        _postgres_cpu_s(),
+        fleet.children_cpu_s(),
+        time.monotonic(),
+    )
     out = subprocess.run(command, capture_output=True, text=True, check=False)
     wall = time.monotonic() - start
-    after = _busy_s()
+    after = fleet.busy_s()
     other = 0.0
     if busy is not None and after is not None:
-        ours = (_postgres_cpu_s() - postgres) + (_children_s() - children)
+        ours = (_postgres_cpu_s() - postgres) + (fleet.children_cpu_s() - children)
         other = max(0.0, (after - busy) - ours) / wall
     match = re.search(r"^tps = ([0-9.]+)", out.stdout, re.MULTILINE)
     if out.returncode != 0 or match is None:
@@ -222,12 +227,6 @@ def run_pgbench(
 
 
 # -- control plane ----------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class ControlPlane:
@@ -271,9 +270,9 @@ class ControlPlane:
         """The Granian worker process (a child of the supervisor) that runs the app."""
         children = [
             pid
-            for pid in _all_pids()
-            if _ppid(pid) == self.proc.pid and "granian" not in _comm(pid).lower()
-        ] or [pid for pid in _all_pids() if _ppid(pid) == self.proc.pid]
+            for pid in fleet.all_pids()
+            if fleet.ppid(pid) == self.proc.pid and "granian" not in fleet.comm(pid).lower()
+        ] or [pid for pid in fleet.all_pids() if fleet.ppid(pid) == self.proc.pid]
         return children[0] if children else self.proc.pid
 
     def log(self) -> str:
@@ -305,33 +304,12 @@ class ControlPlane:
         self._log.close()
 
 
-def _all_pids() -> list[int]:
-    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
-
-
-def _ppid(pid: int) -> int:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return -1
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of `pid` (all its threads), 0 if it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
-
-
 def _postgres_cpu_s() -> float:
     """CPU seconds of all PostgreSQL server processes, exited backends included (the postmaster's
     reaped-children times), so that short-lived pgbench backends are accounted for."""
     total = 0.0
-    for pid in _all_pids():
-        if _comm(pid) != "postgres":
+    for pid in fleet.all_pids():
+        if fleet.comm(pid) != "postgres":
             continue
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -339,73 +317,6 @@ def _postgres_cpu_s() -> float:
             continue
         total += sum(int(v) for v in fields[11:15]) / _CLK_TCK  # utime stime cutime cstime
     return total
-
-
-def _busy_s() -> float | None:
-    """CPU seconds the whole machine spent busy since boot (Linux), None elsewhere."""
-    try:
-        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except OSError:
-        return None
-    # user nice system idle iowait irq softirq steal: busy is all but idle and iowait; steal (time
-    # the hypervisor gave to other guests) counts as busy, so it shows up as "other processes".
-    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / _CLK_TCK
-
-
-def _children_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _serves(pid: int, database: str) -> bool:
-    """A PostgreSQL server process that works for `database`: its backends, or an auxiliary."""
-    try:
-        title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except (OSError, UnicodeDecodeError):
-        return False
-    client = "(" in title or "[local]" in title
-    return not client or f" {database} " in title
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
-async def _enroll_all(base: str, admin_token: str, nodes: int, concurrency: int) -> list[str]:
-    import httpx
-
-    admin = {"X-ModelForge-Admin-Token": admin_token}
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(client: httpx.AsyncClient, index: int) -> str:
-        async with gate:
-            minted = await client.post(
-                "/api/v1/admin/node-enrollments",
-                headers=admin,
-                json={"display_name": f"bench-{index}", "expires_in_seconds": 3600},
-            )
-            if minted.status_code != 201:
-                raise SystemExit(f"mint failed: {minted.status_code} {minted.text}")
-            claimed = await client.post(
-                "/api/v1/agent/enroll",
-                json={
-                    "token": minted.json()["token"],
-                    "claim_nonce": secrets.token_hex(16),
-                    "hostname": f"bench-host-{index}",
-                    "protocol_version": 1,
-                    "agent_version": "0.1.0",
-                },
-            )
-            if claimed.status_code != 200:
-                raise SystemExit(f"enroll failed: {claimed.status_code} {claimed.text}")
-            return str(claimed.json()["credential"])
-
-    limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=60.0) as client:
-        return list(await asyncio.gather(*(one(client, i) for i in range(nodes))))
 
 
 async def _warm_up(base: str, credentials: list[str], concurrency: int) -> int:
@@ -551,21 +462,21 @@ class CpuSnapshot:
 
 def cpu_snapshot(server: ControlPlane, worker: int) -> CpuSnapshot | None:
     """Where the machine's CPU goes (Linux /proc only); None elsewhere."""
-    busy = _busy_s()
+    busy = fleet.busy_s()
     if busy is None:
         return None
     postgres = {
-        pid: _cpu_s(pid)
-        for pid in _all_pids()
-        if _comm(pid) == "postgres" and _serves(pid, server.database)
+        pid: fleet.cpu_s(pid)
+        for pid in fleet.all_pids()
+        if fleet.comm(pid) == "postgres" and fleet.serves(pid, server.database)
     }
     return CpuSnapshot(
         at=time.monotonic(),
         busy_s=busy,
-        worker_s=_cpu_s(worker),
-        supervisor_s=_cpu_s(server.proc.pid) if worker != server.proc.pid else 0.0,
+        worker_s=fleet.cpu_s(worker),
+        supervisor_s=fleet.cpu_s(server.proc.pid) if worker != server.proc.pid else 0.0,
         postgres=postgres,
-        children_s=_children_s(),
+        children_s=fleet.children_cpu_s(),
     )
 
 
@@ -716,11 +627,13 @@ def main(argv: list[str]) -> int:
         pg.recreate(args.nodes)
         server: ControlPlane | None = None
         try:
-            server = ControlPlane(pg, workdir, free_port())
+            server = ControlPlane(pg, workdir, fleet.free_port())
             server.wait_healthy()
             t = time.perf_counter()
             credentials = asyncio.run(
-                _enroll_all(server.base, server.admin_token, args.nodes, args.enroll_concurrency)
+                fleet.enroll_nodes(
+                    server.base, server.admin_token, args.nodes, args.enroll_concurrency
+                )
             )
             print(f"enrolled {len(credentials)} nodes in {time.perf_counter() - t:.1f} s")
             creds = workdir / "credentials.txt"
@@ -728,7 +641,7 @@ def main(argv: list[str]) -> int:
 
             if args.restart:
                 server.stop()
-                server = ControlPlane(pg, workdir, free_port())
+                server = ControlPlane(pg, workdir, fleet.free_port())
                 server.wait_healthy()
                 print("restarted the control plane (same database, same data dir)")
             time.sleep(STATS_DELAY_S)  # every backend has reported its scans

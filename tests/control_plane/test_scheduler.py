@@ -172,6 +172,23 @@ def test_waiting_reasons(tmp_path: Path, database_url: str) -> None:
         assert running["state"] == "running" and running["waiting_reason"] is None
 
 
+def _placed(cp: ControlPlane, job: dict[str, Any], node: dict[str, str]) -> PlacedJob:
+    """What the scheduler holds of `job` after placing it on `node` (as `return_unanswered`
+    reads it: the id and the node)."""
+    return PlacedJob(
+        id=job["job_id"],
+        node_id=node["node_id"],
+        created_at=cp.clock.now(),
+        entrypoint={},
+        params={},
+        inputs={},
+        resources={},
+        assigned_gpus=[],
+        timeout_seconds=1,
+        silence_timeout_seconds=1,
+    )
+
+
 def _wait_reason(cp: ControlPlane, job_id: str, code: str, text: str) -> dict[str, Any]:
     """The reason follows the fleet within about a second (the scheduler's fleet view)."""
     deadline = time.monotonic() + 5
@@ -228,18 +245,7 @@ def test_a_job_placed_for_a_closed_claim_goes_back_to_the_queue(
         job = _submit(cp)
         got = _claim(cp, node)
         assert got is not None
-        placed = PlacedJob(
-            id=job["job_id"],
-            node_id=node["node_id"],
-            created_at=cp.clock.now(),
-            entrypoint={},
-            params={},
-            inputs={},
-            resources={},
-            assigned_gpus=[],
-            timeout_seconds=1,
-            silence_timeout_seconds=1,
-        )
+        placed = _placed(cp, job, node)
         with cp.ctx.session_factory.begin() as session:
             assert (
                 return_unanswered(session=session, clock=cp.clock, placed=[placed], reason="r") == 1
@@ -272,18 +278,7 @@ def test_a_job_cancelled_before_its_closed_claim_gave_it_back_ends_cancelled(
         assert _claim(cp, node) is not None
         cancel = cp.client.post(f"/api/v1/jobs/{job['job_id']}/cancel", headers=cp.admin)
         assert cancel.json()["cancel_requested"] is True
-        placed = PlacedJob(
-            id=job["job_id"],
-            node_id=node["node_id"],
-            created_at=cp.clock.now(),
-            entrypoint={},
-            params={},
-            inputs={},
-            resources={},
-            assigned_gpus=[],
-            timeout_seconds=1,
-            silence_timeout_seconds=1,
-        )
+        placed = _placed(cp, job, node)
         with cp.ctx.session_factory.begin() as session:
             assert (
                 return_unanswered(session=session, clock=cp.clock, placed=[placed], reason="r") == 0
