@@ -21,10 +21,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane import RELEASE_VERSION
 from control_plane.admin_token import resolve_admin_token
-from control_plane.api import admin, agent, agent_work, console, docs, jobs, metrics, public
+from control_plane.api import (
+    admin,
+    agent,
+    agent_work,
+    artifacts,
+    console,
+    docs,
+    jobs,
+    metrics,
+    public,
+    workloads,
+)
 from control_plane.api.agent_fast import AgentFastPath
 from control_plane.api.edge import Edge, JsonGuard, invalid_json
 from control_plane.background.loops import start_loops, stop_loops
+from control_plane.background.service_placement import start_service_placement
 from control_plane.clock import Clock, SystemClock
 from control_plane.context import AppContext
 from control_plane.db import (
@@ -83,7 +95,7 @@ def create_app(
         ctx.completions.start()
         if ctx.settings.is_postgresql:
             ctx.dispatcher.listen(ctx.settings.sqlalchemy_url)
-        tasks = start_loops(ctx) if run_loops else []
+        tasks = [*start_loops(ctx), start_service_placement(ctx)] if run_loops else []
         try:
             yield
         finally:
@@ -110,6 +122,9 @@ def create_app(
     app.include_router(console.router)
     app.include_router(docs.router)
     app.include_router(metrics.router)
+    app.include_router(artifacts.router)
+    app.include_router(workloads.router)
+    app.include_router(workloads.agent_router)
     console.mount_console(app)
     return AgentFastPath(Edge(JsonGuard(app), ctx), ctx)
 

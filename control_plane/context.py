@@ -20,6 +20,7 @@ from control_plane.services.console_sessions import SignInThrottle
 from control_plane.services.credentials import CredentialAuthority
 from control_plane.services.heartbeats import HeartbeatBuffer
 from control_plane.services.liveness import Liveness, LivenessThresholds
+from control_plane.services.secrets_vault import Vault
 from control_plane.settings import Settings
 
 
@@ -42,8 +43,11 @@ class AppContext:
     scheduler: Scheduler = field(init=False)
     #: Commits agents' job outcomes in groups (started in the app's lifespan).
     completions: Completions = field(init=False)
+    #: Encrypts and decrypts secrets (WL-6a), with keys in the data dir.
+    vault: Vault = field(init=False)
 
     def __post_init__(self) -> None:
+        self.vault = Vault(self.settings.data_dir)
         self.completions = Completions(session_factory=self.session_factory, clock=self.clock)
         self.scheduler = Scheduler(
             session_factory=self.session_factory,
@@ -51,6 +55,7 @@ class AppContext:
             liveness=lambda: self.liveness,
             dispatcher=self.dispatcher,
             on_placed=lambda latencies: self.metrics.observe_placements(latencies),
+            vault=self.vault,
         )
 
     @property

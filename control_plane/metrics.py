@@ -11,7 +11,8 @@ Two kinds of value:
   `job_finished(session, …)`, and `Metrics.attach(session_factory)` counts it after the commit
   and forgets it after a rollback — the pattern of `dispatch.jobs_changed`.
 - read at scrape time from the database (`_StoreCollector`): nodes by liveness state, jobs by
-  state, artifact store bytes; one short read-only session of a few aggregate queries a scrape.
+  state, services by state, artifact store bytes; one short read-only session of a few
+  aggregate queries a scrape.
 
 This module never holds or prints a token; authentication is the router's (`api/metrics.py`).
 """
@@ -28,7 +29,7 @@ from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import Clock
-from control_plane.models import Artifact, Job, Node
+from control_plane.models import Artifact, Job, Node, Service
 from control_plane.schemas import NodeState
 from control_plane.services.liveness import Liveness, liveness_state
 
@@ -58,6 +59,8 @@ OTHER_CODE = "OTHER"
 NODE_STATES: tuple[NodeState, ...] = ("online", "stale", "offline")
 #: The job states counted at scrape time; finished jobs are counted as outcomes instead.
 ACTIVE_JOB_STATES = ("queued", "running")
+#: The service states counted at scrape time (WL-5a); undeployed (`stopped`) ones are not.
+SERVICE_STATES = ("pending", "starting", "healthy", "unhealthy", "restarting", "failed")
 #: `Session.info` key: the outcomes `job_finished` registered, counted once the session commits.
 _OUTCOMES = "modelforge.job_outcomes"
 
@@ -160,17 +163,19 @@ class _StoreCollector:
         return _families()
 
     def collect(self) -> Iterable[Metric]:
-        nodes, needs_upgrade, jobs, artifact_bytes = self._read()
-        by_state, upgrade, by_job_state, store = _families()
+        nodes, needs_upgrade, jobs, artifact_bytes, services = self._read()
+        by_state, upgrade, by_job_state, store, by_service_state = _families()
         for state in NODE_STATES:
             by_state.add_metric([state], nodes[state])
         upgrade.add_metric([], needs_upgrade)
         for job_state in ACTIVE_JOB_STATES:
             by_job_state.add_metric([job_state], jobs.get(job_state, 0))
         store.add_metric([], artifact_bytes)
-        return [by_state, upgrade, by_job_state, store]
+        for service_state in SERVICE_STATES:
+            by_service_state.add_metric([service_state], services.get(service_state, 0))
+        return [by_state, upgrade, by_job_state, store, by_service_state]
 
-    def _read(self) -> tuple[dict[NodeState, int], int, dict[str, int], int]:
+    def _read(self) -> tuple[dict[NodeState, int], int, dict[str, int], int, dict[str, int]]:
         nodes: dict[NodeState, int] = dict.fromkeys(NODE_STATES, 0)
         needs_upgrade = 0
         # One short transaction, never committed: it changes nothing.
@@ -195,7 +200,15 @@ class _StoreCollector:
             artifact_bytes = session.execute(
                 select(func.coalesce(func.sum(Artifact.size_bytes), 0))
             ).scalar_one()
-        return nodes, needs_upgrade, jobs, int(artifact_bytes)
+            services = {
+                state: int(count)
+                for state, count in session.execute(
+                    select(Service.state, func.count())
+                    .where(Service.state != "stopped")
+                    .group_by(Service.state)
+                )
+            }
+        return nodes, needs_upgrade, jobs, int(artifact_bytes), services
 
 
 def _families() -> list[GaugeMetricFamily]:
@@ -220,6 +233,10 @@ def _families() -> list[GaugeMetricFamily]:
             "modelforge_artifact_store_bytes",
             "Bytes of the artifacts in the artifact store (the sum of their sizes).",
         ),
-        # Services by state (SPEC OB-1) goes here, as `modelforge_services{state}`, once
-        # services exist (WL-5a): a family above, one grouped count in `_read`.
+        GaugeMetricFamily(
+            "modelforge_services",
+            "Services by state (pending, starting, healthy, unhealthy, restarting, failed); "
+            "undeployed ones are not counted.",
+            labels=["state"],
+        ),
     ]

@@ -19,6 +19,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -193,6 +194,12 @@ class Job(Base):
     error_code: Mapped[str | None] = mapped_column(String(40))
     error_message: Mapped[str | None] = mapped_column(Text)
     next_event_seq: Mapped[int] = mapped_column(Integer, default=1)
+    #: The model it was submitted with (`name@version`), resolved into entrypoint and params.
+    model: Mapped[str | None] = mapped_column(String(201))
+    #: The names of the secrets its process receives (WL-6a).
+    secrets: Mapped[list[Any] | None] = mapped_column(JSON)
+    #: Labels a node must carry whatever `worker_policy` says: its secrets' labels.
+    required_labels: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
 class JobEvent(Base):
@@ -229,6 +236,105 @@ class ArtifactUpload(Base):
     uploaded_at: Mapped[datetime]
 
 
+class Model(Base):
+    """A named, versioned model (WL-5c): immutable once created; jobs and services name it as
+    `name@version` and get its runner, weights and default params."""
+
+    __tablename__ = "models"
+    __table_args__ = (Index("uq_models_name_version", "name", "version", unique=True),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str] = mapped_column(String(100))
+    version: Mapped[str] = mapped_column(String(100))
+    runner: Mapped[str] = mapped_column(String(16))
+    weights: Mapped[str] = mapped_column(String(71), index=True)
+    params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime]
+
+
+class Secret(Base):
+    """A write-only value (WL-6a), stored only encrypted (AES-256-GCM, the key in the data dir);
+    `key_id` names the key it was encrypted with, for rotation."""
+
+    __tablename__ = "secrets"
+
+    name: Mapped[str] = mapped_column(String(100), primary_key=True)
+    ciphertext: Mapped[bytes] = mapped_column(LargeBinary)
+    key_id: Mapped[str] = mapped_column(String(32))
+    labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+
+    def __repr__(self) -> str:
+        return f"Secret(name={self.name!r}, labels={self.labels!r})"
+
+
+class Service(Base):
+    """A long-running model server (WL-5a), placed on a node for as long as it is deployed.
+    `node_id` set means it holds `resources` and `assigned_gpus` there; `generation` grows
+    with each restart asked for, which the node's agent acts on."""
+
+    __tablename__ = "services"
+    __table_args__ = (Index("ix_services_state", "state"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str] = mapped_column(String(100))
+    #: pending | starting | healthy | unhealthy | restarting | stopped | failed
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    command: Mapped[list[Any] | None] = mapped_column(JSON)
+    runner: Mapped[str | None] = mapped_column(String(16))
+    weights: Mapped[str | None] = mapped_column(String(71))
+    model: Mapped[str | None] = mapped_column(String(201))
+    params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    env: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    secrets: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    worker_policy: Mapped[str] = mapped_column(String(16), default="require")
+    resources: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    health: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    restart: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    node_id: Mapped[str | None] = mapped_column(String(40), index=True)
+    assigned_gpus: Mapped[list[Any] | None] = mapped_column(JSON)
+    url: Mapped[str | None] = mapped_column(String(300))
+    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    last_exit: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    generation: Mapped[int] = mapped_column(Integer, default=1)
+    log_tail: Mapped[list[Any] | None] = mapped_column(JSON)
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    placed_at: Mapped[datetime | None]
+    stopped_at: Mapped[datetime | None]
+    next_event_seq: Mapped[int] = mapped_column(Integer, default=1)
+
+
+class ServiceEvent(Base):
+    __tablename__ = "service_events"
+    __table_args__ = (Index("uq_service_events_service_seq", "service_id", "seq", unique=True),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    service_id: Mapped[str] = mapped_column(ForeignKey("services.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(Integer)
+    at: Mapped[datetime]
+    kind: Mapped[str] = mapped_column(String(16))
+    data: Mapped[Any] = mapped_column(JSON)
+
+
+class AuditEntry(Base):
+    """One admin action (AU-1): appended, never updated. Never holds a secret value."""
+
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(index=True)
+    #: `admin-token` or `console-session:<8 hex of the session's hash>`.
+    actor: Mapped[str] = mapped_column(String(64))
+    action: Mapped[str] = mapped_column(String(40), index=True)
+    target: Mapped[str] = mapped_column(String(300))
+    #: `ok`, or the refusal's error code.
+    outcome: Mapped[str] = mapped_column(String(40))
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
 class ConsoleSession(Base):
     """A signed-in console. Only the SHA-256 of the cookie value is stored; the CSRF token
     is derived from the cookie value, so neither can be recovered from the database."""
@@ -244,3 +350,4 @@ class ConsoleSession(Base):
 #: parameters) that the ORM's per-object path would make one round trip each.
 JOBS = cast(Table, Job.__table__)
 JOB_EVENTS = cast(Table, JobEvent.__table__)
+SERVICES = cast(Table, Service.__table__)

@@ -43,6 +43,7 @@ from control_plane.services.scheduling import (
     queued_job,
     return_unanswered,
 )
+from control_plane.services.secrets_vault import Vault
 from control_plane.services.waiting import Fleet, explain, read_fleet
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,11 @@ class Scheduler:
         liveness: Callable[[], Liveness],
         dispatcher: Dispatcher,
         on_placed: Callable[[Sequence[float]], None] | None = None,
+        vault: Vault | None = None,
     ) -> None:
         self._session_factory = session_factory
+        #: Decrypts the secrets of the jobs a batch places (WL-6a).
+        self._vault = vault
         self._clock = clock
         self._liveness = liveness
         self._dispatcher = dispatcher
@@ -209,7 +213,7 @@ class Scheduler:
         Thread-safe; one read a second serves every caller."""
         if job.state != "queued":
             return None
-        shape = Shape.of(job.labels, job.worker_policy, job.resources)
+        shape = Shape.of(job.labels, job.worker_policy, job.resources, job.required_labels)
         fleet = self.fleet(session)
         with self._fleet_lock:
             if self._reasons[0] is not fleet:
@@ -438,6 +442,7 @@ class Scheduler:
                 waiting=waiting,
                 queue=self._queue,
                 room_elsewhere=room_elsewhere,
+                vault=self._vault,
             )
         for job_id in result.gone:
             self._queue.discard(job_id)

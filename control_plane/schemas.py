@@ -398,8 +398,25 @@ class JobResources(StrictModel):
     memory_mb: Annotated[int, Field(ge=0, le=16_000_000)] = 0
 
 
+ModelRef = Annotated[
+    str,
+    StringConstraints(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}@[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$",
+        max_length=201,
+    ),
+]
+SecretName = Annotated[str, StringConstraints(pattern=r"^[A-Z_][A-Z0-9_]{0,99}$")]
+SecretNames = Annotated[list[SecretName], Field(max_length=32)]
+
+
 class JobCreate(StrictModel):
-    entrypoint: Entrypoint
+    entrypoint: Entrypoint | None = None
+    #: `name@version` of a model (WL-5c): its weights run with its runner and default params
+    #: (the job's own params override them). Either this or `entrypoint`.
+    model: ModelRef | None = None
+    #: Secrets (WL-6a) given to the job's process as environment variables; the job runs only
+    #: on nodes whose signed labels carry every secret's labels.
+    secrets: SecretNames = Field(default_factory=list)
     params: dict[str, Any] = Field(default_factory=dict)
     inputs: Annotated[dict[Identifier, Digest], Field(max_length=100)] = Field(default_factory=dict)
     resources: JobResources = Field(default_factory=JobResources)
@@ -407,6 +424,14 @@ class JobCreate(StrictModel):
     worker_policy: Literal["require", "prefer"] = "require"
     timeout_seconds: Annotated[float, Field(gt=0, le=7 * 86400)] = 3600.0
     silence_timeout_seconds: Annotated[float, Field(gt=0, le=86400)] = 600.0
+
+    @model_validator(mode="after")
+    def _entrypoint_or_model(self) -> JobCreate:
+        if (self.entrypoint is None) == (self.model is None):
+            raise ValueError("give either entrypoint or model (name@version), not both")
+        if len(set(self.secrets)) != len(self.secrets):
+            raise ValueError("secrets must not name a secret twice")
+        return self
 
 
 class JobBatchCreate(StrictModel):
@@ -461,6 +486,10 @@ class JobPublic(BaseModel):
     assigned_gpus: list[AssignedGpu] = Field(default_factory=list)
     #: Only while queued: what keeps it from starting.
     waiting_reason: WaitingReason | None = None
+    #: The model it was submitted with (`name@version`), if any.
+    model: str | None = None
+    #: The names of the secrets it receives (never their values).
+    secrets: list[str] = Field(default_factory=list)
 
 
 class JobBatchPublic(BaseModel):
@@ -489,6 +518,8 @@ class JobAssignment(BaseModel):
     timeout_seconds: float
     silence_timeout_seconds: float
     progress_interval_seconds: float
+    #: The job's secrets by name (WL-6a): for its process's environment only.
+    secrets: dict[str, str] = Field(default_factory=dict)
 
 
 class AgentJobEvent(StrictModel):

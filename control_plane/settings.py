@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: As long as the admin token must be: it is compared unthrottled (see `api/metrics.py`).
 METRICS_TOKEN_MIN_LENGTH = 16
+MIN_ARTIFACT_SWEEP_INTERVAL_SECONDS = 60.0
 
 
 class Settings(BaseSettings):
@@ -65,6 +66,12 @@ class Settings(BaseSettings):
     max_job_body_bytes: int = Field(default=4 * 1024 * 1024, ge=16 * 1024, le=256 * 1024 * 1024)
     #: Artifact uploads; they stream to disk, so this bounds disk use, not memory.
     max_artifact_bytes: int = Field(default=64 * 1024**3, ge=1)
+    #: How often the artifact sweep runs (AR-3a); 0 turns the periodic sweep off (the admin
+    #: endpoint still sweeps on demand).
+    artifact_sweep_interval_seconds: float = Field(default=3600.0, ge=0)
+    #: An artifact nothing names is kept this long after its upload (or its latest re-upload):
+    #: the time between uploading weights and naming them in a job, model or service.
+    artifact_grace_seconds: float = Field(default=86400.0, ge=1)
     #: The verified release manifest; when set, a node-agent entry pasted into the Enroll
     #: node wizard must match its node-agent image exactly.
     release_manifest: Path | None = None
@@ -112,6 +119,13 @@ class Settings(BaseSettings):
         ):
             problems.append(
                 f"MODELFORGE_METRICS_TOKEN must be at least {METRICS_TOKEN_MIN_LENGTH} characters"
+            )
+        sweep_interval = self.artifact_sweep_interval_seconds
+        if 0 < sweep_interval < MIN_ARTIFACT_SWEEP_INTERVAL_SECONDS:
+            problems.append(
+                f"MODELFORGE_ARTIFACT_SWEEP_INTERVAL_SECONDS ({sweep_interval:g}) must be 0 (off) "
+                f"or at least {MIN_ARTIFACT_SWEEP_INTERVAL_SECONDS:g}: each sweep reads every "
+                "artifact row and file"
             )
         if (self.tls_cert is None) != (self.tls_key is None):
             problems.append("MODELFORGE_TLS_CERT and MODELFORGE_TLS_KEY must be set together")

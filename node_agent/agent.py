@@ -5,12 +5,15 @@ its loops until stopped, each on its own thread and schedule:
 - the inventory, checked at the same interval and sent when it changed, and at least every
   inventory interval the control plane gives even unchanged (readiness judges its age);
 - telemetry, every telemetry interval;
-- the work slots and the cancellation watch (node_agent.work), once the node has reported itself.
+- the work slots and the cancellation watch (node_agent.work), once the node has reported itself;
+- beside them the services this node must run (node_agent.services), synced with the control
+  plane every poll interval it gives and kept in line on the runtime worker.
 
 A runtime worker whose protocol the control plane refuses (426 naming `runtime-worker` on the
 inventory) is not the agent's failure: the agent logs once what to upgrade, keeps heartbeating
-(the node stays online, marked Needs upgrade), claims no work, and reports the inventory again
-as soon as the worker's answer changes; once it is accepted, the slots claim again.
+(the node stays online, marked Needs upgrade), claims no work and keeps no services, and reports
+the inventory again as soon as the worker's answer changes; once it is accepted, the slots claim
+again and the services are synced again.
 
 A loop retrying a failing call (node_agent.retry: backoff 1 s…16 s) delays only itself: a
 control plane that refuses telemetry for minutes still receives every heartbeat on time. A
@@ -35,6 +38,7 @@ from node_agent.inventory import Overrides, collect_inventory, collect_telemetry
 from node_agent.local_api import serve_local_api
 from node_agent.preflight import PreflightResult
 from node_agent.retry import EXIT_CONFIG, AgentStopped, ControlPlaneError, Interrupted
+from node_agent.services import ServiceKeeper
 from node_agent.work import WorkRunner
 from node_agent.worker_link import query_runtime_worker
 
@@ -185,6 +189,7 @@ class Agent:
             while not inventory_tried.wait(0.1):
                 if self.stop.is_set():
                     return
+            hidden = private_paths(self.settings.state_volume, self.settings.enrollment_token_file)
             WorkRunner(
                 control_plane=self.control_plane,
                 worker_socket=self.settings.worker_socket,
@@ -192,9 +197,18 @@ class Agent:
                 parallel=self.parallel,
                 stop=self.stop,
                 worker_compatible=self.worker_compatible,
-                private_paths=private_paths(
-                    self.settings.state_volume, self.settings.enrollment_token_file
-                ),
+                private_paths=hidden,
+            ).start()
+            control_plane = self.control_plane
+            ServiceKeeper(
+                control_plane=control_plane,
+                worker_socket=self.settings.worker_socket,
+                agent_socket=self.settings.socket,
+                fetch_weights=lambda digest: cache.fetch(digest, control_plane.download_artifact),
+                stop=self.stop,
+                worker_compatible=self.worker_compatible,
+                private_paths=hidden,
+                service_host=self.settings.service_host,
             ).start()
             while not self.stop.wait(1.0):
                 pass

@@ -242,6 +242,14 @@ class ControlPlane:
         except ControlPlaneError as exc:
             log.error("%s; the outcome is dropped", exc)
 
+    # -- services ---------------------------------------------------------------------------
+
+    def sync_services(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Report this node's services; the answer lists those it must run, with their secrets
+        (`{"services": [...], "poll_interval_seconds"}`). A refusal that is neither retried nor
+        terminal raises `ControlPlaneError` for the caller to log and try again later."""
+        return _json(self._call("POST", "/api/v1/agent/services/sync", body))
+
     # -- artifacts --------------------------------------------------------------------------
 
     def download_artifact(self, digest: str, partial: Path) -> None:

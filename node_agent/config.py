@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import grp
 import ipaddress
+import re
 import socket
 import tempfile
 from pathlib import Path
@@ -37,6 +38,16 @@ class PreflightSettings(BaseSettings):
 
 
 class AgentSettings(PreflightSettings):
+    """The agent's settings, each from `MODELFORGE_AGENT_<NAME>` (the artifact cache's from
+    `MODELFORGE_ARTIFACT_CACHE*`).
+
+    `service_host` (`MODELFORGE_AGENT_SERVICE_HOST`, optional): the host name or IP address at
+    which others reach the services this node runs; the control plane builds each service's URL
+    from it and the service's port. Unset, the control plane uses the address it sees the agent
+    connect from. Only a host: no scheme, no port, no path, no spaces (an IPv6 address may be
+    given bare or in brackets).
+    """
+
     control_plane_url: str
     enrollment_token: SecretStr | None = None
     enrollment_token_file: Path | None = None
@@ -59,10 +70,13 @@ class AgentSettings(PreflightSettings):
         default=1024**3, ge=0, validation_alias="MODELFORGE_ARTIFACT_CACHE_BYTES"
     )
     request_timeout_seconds: float = Field(default=10.0, gt=0, le=300)
+    service_host: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> Self:
         problems = _url_problems(self.control_plane_url, self.allow_insecure_http)
+        if self.service_host is not None:
+            problems += _service_host_problems(self.service_host)
         if self.ca_cert_path is not None and not self.ca_cert_path.is_file():
             problems.append(
                 f"MODELFORGE_AGENT_CA_CERT_PATH: {self.ca_cert_path} is not a readable file"
@@ -133,6 +147,34 @@ def _url_problems(url: str, allow_insecure_http: bool) -> list[str]:
             "MODELFORGE_AGENT_ALLOW_INSECURE_HTTP=true on a trusted network"
         ]
     return []
+
+
+_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def _service_host_problems(host: str) -> list[str]:
+    name = "MODELFORGE_AGENT_SERVICE_HOST"
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        address = ipaddress.ip_address(bare)
+    except ValueError:
+        address = None
+    if address is not None and "%" not in bare and (bare == host or address.version == 6):
+        return []
+    labels = host.split(".")
+    if len(host) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels):
+        return []
+    if "://" in host:
+        why = "a URL; give only the host, without the scheme"
+    elif any(character.isspace() for character in host):
+        why = "not a host name: it holds spaces"
+    elif ":" in host:
+        why = "not a host name: give it without a port (the port is the service's own)"
+    elif "/" in host:
+        why = "not a host name: give it without a path"
+    else:
+        why = "not a host name or an IP address"
+    return [f"{name}: {host[:80]!r} is {why}, e.g. gpu-box.lan or 192.0.2.10"]
 
 
 def _is_loopback(host: str) -> bool:

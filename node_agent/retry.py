@@ -138,6 +138,9 @@ class RetryRule:
         self.stop = stop
         self.control_plane_url = control_plane_url
         self._last_success: float | None = None
+        #: A call failed to reach the control plane since the last success: the next success
+        #: (of any loop's call) is a reconnection.
+        self._unreachable = False
         self._stopped: AgentStopped | None = None
         self._lock = threading.Lock()
 
@@ -188,13 +191,16 @@ class RetryRule:
 
     def _succeeded(self, method: str, path: str) -> None:
         now = time.monotonic()
-        last = self._last_success
-        if last is not None and now - last > 16:
+        with self._lock:
+            last, self._last_success = self._last_success, now
+            unreachable, self._unreachable = self._unreachable, False
+        if unreachable or (last is not None and now - last > 16):
             log.info("reconnected to the control plane (%s %s)", method, path)
-        self._last_success = now
 
     def _log_retry(self, state: Any, method: str, path: str) -> None:
         exc = state.outcome.exception()
+        if isinstance(exc, httpx.TransportError):
+            self._unreachable = True
         last = self._last_success
         since = (
             "never succeeded"

@@ -4,7 +4,8 @@
 the socket is 0660 for that group — the agent's, when the worker runs under a user of its own.
 
 At start it makes itself not dumpable (jobs run as the same user cannot ptrace it or read its
-/proc entries) and removes the work directories a previous worker on the same socket left."""
+/proc entries) and removes the work directories a previous worker on the same socket left. On
+SIGTERM/SIGINT it stops every service and every job, with all they started, before it exits."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-from modelforge_contracts.ipc import UnixHTTPServer
 from modelforge_contracts.protocol import PROTOCOL_VERSION
 from runtime_worker import WORKER_VERSION, isolation
 from runtime_worker.execution import (
@@ -26,7 +26,7 @@ from runtime_worker.execution import (
     prepare_jobs_directory,
     stop_all,
 )
-from runtime_worker.server import serve
+from runtime_worker.server import WorkerServer, serve
 
 DEFAULT_SOCKET = "/run/modelforge/runtime-worker.sock"
 
@@ -73,7 +73,8 @@ def main() -> int:
     )
     with server:
         server.serve_forever(poll_interval=0.5)
-    stop_all()  # no job outlives the worker
+    server.services.stop_all()  # no service outlives the worker
+    stop_all()  # nor any job
     try:
         jobs_dir.rmdir()  # empty once every supervisor has cleaned up
     except OSError:
@@ -86,7 +87,7 @@ class _CannotStart(Exception):
     """The socket cannot be served as configured; the message names the variable."""
 
 
-def _listen(socket_path: Path, group: str | None) -> UnixHTTPServer:
+def _listen(socket_path: Path, group: str | None) -> WorkerServer:
     """The worker's socket, bound (0600, or 0660 for `group`) but not yet served."""
     try:
         server = serve(socket_path, jobs_dir=jobs_directory(socket_path))

@@ -2,6 +2,11 @@
 process group of its own, a filtered environment, a fresh work directory, its output and events
 collected, its timeout and silence timeout enforced.
 
+A job's secrets (`"secrets": {"NAME": "value"}` in the assignment) reach its process as
+environment variables, added after the credential-like filter, and nowhere else: they are taken
+out of the spec before it travels to the supervisor, and any of their values in what the job
+writes (its output, events, error messages) is replaced by `[secret]` before it leaves the worker.
+
 The job ends — everything it started, daemons included — when it finishes, times out, falls
 silent, is abandoned by the agent, or the worker stops: the worker asks the supervisor (SIGTERM).
 When the worker dies without asking (SIGKILL, a crash), the kernel tells the supervisor, which
@@ -24,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,8 +48,62 @@ _STOP_TIMEOUT = 10.0
 #: The records job code may write to its events pipe.
 _FROM_JOB = (records.EventRecord, records.OutputRecord, records.ResultRecord, records.ErrorRecord)
 
+#: What an environment variable delivered to a job or service may be named.
+_VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+REDACTED = "[secret]"
+
 _running: dict[int, subprocess.Popen[bytes]] = {}
 _running_lock = threading.Lock()
+
+
+def check_variables(value: Any, field: str) -> dict[str, str]:
+    """`value` as environment variables (name -> text) for a job or service; `TypeError` naming
+    `field` and the offending name — never a value, which may be a secret."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"{field} must be an object of names to strings")
+    variables: dict[str, str] = {}
+    for name, text in value.items():
+        if not isinstance(name, str) or not _VARIABLE_NAME.fullmatch(name):
+            raise TypeError(
+                f"{field}: {str(name)[:40]!r} is not a variable name (letters, digits, _)"
+            )
+        if name.startswith("MODELFORGE_"):
+            raise TypeError(f"{field}.{name}: names starting MODELFORGE_ are the node's own")
+        if not isinstance(text, str) or "\0" in text:
+            raise TypeError(f"{field}.{name} must be a string without NUL characters")
+        variables[name] = text
+    return variables
+
+
+class Redactor:
+    """Replaces each secret value in text (and in the strings of a JSON value) with `[secret]`,
+    longest first; holds the values but never shows them."""
+
+    def __init__(self, secrets: Mapping[str, str] | None = None) -> None:
+        values = {value for value in (secrets or {}).values() if value}
+        self._values = sorted(values, key=len, reverse=True)
+
+    def __repr__(self) -> str:
+        return f"<Redactor of {len(self._values)} secret values>"
+
+    def __call__(self, text: str) -> str:
+        for value in self._values:
+            text = text.replace(value, REDACTED)
+        return text
+
+    def tree(self, value: Any) -> Any:
+        """`value` (parsed JSON) with every string redacted."""
+        if not self._values:
+            return value
+        if isinstance(value, str):
+            return self(value)
+        if isinstance(value, list):
+            return [self.tree(item) for item in value]
+        if isinstance(value, dict):
+            return {self(str(key)): self.tree(item) for key, item in value.items()}
+        return value
 
 
 def job_environment(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
@@ -145,7 +204,7 @@ def _await_stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-def _readable(path: str) -> bool:
+def readable(path: str) -> bool:
     """Whether this worker's user — and so a job — can read what is at `path`."""
     try:
         is_dir = stat.S_ISDIR(os.stat(path).st_mode)
@@ -154,10 +213,13 @@ def _readable(path: str) -> bool:
     return os.access(path, os.X_OK if is_dir else os.R_OK)
 
 
-def _pump(stream: IO[bytes], source: str, out: queue.Queue[records.Record]) -> None:
-    """Read the job's output (`log`) or its events pipe (`events`) into `out` as records."""
+def _pump(
+    stream: IO[bytes], source: str, out: queue.Queue[records.Record], redact: Redactor
+) -> None:
+    """Read the job's output (`log`) or its events pipe (`events`) into `out` as records, the
+    job's secrets redacted."""
     for raw in iter(stream.readline, b""):
-        text = raw.decode(errors="replace").rstrip("\n")
+        text = redact(raw.decode(errors="replace").rstrip("\n"))
         if source == "log":
             out.put(records.LogRecord(text))
             continue
@@ -171,6 +233,13 @@ def _pump(stream: IO[bytes], source: str, out: queue.Queue[records.Record]) -> N
             record = records.LogRecord(text)
         if not isinstance(record, _FROM_JOB):
             record = records.LogRecord(text)  # ticks and exits are the worker's to send
+        elif isinstance(record, records.EventRecord):
+            record = records.EventRecord(redact.tree(record.data))
+        elif isinstance(record, records.ResultRecord):
+            record = records.ResultRecord(redact.tree(record.value))
+        elif isinstance(record, records.ErrorRecord):
+            error = record.error
+            record = records.job_error(redact(error.code), redact(error.message))
         out.put(record)
     stream.close()
 
@@ -181,6 +250,7 @@ def run_job(
     agent_socket: str,
     jobs_dir: Path,
     private_paths: Iterable[str] = (),
+    secrets: Mapping[str, str] | None = None,
     tick: float = 0.25,
 ) -> Generator[records.Record, None, None]:
     """Start the job and yield its records; the last one is an `ExitRecord`.
@@ -189,14 +259,18 @@ def run_job(
     the caller notices a vanished agent), then `exit` with the state. Closing the generator
     early (the agent went away or cancelled) ends the job and everything it started.
     `private_paths` (the agent's) are hidden from the job when this worker can read them.
+    `secrets` (checked with `check_variables`, not part of `spec`) become variables of the job's
+    environment only.
     """
     jobs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # a tmp cleaner may have pruned it
     workdir = Path(tempfile.mkdtemp(prefix=f"{spec['job_id']}-", dir=jobs_dir))
-    hide = [path for path in private_paths if _readable(path)]
+    hide = [path for path in private_paths if readable(path)]
+    redact = Redactor(secrets)
     read_fd, write_fd = os.pipe()
     env = job_environment(
         dict(os.environ),
         {
+            **(secrets or {}),
             "MODELFORGE_JOB_ID": spec["job_id"],
             "MODELFORGE_JOB_EVENTS_FD": str(write_fd),
             "MODELFORGE_JOB_INPUTS": json.dumps(spec.get("inputs") or {}),
@@ -219,9 +293,9 @@ def run_job(
         _running[process.pid] = process
     pipe: queue.Queue[records.Record] = queue.Queue()
     readers = [
-        threading.Thread(target=_pump, args=(process.stdout, "log", pipe), daemon=True),
+        threading.Thread(target=_pump, args=(process.stdout, "log", pipe, redact), daemon=True),
         threading.Thread(
-            target=_pump, args=(os.fdopen(read_fd, "rb"), "events", pipe), daemon=True
+            target=_pump, args=(os.fdopen(read_fd, "rb"), "events", pipe, redact), daemon=True
         ),
     ]
     for reader in readers:

@@ -2,8 +2,15 @@
 
 `GET /v1/health` answers `{"component", "version", "protocol_version", "healthy", "accelerator"}`.
 `POST /v1/jobs` takes a job assignment from the agent, with `agent_socket` (where job code
-reaches the agent) and `private_paths` (the agent's files no job may read), and streams the
-job's records back.
+reaches the agent), `private_paths` (the agent's files no job may read) and `secrets` (variables
+for the job's environment only), and streams the job's records back.
+
+Services (runtime_worker.services): `PUT /v1/services/{service_id}` runs one as its body says
+(idempotent per generation; `INVALID_SERVICE` naming the field when malformed) and answers
+`{"service_id", "generation", "state"}`; `DELETE /v1/services/{service_id}` stops it and all it
+started, and waits (`{"stopped": true}`, or `SERVICE_NOT_FOUND`); `GET /v1/services` answers
+`{"instance", "services": [...]}` with each one's state, port, pid, restarts, last exit, events
+and the tail of its output.
 """
 
 from __future__ import annotations
@@ -17,9 +24,14 @@ from modelforge_contracts.ipc import JsonHandler, UnixHTTPServer, serve_unix
 from modelforge_contracts.job_records import encode
 from modelforge_contracts.protocol import PROTOCOL_VERSION
 from runtime_worker import WORKER_VERSION
-from runtime_worker.execution import gpu_environment, run_job
+from runtime_worker.execution import check_variables, gpu_environment, run_job
+from runtime_worker.services import InvalidService, Services, WorkerStopping
 
 log = logging.getLogger("modelforge.runtime_worker")
+_SERVICES = "/v1/services"
+_SERVICE_PREFIX = "/v1/services/"
+#: A service specification is small; anything bigger is refused unread.
+_MAX_SERVICE_BODY = 1024 * 1024
 
 
 def health() -> dict[str, Any]:
@@ -31,19 +43,75 @@ def health() -> dict[str, Any]:
     }
 
 
-class _Server(UnixHTTPServer):
+class WorkerServer(UnixHTTPServer):
+    """The worker's socket server: where jobs get their work directories, and its services."""
+
     jobs_dir: Path
+    services: Services
 
 
 class _Handler(JsonHandler):
-    server: _Server
+    server: WorkerServer
     server_version = f"modelforge-runtime-worker/{WORKER_VERSION}"
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         if self.path == "/v1/health":
             self.send_json(200, health())
+        elif self.path == _SERVICES:
+            self.send_json(200, self.server.services.statuses())
         else:
-            self.send_error_json(404, "NOT_FOUND", f"no route {self.path}", "GET /v1/health")
+            self.send_error_json(
+                404, "NOT_FOUND", f"no route {self.path}", "GET /v1/health or GET /v1/services"
+            )
+
+    def _service_id(self) -> str | None:
+        """The id in `/v1/services/{id}`, or None (404 sent) for any other path."""
+        service_id = self.path.removeprefix(_SERVICE_PREFIX)
+        if not self.path.startswith(_SERVICE_PREFIX) or not service_id or "/" in service_id:
+            self.send_error_json(
+                404, "NOT_FOUND", f"no route {self.path}", "use /v1/services/{service_id}"
+            )
+            return None
+        return service_id
+
+    def do_PUT(self) -> None:  # noqa: N802 - http.server's naming
+        service_id = self._service_id()
+        if service_id is None:
+            return
+        next_step = "send a service specification from the agent"
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > _MAX_SERVICE_BODY:
+                self.close_connection = True
+                raise InvalidService(f"the body is larger than {_MAX_SERVICE_BODY} bytes")
+            try:
+                body = json.loads(self.rfile.read(length))
+            except ValueError:
+                raise InvalidService("the body is not JSON") from None
+            created, answer = self.server.services.put(service_id, body)
+        except InvalidService as exc:
+            self.send_error_json(400, "INVALID_SERVICE", str(exc), next_step)
+            return
+        except WorkerStopping:
+            self.send_error_json(
+                503, "WORKER_STOPPING", "the runtime worker is stopping", "try again once it runs"
+            )
+            return
+        self.send_json(201 if created else 200, answer)
+
+    def do_DELETE(self) -> None:  # noqa: N802 - http.server's naming
+        service_id = self._service_id()
+        if service_id is None:
+            return
+        if self.server.services.delete(service_id):
+            self.send_json(200, {"stopped": True})
+        else:
+            self.send_error_json(
+                404,
+                "SERVICE_NOT_FOUND",
+                f"this worker runs no service {service_id[:100]!r}",
+                "GET /v1/services lists the services it runs",
+            )
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
         if self.path != "/v1/jobs":
@@ -58,9 +126,11 @@ class _Handler(JsonHandler):
                 isinstance(path, str) for path in private_paths
             ):
                 raise TypeError("private_paths must be a list of paths")
+            # Out of the spec: the secrets travel to the job's environment only.
+            secrets = check_variables(spec.pop("secrets", None), "secrets")
             str(spec["job_id"])
             gpu_environment(spec)  # a malformed GPU assignment is refused before anything runs
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             self.send_error_json(
                 400, "INVALID_JOB", str(exc), "send a job assignment from the agent"
             )
@@ -75,6 +145,7 @@ class _Handler(JsonHandler):
             agent_socket=agent_socket,
             jobs_dir=self.server.jobs_dir,
             private_paths=private_paths,
+            secrets=secrets,
         )
         try:
             for record in records:
@@ -86,7 +157,8 @@ class _Handler(JsonHandler):
             records.close()
 
 
-def serve(socket_path: Path, *, jobs_dir: Path) -> UnixHTTPServer:
-    server = serve_unix(socket_path, _Handler, _Server)
+def serve(socket_path: Path, *, jobs_dir: Path) -> WorkerServer:
+    server = serve_unix(socket_path, _Handler, WorkerServer)
     server.jobs_dir = jobs_dir
+    server.services = Services(jobs_dir)
     return server

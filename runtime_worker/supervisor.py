@@ -1,9 +1,14 @@
-"""The supervisor of one job: the process the runtime worker starts for it, between the two.
+"""The supervisor of one job or service: the process the runtime worker starts for it, between
+the two.
 
 `python -m runtime_worker.supervisor`, in the job's work directory, reads one JSON object from
 stdin — `{"worker_pid", "hide", "spec"}` — and runs the job (runtime_worker.job_host) in a
-process group of its own. It exists so that nothing a job starts can outlive its worker, even a
-worker killed with SIGKILL, which gets no chance to clean up:
+process group of its own. With `"argv": [...]` instead of `"spec"` (a service,
+runtime_worker.services) it execs that argv instead, with stdin from /dev/null; with
+`"report_fd"` it writes `{"pid": <the process it started>}` (or `{"error": {"code", "message"}}`
+when it could not start it) as one JSON line to that descriptor and closes it. Everything below
+holds for both. It exists so that nothing a job starts can outlive its worker, even a worker
+killed with SIGKILL, which gets no chance to clean up:
 
 - The kernel tells it when the worker dies (PR_SET_PDEATHSIG): no cooperation from the worker.
 - It is a child subreaper (PR_SET_CHILD_SUBREAPER): whatever the job starts and orphans — a
@@ -13,7 +18,8 @@ worker killed with SIGKILL, which gets no chance to clean up:
   left. Then it removes the work directory and exits with the job's status.
 - `hide` lists paths the job must not see (the agent's state directory): the job gets a view
   where they are covered and no capabilities (runtime_worker.isolation). If that is not
-  possible the job does not run, and fails with `JOB_ISOLATION_UNAVAILABLE`.
+  possible the job does not run, and fails with `JOB_ISOLATION_UNAVAILABLE` (a service: the
+  report says `SERVICE_ISOLATION_UNAVAILABLE`).
 
 It is not dumpable, so other jobs of the same user cannot reach into it. It writes nothing to
 the job's output. A job that deliberately kills its own supervisor can leave processes behind;
@@ -41,6 +47,7 @@ from runtime_worker.job import write_record
 #: How long the job's processes have between SIGTERM and SIGKILL.
 GRACE = 0.5
 ISOLATION_UNAVAILABLE = "JOB_ISOLATION_UNAVAILABLE"
+SERVICE_ISOLATION_UNAVAILABLE = "SERVICE_ISOLATION_UNAVAILABLE"
 _WATCHED = {signal.SIGTERM, signal.SIGCHLD}
 
 
@@ -56,16 +63,31 @@ def main() -> int:
         envelope = json.loads(sys.stdin.buffer.read() or b"null")
         if not isinstance(envelope, dict) or os.getppid() != envelope.get("worker_pid"):
             return 1  # the worker is already gone: nothing to run for
+        report = _Report(envelope.get("report_fd"))
+        argv = envelope.get("argv")
+        if argv is not None and (not isinstance(argv, list) or not argv):
+            return 1  # not an envelope the worker writes
         hide = [str(path) for path in envelope.get("hide") or []]
         if hide:
             try:
                 isolation.hide_paths(hide)
             except isolation.IsolationError as exc:
-                write_record(job_error(ISOLATION_UNAVAILABLE, _unavailable(hide, exc)))
+                if argv is None:
+                    write_record(job_error(ISOLATION_UNAVAILABLE, _unavailable(hide, exc, "job")))
+                else:
+                    message = _unavailable(hide, exc, "service")
+                    report.send(
+                        {"error": {"code": SERVICE_ISOLATION_UNAVAILABLE, "message": message}}
+                    )
                 return 1
         if signal.SIGTERM not in signal.sigpending():
-            job = _start_job(envelope.get("spec"), isolated=bool(hide))
-            status = _wait_for(job)
+            if argv is None:
+                child = _start_job(envelope.get("spec"), isolated=bool(hide))
+            else:
+                child = _start_argv([str(arg) for arg in argv], isolated=bool(hide))
+            report.send({"pid": child})
+            status = _wait_for(child)
+        report.close()
     finally:
         _end_descendants()
         remove_tree(workdir)
@@ -93,10 +115,41 @@ def remove_tree(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _unavailable(hide: list[str], exc: OSError) -> str:
+class _Report:
+    """The descriptor the worker reads what it started from; nothing when it gave none. It is
+    not inherited by what this process starts."""
+
+    def __init__(self, fd: Any) -> None:
+        self._fd = fd if isinstance(fd, int) and not isinstance(fd, bool) else None
+        if self._fd is not None:
+            try:
+                os.set_inheritable(self._fd, False)
+            except OSError:
+                self._fd = None
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.write(self._fd, (json.dumps(message) + "\n").encode())
+        except OSError:
+            pass  # the worker stopped listening; its own checks see the rest
+        self.close()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+
+
+def _unavailable(hide: list[str], exc: OSError, what: str) -> str:
     return (
         f"the node agent's private files ({', '.join(hide)}) are readable by the runtime "
-        f"worker's user, and this host does not let the worker hide them from the job ({exc}). "
+        f"worker's user, and this host does not let the worker hide them from the {what} "
+        f"({exc}). "
         "Run the runtime worker and its jobs as a user that cannot read them (docs/nodes.md, "
         "separate users), or allow unprivileged user namespaces"
     )
@@ -133,6 +186,35 @@ def _start_job(spec: Any, *, isolated: bool) -> int:
             handle.write(json.dumps(spec).encode())
     except BrokenPipeError:
         pass  # the job ended before reading it; its status says why
+    return pid
+
+
+def _start_argv(argv: list[str], *, isolated: bool) -> int:
+    """Fork and exec `argv` (searched on the PATH of this environment, which the worker made
+    the service's) in a process group of its own, stdin from /dev/null. A failed exec prints
+    why to the service's output and exits 127."""
+    supervisor = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setpgid(0, 0)
+            isolation.set_parent_death_signal(signal.SIGKILL)
+            if os.getppid() != supervisor:
+                os._exit(1)
+            isolation.set_dumpable(True)
+            if isolated:
+                isolation.drop_capabilities()
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.close(null)
+            for signum in (signal.SIGPIPE, signal.SIGXFSZ):
+                signal.signal(signum, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_SETMASK, set())
+            os.execvp(argv[0], argv)  # noqa: S606 - the service's command, as deployed
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(127)
     return pid
 
 
@@ -218,7 +300,8 @@ def _exit_like(status: int | None) -> int:
         return 128 + signal.SIGTERM
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)
-        signal.signal(signum, signal.SIG_DFL)
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):  # these two have no handler to reset
+            signal.signal(signum, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
         os.kill(os.getpid(), signum)
         return 128 + signum

@@ -17,24 +17,14 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from control_plane.db import make_engine, migrate
+from control_plane.models import Base
 from tests.factories import ADMIN_TOKEN
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "MODELFORGE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
-_TABLES = [
-    "console_sessions",
-    "job_events",
-    "jobs",
-    "artifact_uploads",
-    "artifacts",
-    "telemetry_samples",
-    "node_events",
-    "node_credentials",
-    "nodes",
-    "node_enrollments",
-    "signing_keys",
-]
+#: Every table of the schema: emptied between tests on the shared PostgreSQL database.
+_TABLES = [table.name for table in Base.metadata.sorted_tables]
 
 
 def _libpq(url: str) -> str:

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response, status
 
-from control_plane.api.deps import AdminDep, ContextDep, SessionDep
+from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
 from control_plane.console_schemas import (
     GpuPoint,
     NodeImage,
@@ -75,7 +75,9 @@ def mint_enrollment(
     response: Response,
     ctx: ContextDep,
     session: SessionDep,
+    audit: AuditDep,
 ) -> EnrollmentMinted:
+    audit("enrollment.mint", body.display_name, labels=body.labels)
     minted = enrollments.mint_enrollment(
         session=session,
         clock=ctx.clock,
@@ -86,6 +88,7 @@ def mint_enrollment(
     )
     origin = ctx.settings.public_url or str(request.base_url).rstrip("/")
     public = _enrollment_public(ctx, minted.enrollment)
+    audit.target = minted.enrollment.id
     # The one-time token: no cache (browser, proxy) may keep a copy.
     response.headers["Cache-Control"] = "no-store"
     return EnrollmentMinted(**public.model_dump(), token=minted.token, api_origin=origin)
@@ -106,8 +109,9 @@ def get_enrollment(
 
 @router.post("/node-enrollments/{enrollment_id}/revoke", response_model=EnrollmentPublic)
 def revoke_enrollment(
-    enrollment_id: ResourceId, ctx: ContextDep, session: SessionDep
+    enrollment_id: ResourceId, ctx: ContextDep, session: SessionDep, audit: AuditDep
 ) -> EnrollmentPublic:
+    audit("enrollment.revoke", enrollment_id)
     row = enrollments.revoke_enrollment(
         session=session, clock=ctx.clock, enrollment_id=enrollment_id
     )
@@ -171,7 +175,8 @@ def get_node(node_id: ResourceId, ctx: ContextDep, session: SessionDep) -> NodeP
 
 
 @router.delete("/nodes/{node_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_node(node_id: ResourceId, ctx: ContextDep, session: SessionDep) -> None:
+def delete_node(node_id: ResourceId, ctx: ContextDep, session: SessionDep, audit: AuditDep) -> None:
+    audit("node.delete", node_id)
     nodes.get_node(session=session, node_id=node_id)
     ctx.authority.revoke_for_node(session, node_id=node_id, reason="node deleted")
     nodes.delete_node(session=session, node_id=node_id)
@@ -240,8 +245,9 @@ def node_readiness(node_id: ResourceId, ctx: ContextDep, session: SessionDep) ->
 
 @router.post("/nodes/{node_id}/credential/revoke", response_model=CredentialRevocation)
 def revoke_node_credential(
-    node_id: ResourceId, ctx: ContextDep, session: SessionDep
+    node_id: ResourceId, ctx: ContextDep, session: SessionDep, audit: AuditDep
 ) -> CredentialRevocation:
+    audit("node.credential.revoke", node_id)
     nodes.get_node(session=session, node_id=node_id)
     revoked = ctx.authority.revoke_for_node(
         session, node_id=node_id, reason="revoked by an administrator"
@@ -257,6 +263,7 @@ def revoke_node_credential(
 
 
 @router.post("/signing-key/rotate", response_model=KeyRotation)
-def rotate_signing_key(ctx: ContextDep, session: SessionDep) -> KeyRotation:
+def rotate_signing_key(ctx: ContextDep, session: SessionDep, audit: AuditDep) -> KeyRotation:
+    audit("signing_key.rotate", "signing key")
     kid, revoked = ctx.authority.rotate(session)
     return KeyRotation(kid=kid, revoked_credentials=revoked)

@@ -4,6 +4,7 @@ reports, completion, and artifact transfer — all authenticated by the node cre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from fastapi import APIRouter, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
@@ -14,6 +15,7 @@ from control_plane.api.deps import ContextDep, NodeDep
 from control_plane.api.ranges import artifact_response
 from control_plane.context import AppContext
 from control_plane.dispatch import node_key
+from control_plane.errors import ModelForgeError
 from control_plane.schemas import (
     AgentJobCancellations,
     AgentJobComplete,
@@ -29,7 +31,7 @@ from control_plane.schemas import (
 )
 from control_plane.services import artifacts, jobs
 from control_plane.services.credentials import NodePrincipal
-from control_plane.services.scheduling import PlacedJob
+from control_plane.services.scheduling import PlacedJob, labels_match
 
 router = APIRouter(prefix="/api/v1/agent", tags=["agent"])
 
@@ -46,6 +48,7 @@ def assignment(ctx: AppContext, job: PlacedJob) -> JobAssignment:
         timeout_seconds=job.timeout_seconds,
         silence_timeout_seconds=job.silence_timeout_seconds,
         progress_interval_seconds=ctx.settings.job_progress_interval_seconds,
+        secrets=job.secrets or {},
     )
 
 
@@ -67,12 +70,39 @@ async def claim_until_closed(
     await asyncio.wait((waiting, closed), return_when=asyncio.FIRST_COMPLETED)
     if waiting.done():
         closed.cancel()
-        return waiting.result()
+        placed = waiting.result()
+        if isinstance(placed, PlacedJob) and not _may_receive_secrets(placed, node):
+            with contextlib.suppress(ModelForgeError):  # cancelled meanwhile: it ends anyway
+                await ctx.completions.record(
+                    jobs.Outcome(
+                        job_id=placed.id,
+                        node_id=node.node_id,
+                        state="failed",
+                        result=None,
+                        outputs={},
+                        error=(
+                            "SECRET_NOT_PERMITTED",
+                            "the node's signed credential does not carry the labels of the job's "
+                            f"secrets ({', '.join(placed.secret_names)}), or a secret was deleted "
+                            "or its labels changed after the job was queued; submit it again",
+                        ),
+                    )
+                )
+            return None
+        return placed
     waiting.cancel()
     (outcome,) = await asyncio.gather(waiting, return_exceptions=True)
     if isinstance(outcome, PlacedJob):  # answered just as it was withdrawn
         ctx.scheduler.give_back(outcome)
     return CLOSED
+
+
+def _may_receive_secrets(placed: PlacedJob, node: NodePrincipal) -> bool:
+    """WL-6a, checked again at delivery: the secrets' values were read for this node at
+    placement, and its signed credential carries every label they require."""
+    if not placed.secret_names:
+        return True
+    return placed.secrets is not None and labels_match(placed.secret_labels, node.labels)
 
 
 @router.post(

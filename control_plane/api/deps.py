@@ -10,8 +10,10 @@ from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
 from control_plane.context import AppContext
-from control_plane.errors import AdminAuthError, CredentialError
+from control_plane.errors import AdminAuthError, CredentialError, ModelForgeError
+from control_plane.security import sha256_hex
 from control_plane.services import console_sessions
+from control_plane.services.audit import ADMIN_TOKEN_ACTOR, Audit, console_actor
 from control_plane.services.console_sessions import SignedIn
 from control_plane.services.credentials import NodePrincipal
 
@@ -49,6 +51,7 @@ def require_admin(
     session's CSRF token. A cookie alone never authorises a change."""
     if token:
         check_admin_token(request, ctx, token, then="send the X-ModelForge-Admin-Token header")
+        request.state.actor = ADMIN_TOKEN_ACTOR
         return
     session_id = request.cookies.get(SESSION_COOKIE)
     if not session_id:
@@ -58,6 +61,7 @@ def require_admin(
             code="ADMIN_TOKEN_MISSING",
         )
     console_session(request, ctx, session_id)
+    request.state.actor = console_actor(sha256_hex(session_id))
 
 
 def console_session(request: Request, ctx: AppContext, session_id: str) -> SignedIn:
@@ -93,6 +97,25 @@ def check_admin_token(request: Request, ctx: AppContext, token: str, *, then: st
 
 
 AdminDep = Depends(require_admin)
+
+
+def get_audit(request: Request, ctx: ContextDep, session: SessionDep) -> Iterator[Audit]:
+    """The audit entry of an admin request (AU-1): written with the route's transaction when it
+    succeeds (this dependency's exit runs before the session's commit); when it fails, the
+    route's transaction is rolled back first (releasing its locks) and the entry, with the
+    refusal's code, is written in a transaction of its own."""
+    audit = Audit(actor=getattr(request.state, "actor", ADMIN_TOKEN_ACTOR), clock=ctx.clock)
+    try:
+        yield audit
+    except Exception as exc:
+        session.rollback()
+        code = exc.code if isinstance(exc, ModelForgeError) else "INTERNAL_ERROR"
+        audit.refused(ctx.session_factory, code)
+        raise
+    audit.succeeded(session)
+
+
+AuditDep = Annotated[Audit, Depends(get_audit, scope="function")]
 
 
 async def require_node(

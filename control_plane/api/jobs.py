@@ -9,7 +9,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 from sqlalchemy.orm import Session
 
-from control_plane.api.deps import AdminDep, ContextDep, SessionDep
+from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
 from control_plane.api.ranges import artifact_response
 from control_plane.context import AppContext
 from control_plane.dispatch import job_key
@@ -25,6 +25,7 @@ from control_plane.schemas import (
     ResourceId,
 )
 from control_plane.services import artifacts, jobs
+from control_plane.services.audit import ADMIN_TOKEN_ACTOR, Audit
 
 router = APIRouter(prefix="/api/v1", tags=["jobs"], dependencies=[AdminDep])
 
@@ -34,19 +35,27 @@ def _public(ctx: AppContext, job: Job, session: Session) -> JobPublic:
 
 
 @router.post("/jobs", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
-def submit_job(body: JobCreate, ctx: ContextDep, session: SessionDep) -> JobPublic:
+def submit_job(body: JobCreate, ctx: ContextDep, session: SessionDep, audit: AuditDep) -> JobPublic:
+    audit("job.submit", body.model or "", secrets=body.secrets)
     job = jobs.submit_job(session=session, clock=ctx.clock, request=body)
+    audit.target = job.id
     view = _public(ctx, job, session)
+    audit.succeeded(session)
     session.commit()
     return view
 
 
 @router.post("/jobs:batch", status_code=status.HTTP_201_CREATED, response_model=JobBatchPublic)
-def submit_jobs(body: JobBatchCreate, ctx: ContextDep, session: SessionDep) -> JobBatchPublic:
+def submit_jobs(
+    body: JobBatchCreate, ctx: ContextDep, session: SessionDep, audit: AuditDep
+) -> JobBatchPublic:
     """Up to 1,000 jobs in one transaction: all are queued, in the order given, or none (a bad
     one is named by its index, `jobs[<i>]`, and nothing is queued)."""
+    audit("job.submit", f"batch of {len(body.jobs)}")
     queued = jobs.submit_jobs(session=session, clock=ctx.clock, requests=body.jobs)
+    audit.detail = {"jobs": len(queued), "first": queued[0].id, "last": queued[-1].id}
     views = JobBatchPublic(jobs=[_public(ctx, job, session) for job in queued])
+    audit.succeeded(session)
     session.commit()
     return views
 
@@ -71,15 +80,20 @@ def get_job(job_id: ResourceId, ctx: ContextDep, session: SessionDep) -> JobPubl
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=JobPublic)
-def cancel_job(job_id: ResourceId, ctx: ContextDep, session: SessionDep) -> JobPublic:
+def cancel_job(
+    job_id: ResourceId, ctx: ContextDep, session: SessionDep, audit: AuditDep
+) -> JobPublic:
+    audit("job.cancel", job_id)
     job = jobs.cancel_job(session=session, clock=ctx.clock, job_id=job_id)
     view = _public(ctx, job, session)
+    audit.succeeded(session)
     session.commit()
     return view
 
 
 @router.delete("/jobs/{job_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_job(job_id: ResourceId, session: SessionDep) -> None:
+def delete_job(job_id: ResourceId, session: SessionDep, audit: AuditDep) -> None:
+    audit("job.delete", job_id)
     jobs.delete_job(session=session, job_id=job_id)
 
 
@@ -109,12 +123,16 @@ async def job_events(
 @router.post("/artifacts", status_code=status.HTTP_201_CREATED, response_model=ArtifactPublic)
 async def upload_artifact(request: Request, ctx: ContextDep) -> ArtifactPublic:
     digest, size = await ctx.artifacts.receive(request.stream(), expected=None)
-    return await run_in_threadpool(_record, ctx, digest, size)
+    actor = getattr(request.state, "actor", ADMIN_TOKEN_ACTOR)
+    return await run_in_threadpool(_record, ctx, digest, size, actor)
 
 
-def _record(ctx: AppContext, digest: str, size: int) -> ArtifactPublic:
+def _record(ctx: AppContext, digest: str, size: int, actor: str) -> ArtifactPublic:
     with ctx.session_factory.begin() as session:
         row = artifacts.record_artifact(session=session, clock=ctx.clock, digest=digest, size=size)
+        audit = Audit(actor=actor, clock=ctx.clock)
+        audit("artifact.upload", digest, size_bytes=size)
+        audit.succeeded(session)
         return ArtifactPublic(
             digest=row.digest, size_bytes=row.size_bytes, created_at=row.created_at
         )

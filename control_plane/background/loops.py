@@ -1,5 +1,5 @@
 """The periodic work of a control plane process: heartbeat flush, liveness sweep, credential
-refresh, telemetry and console-session retention, job sweep.
+refresh, telemetry and console-session retention, job sweep, artifact sweep.
 
 A loop never dies of a failure and never floods the log with one: a database outage is reported
 once for the whole process by `ctx.database`, and any other failure is logged with its traceback
@@ -18,7 +18,7 @@ from anyio import to_thread
 
 from control_plane.context import AppContext
 from control_plane.db import DatabaseAvailability, is_database_unavailable
-from control_plane.services import jobs
+from control_plane.services import artifact_sweep, jobs
 from control_plane.services.console_sessions import prune_sessions
 from control_plane.services.nodes import sweep_liveness
 from control_plane.services.reports import prune_telemetry
@@ -88,6 +88,26 @@ def sweep_jobs(ctx: AppContext) -> int:
         )
 
 
+def sweep_artifacts(ctx: AppContext) -> artifact_sweep.SweepReport:
+    """Artifacts nothing names, past the grace period (AR-3); files go once this commits."""
+    with ctx.session_factory.begin() as session:
+        report = artifact_sweep.sweep(
+            session=session,
+            store=ctx.artifacts,
+            clock=ctx.clock,
+            grace=timedelta(seconds=ctx.settings.artifact_grace_seconds),
+            dry_run=False,
+        )
+    log.info(
+        "artifact sweep: %d deleted, %d kept, %d stray files removed, %d bytes freed",
+        len(report.deleted),
+        len(report.kept),
+        len(report.removed_files),
+        report.bytes_freed,
+    )
+    return report
+
+
 def start_loops(ctx: AppContext) -> list[asyncio.Task[None]]:
     s = ctx.settings
     specs: list[tuple[str, float, Callable[[], object]]] = [
@@ -101,6 +121,10 @@ def start_loops(ctx: AppContext) -> list[asyncio.Task[None]]:
         ("retention", 60.0, lambda: prune(ctx)),
         ("job sweep", s.liveness_sweep_interval_seconds, lambda: sweep_jobs(ctx)),
     ]
+    if s.artifact_sweep_interval_seconds > 0:
+        specs.append(
+            ("artifact sweep", s.artifact_sweep_interval_seconds, lambda: sweep_artifacts(ctx))
+        )
     return [
         asyncio.create_task(_every(name, i, fn, ctx.database), name=name) for name, i, fn in specs
     ]

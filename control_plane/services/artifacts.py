@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
 from control_plane.errors import InvalidRequest, NotFound
-from control_plane.models import Artifact, ArtifactUpload, Job
+from control_plane.models import Artifact, ArtifactUpload, Job, Service
 
 DIGEST_PREFIX = "sha256:"
 #: A node may still fetch the inputs of a job that finished this recently (a download resumed
@@ -149,4 +149,40 @@ def _named_by_jobs_of(session: Session, *, clock: Clock, digest: str, node_id: s
     for inputs, entrypoint in rows:
         if digest in (inputs or {}).values() or (entrypoint or {}).get("model") == digest:
             return True
-    return False
+    # The weights of a service placed on it (WL-5a).
+    service = session.execute(
+        select(Service.id).where(
+            Service.node_id == node_id, Service.weights == digest, Service.state != "stopped"
+        )
+    ).first()
+    return service is not None
+
+
+def reference_artifacts(
+    session: Session, digests: list[str], *, required: bool, named_by: str
+) -> None:
+    """Name `digests` from a row this transaction is about to write (a job's inputs, a model's
+    or a service's weights): their artifact rows are locked `FOR SHARE` until the transaction
+    ends, so the sweep (which locks `FOR UPDATE` the rows it would delete and only then reads
+    the references) either sees the new reference or finished deleting first — then `required`
+    digests are refused here as missing, and the rest are no longer there to be named.
+    On SQLite, whose writers take turns, the write lock of the transaction does the same."""
+    wanted = sorted({digest for digest in digests if digest})
+    if not wanted:
+        return
+    found = set(
+        session.scalars(
+            select(Artifact.digest)
+            .where(Artifact.digest.in_(wanted))
+            .order_by(Artifact.digest)
+            .with_for_update(read=True)
+        )
+    )
+    missing = [digest for digest in wanted if digest not in found]
+    if required and missing:
+        raise NotFound(
+            f"{named_by} names an artifact that does not exist: {missing[0]}.",
+            "Upload it first (POST /api/v1/artifacts), or name a digest that "
+            "GET /api/v1/artifacts lists.",
+            code="ARTIFACT_NOT_FOUND",
+        )

@@ -17,11 +17,13 @@ from sqlalchemy.orm import Session
 from control_plane.clock import Clock
 from control_plane.db import rowcount
 from control_plane.dispatch import CAPACITY, job_key, jobs_changed, node_key, queued_key
-from control_plane.errors import Conflict, ModelForgeError, NotFound
+from control_plane.errors import Conflict, InvalidRequest, ModelForgeError, NotFound
 from control_plane.metrics import job_finished
 from control_plane.models import JOB_EVENTS, JOBS, Job, JobEvent
 from control_plane.schemas import AssignedGpu, JobCreate, JobError, JobPublic, WaitingReason
 from control_plane.security import new_id
+from control_plane.services import models_catalog, secrets_vault
+from control_plane.services.artifacts import reference_artifacts
 
 FINISHED = ("succeeded", "failed", "cancelled")
 
@@ -54,12 +56,16 @@ def submit_jobs(*, session: Session, clock: Clock, requests: list[JobCreate]) ->
     """Queue every job of `requests` in `session`'s transaction (all or nothing), in order:
     each is a little younger than the one before it, so they are placed in the order given."""
     now = _submission_times.take(clock.now(), len(requests))
+    resolved = _resolve(session, requests)
     jobs = [
         Job(
             id=new_id("job"),
             state="queued",
-            entrypoint=request.entrypoint.model_dump(),
-            params=request.params,
+            entrypoint=resolved[index].entrypoint,
+            params=resolved[index].params,
+            model=request.model,
+            secrets=list(request.secrets) or None,
+            required_labels=resolved[index].required_labels or None,
             inputs=dict(request.inputs),
             resources=request.resources.model_dump(),
             labels=dict(request.labels),
@@ -84,6 +90,57 @@ def submit_jobs(*, session: Session, clock: Clock, requests: list[JobCreate]) ->
     )
     jobs_changed(session, [key for job in jobs for key in (job_key(job.id), queued_key(job.id))])
     return jobs
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    entrypoint: dict[str, Any]
+    params: dict[str, Any]
+    required_labels: dict[str, Any]
+
+
+def _resolve(session: Session, requests: list[JobCreate]) -> list[_Resolved]:
+    """Each request's entrypoint and params (a model's weights, runner and default params
+    under the job's own), and the labels its secrets require. The digests the jobs name are
+    referenced: locked against the artifact sweep until this transaction ends. Models and
+    secrets are looked up once per batch."""
+    models: dict[str, models_catalog.ResolvedModel] = {}
+    secret_labels: dict[tuple[str, ...], dict[str, Any]] = {}
+    digests: list[str] = []
+    resolved = []
+    for index, request in enumerate(requests):
+        named_by = f"jobs[{index}]" if len(requests) > 1 else "The job"
+        params = dict(request.params)
+        if request.model is not None:
+            model = models.get(request.model)
+            if model is None:
+                model = models[request.model] = models_catalog.resolve(
+                    session, request.model, named_by=named_by
+                )
+            if model.runner != "onnx":
+                raise InvalidRequest(
+                    f"{named_by} names model {model.ref}, whose runner ({model.runner}) runs "
+                    "as a service only.",
+                    "Deploy it as a service (POST /api/v1/services), or name an onnx model.",
+                    code="MODEL_NOT_RUNNABLE",
+                )
+            entrypoint: dict[str, Any] = {"kind": "onnx", "model": model.weights}
+            params = {**model.params, **params}
+        elif request.entrypoint is not None:  # the schema requires one of the two
+            entrypoint = request.entrypoint.model_dump()
+        else:
+            raise ValueError("a job needs an entrypoint or a model")
+        if entrypoint.get("kind") == "onnx":
+            digests.append(entrypoint["model"])
+        digests += request.inputs.values()
+        key = tuple(request.secrets)
+        if key not in secret_labels:
+            secret_labels[key] = secrets_vault.required_labels(
+                session, list(key), named_by=named_by
+            )
+        resolved.append(_Resolved(entrypoint, params, secret_labels[key]))
+    reference_artifacts(session, digests, required=False, named_by="The job")
+    return resolved
 
 
 def get_job(*, session: Session, job_id: str) -> Job:
@@ -131,6 +188,8 @@ def job_public(job: Job, waiting_reason: WaitingReason | None = None) -> JobPubl
         else None,
         assigned_gpus=assigned_gpus(job),
         waiting_reason=waiting_reason,
+        model=job.model,
+        secrets=list(job.secrets or []),
     )
 
 

@@ -32,9 +32,10 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
 from control_plane.dispatch import CAPACITY, job_key, jobs_changed, queued_key
-from control_plane.models import JOB_EVENTS, JOBS, Job, JobEvent, Node
+from control_plane.models import JOB_EVENTS, JOBS, Job, JobEvent, Node, Service
 from control_plane.services.jobs import cancel_unstarted
 from control_plane.services.liveness import Liveness
+from control_plane.services.secrets_vault import Vault, values_for
 
 #: Matching rounds in one batch: a job lost to another replica (or cancelled) is replaced by
 #: the next fitting one while the nodes' locks are held.
@@ -119,17 +120,34 @@ class Shape:
     labels: tuple[tuple[str, str], ...]
     prefer: bool
     request: Request
+    #: Labels a node must carry whatever the policy: those of the job's secrets (WL-6a).
+    required: tuple[tuple[str, str], ...] = ()
 
     @classmethod
-    def of(cls, labels: dict[str, Any], worker_policy: str, resources: dict[str, Any]) -> Shape:
+    def of(
+        cls,
+        labels: dict[str, Any],
+        worker_policy: str,
+        resources: dict[str, Any],
+        required: dict[str, Any] | None = None,
+    ) -> Shape:
         return cls(
-            tuple(sorted((str(k), str(v)) for k, v in labels.items())),
+            _label_items(labels),
             worker_policy == "prefer",
             Request.of(resources),
+            _label_items(required or {}),
         )
 
     def label_text(self) -> str:
         return ", ".join(f"{key}={value}" for key, value in self.labels)
+
+    def admits(self, carried: dict[str, Any]) -> bool:
+        """Whether a node carrying `carried` may run it at all (its secrets' labels)."""
+        return labels_match(self.required, carried)
+
+
+def _label_items(labels: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((str(k), str(v)) for k, v in labels.items()))
 
 
 @dataclass(frozen=True)
@@ -143,11 +161,22 @@ class QueuedJob:
         return (self.created_at, self.id)
 
 
-QUEUED_COLUMNS = (Job.id, Job.created_at, Job.labels, Job.worker_policy, Job.resources)
+QUEUED_COLUMNS = (
+    Job.id,
+    Job.created_at,
+    Job.labels,
+    Job.worker_policy,
+    Job.resources,
+    Job.required_labels,
+)
 
 
 def queued_job(row: Any) -> QueuedJob:
-    return QueuedJob(row.id, row.created_at, Shape.of(row.labels, row.worker_policy, row.resources))
+    return QueuedJob(
+        row.id,
+        row.created_at,
+        Shape.of(row.labels, row.worker_policy, row.resources, row.required_labels),
+    )
 
 
 class JobQueue:
@@ -279,6 +308,8 @@ def match(
 def _candidates(
     shape: Shape, nodes: list[WaitingNode], room_elsewhere: Callable[[Shape], bool]
 ) -> list[WaitingNode]:
+    if shape.required:
+        nodes = [node for node in nodes if shape.admits(node.labels)]
     carrying = [node for node in nodes if labels_match(shape.labels, node.labels)]
     if not shape.prefer or len(carrying) == len(nodes):
         return carrying
@@ -314,6 +345,12 @@ class PlacedJob:
     assigned_gpus: list[dict[str, Any]]
     timeout_seconds: float
     silence_timeout_seconds: float
+    #: The secrets it lists, and their values for this node (WL-6a) — None when they may not
+    #: be delivered to it (a secret gone, or its labels changed since the job was queued).
+    secret_names: tuple[str, ...] = ()
+    secrets: dict[str, str] | None = field(default=None, repr=False)
+    #: The labels the node's signed credential must carry for the secrets to be delivered.
+    secret_labels: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -329,16 +366,31 @@ class BatchResult:
     more: bool = False
 
 
-def free_capacity(session: Session, inventories: dict[str, dict[str, Any]]) -> dict[str, Capacity]:
-    """Every listed node's inventory minus its running jobs, in one query."""
+def free_capacity(
+    session: Session,
+    inventories: dict[str, dict[str, Any]],
+    holders: dict[str, list[str]] | None = None,
+) -> dict[str, Capacity]:
+    """Every listed node's inventory minus its running jobs and the services placed on it (a
+    service holds its resources and GPUs for as long as it is deployed), in two queries.
+    `holders`, when given, receives per node the services that hold something there."""
     free = {node_id: Capacity.of_inventory(inv) for node_id, inv in inventories.items()}
     if free:
+        node_ids = list(free)
         for node_id, resources, held_gpus in session.execute(
             select(Job.node_id, Job.resources, Job.assigned_gpus).where(
-                Job.state == "running", Job.node_id.in_(list(free))
+                Job.state == "running", Job.node_id.in_(node_ids)
             )
         ):
             free[node_id] = free[node_id].minus(Request.of(resources), held_gpus)
+        for node_id, name, resources, held_gpus in session.execute(
+            select(Service.node_id, Service.name, Service.resources, Service.assigned_gpus).where(
+                Service.node_id.in_(node_ids), Service.state != "stopped"
+            )
+        ):
+            free[node_id] = free[node_id].minus(Request.of(resources), held_gpus or [])
+            if holders is not None:
+                holders.setdefault(node_id, []).append(name)
     return free
 
 
@@ -350,6 +402,7 @@ def place_batch(
     waiting: dict[str, int],
     queue: JobQueue,
     room_elsewhere: Callable[[Shape], bool],
+    vault: Vault | None = None,
 ) -> BatchResult:
     """Match `waiting` (node id -> claims waiting) to `queue` and commit the placements in
     `session`'s transaction. The caller drops `gone` from its queue."""
@@ -442,6 +495,11 @@ def place_batch(
     jobs_changed(session, [job_key(placement.job.id) for placement in placements])
     for placement in placements:
         row = locked[placement.job.id]
+        names = tuple(row.secrets or ())
+        values: dict[str, str] | None = {}
+        if names:
+            carried = dict(eligible[placement.node_id].labels or {})
+            values = None if vault is None else values_for(session, vault, list(names), carried)
         result.placed.append(
             PlacedJob(
                 id=row.id,
@@ -454,6 +512,9 @@ def place_batch(
                 assigned_gpus=placement.gpus,
                 timeout_seconds=row.timeout_seconds,
                 silence_timeout_seconds=row.silence_timeout_seconds,
+                secret_names=names,
+                secrets=values,
+                secret_labels=dict(row.required_labels or {}),
             )
         )
     return result
@@ -489,6 +550,8 @@ def _lock_queued(session: Session, job_ids: list[str]) -> dict[str, Any]:
                 Job.resources,
                 Job.timeout_seconds,
                 Job.silence_timeout_seconds,
+                Job.secrets,
+                Job.required_labels,
             )
             .where(Job.id.in_(job_ids), Job.state == "queued")
             .order_by(Job.id)

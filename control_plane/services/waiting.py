@@ -31,6 +31,8 @@ class FleetNode:
     inventory: dict[str, Any] | None
     total: Capacity | None
     free: Capacity | None
+    #: The services deployed here, which hold their resources while deployed.
+    services: tuple[str, ...] = ()
 
     @property
     def usable(self) -> bool:
@@ -56,7 +58,9 @@ class Fleet:
             return True
         total = node.total
         return any(
-            (shape.prefer or labels_match(shape.labels, node.labels)) and total.fits(shape.request)
+            (shape.prefer or labels_match(shape.labels, node.labels))
+            and shape.admits(node.labels)
+            and total.fits(shape.request)
             for shape in shapes
         )
 
@@ -66,6 +70,7 @@ class Fleet:
             node.usable
             and node.free is not None
             and labels_match(shape.labels, node.labels)
+            and shape.admits(node.labels)
             and node.free.fits(shape.request)
             for node in self.nodes
         )
@@ -75,7 +80,10 @@ class Fleet:
         return {
             node.id: node.inventory
             for node in self.nodes
-            if node.usable and node.inventory and labels_match(shape.labels, node.labels)
+            if node.usable
+            and node.inventory
+            and labels_match(shape.labels, node.labels)
+            and shape.admits(node.labels)
         }
 
 
@@ -90,7 +98,8 @@ def read_fleet(session: Session, *, now: datetime, liveness: Liveness) -> Fleet:
             Node.last_heartbeat_at,
         ).order_by(Node.id)
     ).all()
-    free = free_capacity(session, {row.id: row.inventory for row in rows if row.inventory})
+    holders: dict[str, list[str]] = {}
+    free = free_capacity(session, {row.id: row.inventory for row in rows if row.inventory}, holders)
     return Fleet(
         tuple(
             FleetNode(
@@ -102,6 +111,7 @@ def read_fleet(session: Session, *, now: datetime, liveness: Liveness) -> Fleet:
                 inventory=row.inventory,
                 total=Capacity.of_inventory(row.inventory) if row.inventory else None,
                 free=free.get(row.id),
+                services=tuple(holders.get(row.id, ())),
             )
             for row in rows
         ),
@@ -114,12 +124,26 @@ def explain(fleet: Fleet, shape: Shape) -> WaitingReason:
     would check: a node with the labels, online, compatible, big enough, with room now."""
     wanted = shape.label_text()
     required = bool(shape.labels) and not shape.prefer
-    pool = [n for n in fleet.nodes if not required or labels_match(shape.labels, n.labels)]
+    pool = [
+        n
+        for n in fleet.nodes
+        if (not required or labels_match(shape.labels, n.labels)) and shape.admits(n.labels)
+    ]
     carrying = f" carrying {wanted}" if required else ""
     if shape.prefer and shape.labels and not fleet.room_for(shape):
         # It may run anywhere now; say why nowhere.
         carrying = ""
+    if shape.required:
+        secret_labels = ", ".join(f"{key}={value}" for key, value in shape.required)
+        carrying += f"{' and' if carrying else ''} carrying its secrets' labels ({secret_labels})"
     if not pool:
+        if shape.required:
+            return _reason(
+                "NO_MATCHING_NODE",
+                f"no node{carrying}",
+                "Enroll a node whose labels allow the job's secrets, or change the secrets' "
+                "labels (PUT /api/v1/admin/secrets/{name}).",
+            )
         if required:
             return _reason(
                 "NO_MATCHING_NODE",
@@ -161,6 +185,15 @@ def explain(fleet: Fleet, shape: Shape) -> WaitingReason:
     frees = [n.free for n in usable if n.free is not None]
     short = _shortfall(shape.request, frees, f"the most free on any online node{carrying}")
     if short:
+        services = sorted({name for n in usable for name in n.services})
+        if services:
+            held = ", ".join(services[:5]) + (" and more" if len(services) > 5 else "")
+            return _reason(
+                "NO_ROOM",
+                f"{short}; deployed services hold resources there ({held})",
+                "It starts when running work ends or one of those services is undeployed "
+                "(DELETE /api/v1/services/{id}); or add nodes.",
+            )
         return _reason("NO_ROOM", short, "It starts when running work ends; or add nodes.")
     roomy = sum(1 for n in usable if n.free is not None and n.free.fits(shape.request))
     return _reason(

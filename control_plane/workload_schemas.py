@@ -1,0 +1,230 @@
+"""Request and response bodies of the second stage's workloads: services (WL-5a), models
+(WL-5c), secrets (WL-6a), the audit log (AU-1), and the agents' service sync."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, StringConstraints, model_validator
+
+from control_plane.schemas import (
+    AssignedGpu,
+    Digest,
+    JobResources,
+    Labels,
+    Line,
+    ModelRef,
+    SecretNames,
+    StrictModel,
+    Text,
+)
+
+Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")]
+Runner = Literal["onnx", "command"]
+EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")]
+EnvValue = Annotated[Line, StringConstraints(max_length=4096)]
+Argument = Annotated[Line, StringConstraints(min_length=1, max_length=4096)]
+
+
+# -- models -------------------------------------------------------------------------------------
+
+
+class ModelCreate(StrictModel):
+    name: Name
+    version: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$")]
+    runner: Runner = "onnx"
+    weights: Digest
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class ModelPublic(BaseModel):
+    model_id: str
+    name: str
+    version: str
+    ref: str
+    runner: str
+    weights: str
+    params: dict[str, Any]
+    created_at: datetime
+
+
+# -- secrets ------------------------------------------------------------------------------------
+
+
+class SecretPut(StrictModel):
+    value: Annotated[str, StringConstraints(min_length=1, max_length=65536)] = Field(repr=False)
+    labels: Labels = Field(default_factory=dict)
+
+
+class SecretPublic(BaseModel):
+    """A secret as the API shows it: never its value."""
+
+    name: str
+    labels: dict[str, str]
+    created_at: datetime
+    updated_at: datetime
+
+
+# -- services -----------------------------------------------------------------------------------
+
+
+class ServiceHealth(StrictModel):
+    path: Annotated[str, StringConstraints(pattern=r"^/[\x21-\x7e]{0,500}$")] = "/"
+    interval_seconds: Annotated[float, Field(ge=0.2, le=3600)] = 5.0
+    timeout_seconds: Annotated[float, Field(gt=0, le=600)] = 2.0
+    failure_threshold: Annotated[int, Field(ge=1, le=100)] = 3
+    start_period_seconds: Annotated[float, Field(ge=0, le=86400)] = 60.0
+
+
+class ServiceRestart(StrictModel):
+    initial_backoff_seconds: Annotated[float, Field(gt=0, le=3600)] = 1.0
+    max_backoff_seconds: Annotated[float, Field(gt=0, le=86400)] = 60.0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ServiceRestart:
+        if self.max_backoff_seconds < self.initial_backoff_seconds:
+            raise ValueError("max_backoff_seconds must not be below initial_backoff_seconds")
+        return self
+
+
+class ServiceCreate(StrictModel):
+    name: Name
+    #: argv; `{weights}` becomes the local path of the weights, `{port}` a free port.
+    command: Annotated[list[Argument], Field(min_length=1, max_length=200)] | None = None
+    runner: Literal["onnx"] | None = None
+    weights: Digest | None = None
+    model: ModelRef | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+    labels: Labels = Field(default_factory=dict)
+    worker_policy: Literal["require", "prefer"] = "require"
+    resources: JobResources = Field(default_factory=JobResources)
+    health: ServiceHealth | None = None
+    restart: ServiceRestart = Field(default_factory=ServiceRestart)
+    env: Annotated[dict[EnvName, EnvValue], Field(max_length=100)] = Field(default_factory=dict)
+    secrets: SecretNames = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _what_runs(self) -> ServiceCreate:
+        if self.command is None and self.runner is None and self.model is None:
+            raise ValueError("give a command, a runner (onnx) or a model (name@version)")
+        if self.command is not None and self.runner is not None:
+            raise ValueError("give either command or runner, not both")
+        if self.weights is not None and self.model is not None:
+            raise ValueError("give either weights or model, not both")
+        if self.runner == "onnx" and self.weights is None and self.model is None:
+            raise ValueError("the onnx runner needs weights (a digest) or a model")
+        if self.command is not None and self.weights is None and self.model is None:
+            if any("{weights}" in argument for argument in self.command):
+                raise ValueError("the command names {weights} but no weights or model is given")
+        if len(set(self.secrets)) != len(self.secrets):
+            raise ValueError("secrets must not name a secret twice")
+        return self
+
+
+ServiceState = Literal[
+    "pending", "starting", "healthy", "unhealthy", "restarting", "stopped", "failed"
+]
+
+
+class ServicePublic(BaseModel):
+    service_id: str
+    name: str
+    state: ServiceState
+    node_id: str | None
+    url: str | None
+    restarts: int
+    last_exit: dict[str, Any] | None
+    gpus: list[AssignedGpu]
+    command: list[str] | None
+    runner: str | None
+    weights: str | None
+    model: str | None
+    labels: dict[str, str]
+    worker_policy: str
+    resources: dict[str, Any]
+    health: dict[str, Any]
+    restart: dict[str, Any]
+    env: dict[str, str]
+    secrets: list[str]
+    generation: int
+    created_at: datetime
+    updated_at: datetime
+    stopped_at: datetime | None
+    #: Only while pending: what keeps it from being placed.
+    waiting_reason: dict[str, str] | None = None
+    #: The last lines of its output, as its node last reported them.
+    log_tail: list[str] = Field(default_factory=list)
+
+
+class ServiceEventPublic(BaseModel):
+    seq: int
+    at: datetime
+    kind: str
+    data: Any
+
+
+# -- the agents' service sync -------------------------------------------------------------------
+
+
+class AgentServiceEvent(StrictModel):
+    at: datetime | None = None
+    kind: Annotated[Line, StringConstraints(min_length=1, max_length=16)]
+    data: Any = None
+
+
+class AgentServiceStatus(StrictModel):
+    service_id: Annotated[str, StringConstraints(max_length=64)]
+    generation: int
+    state: Literal["starting", "healthy", "unhealthy", "restarting", "failed", "stopped"]
+    port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    restarts: Annotated[int, Field(ge=0)] = 0
+    last_exit: dict[str, Any] | None = None
+    events: Annotated[list[AgentServiceEvent], Field(max_length=500)] = Field(default_factory=list)
+    log_tail: Annotated[
+        list[Annotated[Text, StringConstraints(max_length=4096)]], Field(max_length=200)
+    ] = Field(default_factory=list)
+
+
+ServiceHost = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.:\[\]-]{1,255}$")]
+
+
+class AgentServicesSync(StrictModel):
+    service_host: ServiceHost | None = None
+    services: Annotated[list[AgentServiceStatus], Field(max_length=256)] = Field(
+        default_factory=list
+    )
+
+
+class AgentServiceSpec(BaseModel):
+    service_id: str
+    generation: int
+    name: str
+    command: list[str] | None
+    runner: str | None
+    weights: str | None
+    params: dict[str, Any]
+    env: dict[str, str]
+    secrets: dict[str, str] = Field(repr=False)
+    assigned_gpus: list[AssignedGpu]
+    resources: dict[str, Any]
+    health: dict[str, Any]
+    restart: dict[str, Any]
+
+
+class AgentServicesDesired(BaseModel):
+    services: list[AgentServiceSpec]
+    poll_interval_seconds: float
+
+
+# -- audit --------------------------------------------------------------------------------------
+
+
+class AuditEntryPublic(BaseModel):
+    id: int
+    at: datetime
+    actor: str
+    action: str
+    target: str
+    outcome: str
+    detail: dict[str, Any]

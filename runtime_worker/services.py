@@ -1,0 +1,731 @@
+"""Services on the node (WL-5a): long-running model servers the worker keeps running for as long
+as its agent wants them — `PUT`, `DELETE` and `GET` under `/v1/services` (runtime_worker.server).
+
+Each start runs under a supervisor of its own (runtime_worker.supervisor, argv mode): the
+service's process in a process group of its own, in a fresh work directory, ended with everything
+it started when the service is stopped, restarted, or the worker stops or dies — exactly as for a
+job. `{port}` in the command becomes a free TCP port chosen at each start (also in `PORT`),
+`{weights}` the local path of its weights. Its environment is the worker's, filtered as a job's,
+then its `env`, its `secrets`, `PORT` and the variables naming exactly its GPUs.
+
+A thread per service keeps it running: it probes `http://127.0.0.1:{port}{health.path}` every
+interval (2xx and 3xx are healthy; before the first healthy answer, failures count only after the
+start period), stops a service that failed `failure_threshold` probes in a row, and starts it
+again after any exit, waiting `initial × 2^(n−1)` seconds (at most the maximum) for the n-th
+failure in a row; a service healthy for the maximum backoff starts that count again. What
+happened is kept as numbered events (the last 100 per service), with the last 50 lines of its
+output.
+
+It must never show a secret: values are kept out of `repr()`, events, error messages and this
+process's log, and replaced by `[secret]` in the output it keeps.
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import logging
+import os
+import re
+import secrets
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any
+
+from modelforge_contracts.text import clean_line
+from runtime_worker.execution import (
+    Redactor,
+    check_variables,
+    gpu_environment,
+    job_environment,
+    readable,
+    stop_job,
+)
+from runtime_worker.supervisor import remove_tree
+
+log = logging.getLogger("modelforge.runtime_worker.services")
+
+ONNX_HEALTH_PATH = "/v2/health/ready"
+_SERVICE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+_EVENTS_KEPT = 100
+_LOG_LINES_KEPT = 50
+_LINE_LIMIT = 2000
+#: How often a running service's thread looks at its process and its orders.
+_LOOK_EVERY = 0.1
+#: Before the first healthy answer, probes come at least this often.
+_FIRST_PROBES_EVERY = 0.5
+#: How long a supervisor may take to say what it started.
+_REPORT_TIMEOUT = 10.0
+
+
+class InvalidService(ValueError):
+    """A service specification the worker cannot run; the message names the field, never a
+    value."""
+
+
+class WorkerStopping(Exception):
+    """The worker is stopping its services: it starts none."""
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    path: str = "/"
+    interval: float = 5.0
+    timeout: float = 2.0
+    failure_threshold: int = 3
+    start_period: float = 60.0
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    initial: float = 1.0
+    maximum: float = 60.0
+
+    def backoff(self, failures: int) -> float:
+        """The wait before the next start after `failures` (≥ 1) failures in a row."""
+        return float(min(self.initial * 2 ** max(failures - 1, 0), self.maximum))
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """What to run, checked; `argv` has `{weights}` filled in and `{port}` still to fill."""
+
+    service_id: str
+    generation: int
+    name: str
+    argv: tuple[str, ...]
+    weights_path: str | None
+    health: HealthCheck
+    restart: RestartPolicy
+    params: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict, repr=False)
+    secrets: dict[str, str] = field(default_factory=dict, repr=False)
+    gpu_env: dict[str, str] = field(default_factory=dict)
+    agent_socket: str | None = None
+    private_paths: tuple[str, ...] = ()
+
+    @classmethod
+    def from_json(cls, body: Any, *, service_id: str) -> ServiceSpec:
+        """The specification in a `PUT /v1/services/{service_id}` body; `InvalidService`."""
+        if not isinstance(body, dict):
+            raise InvalidService("the body must be a JSON object")
+        if not _SERVICE_ID.fullmatch(service_id):
+            raise InvalidService("service_id must be 1-100 letters, digits, '_', '.' or '-'")
+        if body.get("service_id", service_id) != service_id:
+            raise InvalidService("service_id in the body differs from the one in the path")
+        generation = body.get("generation")
+        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+            raise InvalidService("generation must be a non-negative integer")
+        name = body.get("name")
+        if not isinstance(name, str) or not name.strip() or len(name) > 200:
+            raise InvalidService("name must be a non-empty string of at most 200 characters")
+        weights_path = body.get("weights_path")
+        if weights_path is not None and (not isinstance(weights_path, str) or not weights_path):
+            raise InvalidService("weights_path must be a path or null")
+        argv = _argv(body.get("command"), body.get("runner"), name, weights_path)
+        params = body.get("params") or {}
+        if not isinstance(params, dict):
+            raise InvalidService("params must be an object")
+        private_paths = body.get("private_paths") or []
+        if not isinstance(private_paths, list) or not all(
+            isinstance(path, str) for path in private_paths
+        ):
+            raise InvalidService("private_paths must be a list of paths")
+        agent_socket = body.get("agent_socket")
+        if agent_socket is not None and not isinstance(agent_socket, str):
+            raise InvalidService("agent_socket must be a path or null")
+        resources = body.get("resources") or {}
+        if not isinstance(resources, dict):
+            raise InvalidService("resources must be an object")
+        try:
+            env = check_variables(body.get("env"), "env")
+            secret_values = check_variables(body.get("secrets"), "secrets")
+            gpu_env = gpu_environment({**body, "resources": resources})
+        except (TypeError, ValueError) as exc:
+            raise InvalidService(str(exc)) from None
+        default_path = ONNX_HEALTH_PATH if body.get("runner") == "onnx" else "/"
+        return cls(
+            service_id=service_id,
+            generation=generation,
+            name=name,
+            argv=tuple(argv),
+            weights_path=weights_path,
+            health=_health(body.get("health"), default_path),
+            restart=_restart(body.get("restart")),
+            params=params,
+            env=env,
+            secrets=secret_values,
+            gpu_env=gpu_env,
+            agent_socket=agent_socket,
+            private_paths=tuple(private_paths),
+        )
+
+
+def onnx_argv(name: str) -> list[str]:
+    """The built-in ONNX runner's command (runtime_worker.onnx_server)."""
+    return [
+        sys.executable,
+        "-m",
+        "runtime_worker.onnx_server",
+        "--model",
+        "{weights}",
+        "--port",
+        "{port}",
+        "--name",
+        name,
+    ]
+
+
+def _argv(command: Any, runner: Any, name: str, weights_path: str | None) -> list[str]:
+    if runner is not None:
+        if runner != "onnx":
+            raise InvalidService(f"runner must be 'onnx' or null (got {str(runner)[:40]!r})")
+        if command is not None:
+            raise InvalidService("give either command or runner, not both")
+        if weights_path is None:
+            raise InvalidService("runner 'onnx' needs weights_path")
+        command = onnx_argv(name)
+    if (
+        not isinstance(command, list)
+        or not command
+        or not all(isinstance(arg, str) and "\0" not in arg for arg in command)
+        or not command[0]
+    ):
+        raise InvalidService("command must be a non-empty list of strings (or give a runner)")
+    if weights_path is None and any("{weights}" in arg for arg in command):
+        raise InvalidService("command names {weights} but weights_path is null")
+    if weights_path is None:
+        return list(command)
+    return [arg.replace("{weights}", weights_path) for arg in command]
+
+
+def _section(value: Any, name: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidService(f"{name} must be an object")
+    return {key: item for key, item in value.items() if item is not None}
+
+
+def _seconds(section: dict[str, Any], name: str, key: str, default: float, low: float) -> float:
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= low:
+        raise InvalidService(f"{name}.{key} must be a number of seconds, at least {low:g}")
+    if value > 86400:
+        raise InvalidService(f"{name}.{key} must be at most 86400 seconds")
+    return float(value)
+
+
+def _health(value: Any, default_path: str) -> HealthCheck:
+    section = _section(value, "health")
+    path = section.get("path", default_path)
+    if not isinstance(path, str) or not path.startswith("/") or clean_line(path) != path:
+        raise InvalidService("health.path must be a path starting with '/'")
+    threshold = section.get("failure_threshold", 3)
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
+        raise InvalidService("health.failure_threshold must be an integer of at least 1")
+    return HealthCheck(
+        path=path,
+        interval=_seconds(section, "health", "interval_seconds", 5.0, 0.05),
+        timeout=_seconds(section, "health", "timeout_seconds", 2.0, 0.05),
+        failure_threshold=threshold,
+        start_period=_seconds(section, "health", "start_period_seconds", 60.0, 0.0),
+    )
+
+
+def _restart(value: Any) -> RestartPolicy:
+    section = _section(value, "restart")
+    initial = _seconds(section, "restart", "initial_backoff_seconds", 1.0, 0.01)
+    maximum = _seconds(section, "restart", "max_backoff_seconds", max(60.0, initial), 0.01)
+    if maximum < initial:
+        raise InvalidService("restart.max_backoff_seconds must be at least initial_backoff_seconds")
+    return RestartPolicy(initial=initial, maximum=maximum)
+
+
+def free_port() -> int:
+    """A TCP port free on this node right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("0.0.0.0", 0))  # noqa: S104 - the port the service will listen on, any address
+        return int(probe.getsockname()[1])
+
+
+def probe(port: int, check: HealthCheck) -> str | None:
+    """None when the service answers its health path with 2xx or 3xx; else what went wrong."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=check.timeout)
+    try:
+        connection.request("GET", check.path)
+        status = connection.getresponse().status
+    except (OSError, http.client.HTTPException) as exc:
+        reason = getattr(exc, "strerror", None)
+        return f"{type(exc).__name__}{f' ({reason})' if reason else ''}"
+    finally:
+        connection.close()
+    return None if 200 <= status < 400 else f"HTTP {status}"
+
+
+def service_environment(spec: ServiceSpec, port: int) -> dict[str, str]:
+    """The environment a start of `spec` gets (see the module)."""
+    env = job_environment(dict(os.environ), {})
+    env.update(spec.env)
+    env.update(spec.secrets)  # after the filter: a secret named HF_TOKEN reaches it
+    env["MODELFORGE_SERVICE_ID"] = spec.service_id
+    env["MODELFORGE_SERVICE_PARAMS"] = json.dumps(spec.params)
+    if spec.agent_socket is not None:
+        env["MODELFORGE_AGENT_SOCKET"] = spec.agent_socket
+    env["PORT"] = str(port)
+    env.update(spec.gpu_env)
+    return env
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+def _exit_of(returncode: int) -> dict[str, Any]:
+    """The supervisor exits as its service did: with its code, or killed by its signal."""
+    if returncode < 0:
+        return {"code": None, "signal": -returncode, "at": _now()}
+    return {"code": returncode, "signal": None, "at": _now()}
+
+
+class _StartFailed(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class _Run:
+    """One start of a service."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    workdir: Path
+    reader: threading.Thread
+    pid: int | None = None
+
+
+class Service:
+    """One service and the thread that keeps it running."""
+
+    def __init__(self, spec: ServiceSpec, *, jobs_dir: Path, next_seq: Any) -> None:
+        self._spec = spec
+        self._jobs_dir = jobs_dir
+        self._next_seq = next_seq
+        self._redact = Redactor(spec.secrets)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._pending: ServiceSpec | None = None
+        self._ending = False
+        #: Failures (exits, unhealthy stops, failed starts) since it was last healthy for long.
+        self._failures = 0
+        self.state = "starting"
+        self.port: int | None = None
+        self.pid: int | None = None
+        self.restarts = 0
+        self.last_exit: dict[str, Any] | None = None
+        self._events: deque[dict[str, Any]] = deque(maxlen=_EVENTS_KEPT)
+        self._log: deque[str] = deque(maxlen=_LOG_LINES_KEPT)
+        self._thread = threading.Thread(
+            target=self._live, daemon=True, name=f"service-{spec.service_id}"
+        )
+
+    def __repr__(self) -> str:
+        return f"<Service {self._spec.service_id} generation {self.generation} {self.state}>"
+
+    @property
+    def generation(self) -> int:
+        """The generation it runs, or is about to run."""
+        with self._lock:
+            return (self._pending or self._spec).generation
+
+    def start(self) -> None:
+        self._event("state", {"state": "starting"})
+        self._thread.start()
+
+    def want(self, spec: ServiceSpec) -> bool:
+        """Run `spec` from now on; False (nothing changes) when it is the generation already
+        running or about to."""
+        with self._lock:
+            if spec.generation == (self._pending or self._spec).generation:
+                return False
+            self._pending = spec
+        self._wake.set()
+        return True
+
+    def end(self) -> None:
+        """Ask its thread to stop it; `join` waits."""
+        with self._lock:
+            self._ending = True
+        self._wake.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "service_id": self._spec.service_id,
+                "generation": (self._pending or self._spec).generation,
+                "state": self.state,
+                "port": self.port,
+                "pid": self.pid,
+                "restarts": self.restarts,
+                "last_exit": dict(self.last_exit) if self.last_exit else None,
+                "events": [dict(event) for event in self._events],
+                "log_tail": list(self._log),
+            }
+
+    # -- the thread ---------------------------------------------------------------------------
+
+    def _live(self) -> None:
+        while True:
+            spec = self._next_spec()
+            if spec is None:
+                return
+            try:
+                run = self._start(spec)
+            except _StartFailed as exc:
+                self._set_state("failed")
+                self._event("error", {"code": exc.code, "message": exc.message})
+                log.error("service %s could not start: %s", spec.service_id, exc.message)
+                self._pause_then("start failed")
+                continue
+            except Exception:
+                log.exception("service %s: unexpected error starting it", spec.service_id)
+                self._set_state("failed")
+                self._event("error", {"code": "SERVICE_START_FAILED", "message": "worker error"})
+                self._pause_then("start failed")
+                continue
+            try:
+                outcome = self._watch(run, spec)
+            except Exception:
+                log.exception("service %s: unexpected error watching it", spec.service_id)
+                outcome = "error"
+            finally:
+                self._finish(run)
+            if outcome in ("ending", "requested"):
+                continue  # `_next_spec` ends the thread or takes the new generation
+            self._pause_then(outcome)
+
+    def _next_spec(self) -> ServiceSpec | None:
+        """The spec to start next: None when the service ends; a new generation counts as a
+        restart that was asked for."""
+        with self._lock:
+            if self._ending:
+                return None
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                self._spec = pending
+                self._redact = Redactor(pending.secrets)
+                self._failures = 0
+                self.restarts += 1
+            spec = self._spec
+        if pending is not None:
+            self._event("restart", {"reason": "requested", "generation": spec.generation})
+            log.info("service %s: generation %d requested", spec.service_id, spec.generation)
+        return spec
+
+    def _orders(self) -> str | None:
+        with self._lock:
+            if self._ending:
+                return "ending"
+            return "requested" if self._pending is not None else None
+
+    def _pause_then(self, reason: str) -> None:
+        """Wait out the backoff after a failure (state `restarting`, or `failed` after a start
+        that failed), or less when ended or given a new generation."""
+        with self._lock:
+            self._failures += 1
+            backoff = self._spec.restart.backoff(self._failures)
+            if reason != "start failed":
+                self.restarts += 1
+        if reason != "start failed":
+            self._set_state("restarting")
+        self._event("restart", {"reason": reason, "backoff_seconds": backoff})
+        deadline = time.monotonic() + backoff
+        while self._orders() is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._wake.wait(left)
+            self._wake.clear()
+
+    def _start(self, spec: ServiceSpec) -> _Run:
+        if spec.weights_path is not None and not os.path.exists(spec.weights_path):
+            raise _StartFailed(
+                "SERVICE_WEIGHTS_MISSING",
+                f"weights_path {self._redact(spec.weights_path)} does not exist on this node",
+            )
+        port = free_port()
+        env = service_environment(spec, port)
+        executable = spec.argv[0]
+        if not _executable(executable, env):
+            raise _StartFailed(
+                "SERVICE_COMMAND_NOT_EXECUTABLE",
+                f"{self._redact(executable)!r} is not an executable file on the service's PATH",
+            )
+        argv = [arg.replace("{port}", str(port)) for arg in spec.argv]
+        self._jobs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        workdir = Path(tempfile.mkdtemp(prefix=f"{spec.service_id}-", dir=self._jobs_dir))
+        read_fd, write_fd = os.pipe()
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "runtime_worker.supervisor"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                cwd=workdir,
+                env=env,
+                pass_fds=(write_fd,),
+                start_new_session=True,
+            )
+        except OSError as exc:
+            os.close(read_fd)
+            remove_tree(workdir)
+            raise _StartFailed(
+                "SERVICE_START_FAILED", f"cannot start its supervisor ({exc})"
+            ) from None
+        finally:
+            os.close(write_fd)
+        reader = threading.Thread(
+            target=self._read_output, args=(process.stdout,), daemon=True, name="service-output"
+        )
+        reader.start()
+        run = _Run(process=process, port=port, workdir=workdir, reader=reader)
+        envelope = {
+            "worker_pid": os.getpid(),
+            "hide": [path for path in spec.private_paths if readable(path)],
+            "argv": argv,
+            "report_fd": write_fd,
+        }
+        try:
+            if process.stdin is not None:
+                process.stdin.write(json.dumps(envelope).encode())
+                process.stdin.close()
+        except BrokenPipeError:
+            pass  # the supervisor is gone already; its report (none) says so
+        report = _read_report(read_fd)
+        if not isinstance(report.get("pid"), int):
+            self._finish(run)
+            error = report.get("error")
+            if not isinstance(error, dict):
+                error = {}
+            raise _StartFailed(
+                str(error.get("code") or "SERVICE_START_FAILED"),
+                self._redact(str(error.get("message") or "its supervisor started nothing")),
+            )
+        run.pid = int(report["pid"])
+        with self._lock:
+            self.port, self.pid = port, run.pid
+        self._set_state("starting")
+        log.info(
+            "service %s generation %d started: pid %d, port %d",
+            spec.service_id,
+            spec.generation,
+            run.pid,
+            port,
+        )
+        return run
+
+    def _watch(self, run: _Run, spec: ServiceSpec) -> str:
+        """Probe and look after a started service until it exits, is unhealthy, or is ordered
+        to stop; returns which (`exit`, `unhealthy`, `ending`, `requested`)."""
+        check = spec.health
+        started = time.monotonic()
+        healthy_since: float | None = None
+        ever_healthy = False
+        failing = 0
+        next_probe = started + min(check.interval, _FIRST_PROBES_EVERY)
+        while True:
+            returncode = run.process.poll()
+            if returncode is not None:
+                self._exited(spec, _exit_of(returncode))
+                return "exit"
+            orders = self._orders()
+            if orders is not None:
+                return orders
+            now = time.monotonic()
+            if now >= next_probe:
+                problem = probe(run.port, check)
+                now = time.monotonic()
+                if run.process.poll() is not None:
+                    continue  # it exited meanwhile: that is the news, not the probe
+                if problem is None:
+                    if failing:
+                        self._event("health", {"healthy": True, "failed_before": failing})
+                    failing = 0
+                    ever_healthy = True
+                    if healthy_since is None:
+                        healthy_since = now
+                        self._set_state("healthy")
+                    elif now - healthy_since >= spec.restart.maximum:
+                        with self._lock:
+                            self._failures = 0
+                elif ever_healthy or now - started >= check.start_period:
+                    healthy_since = None
+                    failing += 1
+                    if failing == 1:
+                        self._event("health", {"healthy": False, "problem": problem})
+                    if failing >= check.failure_threshold:
+                        self._set_state("unhealthy")
+                        self._event(
+                            "health", {"healthy": False, "failures": failing, "problem": problem}
+                        )
+                        stop_job(run.process)
+                        self._exited(spec, {"code": None, "signal": 15, "at": _now()})
+                        return "unhealthy"
+                interval = check.interval if ever_healthy else min(check.interval, 0.5)
+                next_probe = now + interval
+            self._wake.wait(max(0.0, min(_LOOK_EVERY, next_probe - now)))
+            self._wake.clear()
+
+    def _exited(self, spec: ServiceSpec, last_exit: dict[str, Any]) -> None:
+        with self._lock:
+            self.last_exit = last_exit
+            self.pid = None
+        self._event("exit", {"code": last_exit["code"], "signal": last_exit["signal"]})
+        log.warning(
+            "service %s exited (code %s, signal %s)",
+            spec.service_id,
+            last_exit["code"],
+            last_exit["signal"],
+        )
+
+    def _finish(self, run: _Run) -> None:
+        """The start is over: its supervisor (and so all it started) is gone, its output read,
+        its work directory removed."""
+        if run.process.poll() is None:
+            stop_job(run.process)
+        run.reader.join(timeout=2.0)
+        remove_tree(run.workdir)  # the supervisor's job; this is a backstop
+        with self._lock:
+            self.pid = None
+
+    def _read_output(self, stream: IO[bytes] | None) -> None:
+        if stream is None:
+            return
+        for raw in iter(lambda: stream.readline(_LINE_LIMIT), b""):
+            line = clean_line(raw.decode(errors="replace").rstrip("\n"))
+            with self._lock:
+                self._log.append(self._redact(line))
+        stream.close()
+
+    def _set_state(self, state: str) -> None:
+        with self._lock:
+            if self.state == state:
+                return
+            self.state = state
+            service_id = self._spec.service_id
+        self._event("state", {"state": state})
+        log.info("service %s: %s", service_id, state)
+
+    def _event(self, kind: str, data: dict[str, Any]) -> None:
+        with self._lock:
+            event = {"seq": 0, "at": _now(), "kind": kind, "data": self._redact.tree(data)}
+            event["seq"] = self._next_seq()
+            self._events.append(event)
+
+
+def _executable(executable: str, env: dict[str, str]) -> bool:
+    """Whether exec can run `executable`: an absolute path to an executable file, or a name
+    found on the service's PATH; a relative path is left to the exec to judge."""
+    if os.path.isabs(executable):
+        return os.path.isfile(executable) and os.access(executable, os.X_OK)
+    if "/" in executable:
+        return True
+    return shutil.which(executable, path=env.get("PATH", os.defpath)) is not None
+
+
+def _read_report(fd: int) -> dict[str, Any]:
+    """The supervisor's one report line; `{}` when it said nothing in time."""
+    try:
+        ready, _, _ = select.select([fd], [], [], _REPORT_TIMEOUT)
+        raw = os.read(fd, 65536) if ready else b""
+    finally:
+        os.close(fd)
+    try:
+        report = json.loads(raw or b"{}")
+    except ValueError:
+        return {}
+    return report if isinstance(report, dict) else {}
+
+
+class Services:
+    """Every service of this worker, by id."""
+
+    def __init__(self, jobs_dir: Path) -> None:
+        self.jobs_dir = jobs_dir
+        #: Names this worker process: an agent seeing another knows event numbers started over.
+        self.instance = secrets.token_hex(8)
+        self._services: dict[str, Service] = {}
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+        self._seq_lock = threading.Lock()
+        self._closed = False
+
+    def _next_seq(self) -> int:
+        with self._seq_lock:
+            return next(self._seq)
+
+    def put(self, service_id: str, body: Any) -> tuple[bool, dict[str, Any]]:
+        """Run the service as `body` says: (started, answer); `InvalidService` when malformed,
+        `WorkerStopping` once `stop_all` began."""
+        spec = ServiceSpec.from_json(body, service_id=service_id)
+        with self._lock:
+            if self._closed:
+                raise WorkerStopping
+            service = self._services.get(service_id)
+            created = service is None
+            if service is None:
+                service = Service(spec, jobs_dir=self.jobs_dir, next_seq=self._next_seq)
+                self._services[service_id] = service
+                service.start()
+            else:
+                service.want(spec)
+        status = service.status()
+        return created, {
+            "service_id": service_id,
+            "generation": status["generation"],
+            "state": status["state"],
+        }
+
+    def delete(self, service_id: str) -> bool:
+        """Stop the service and everything it started, and wait; False when unknown."""
+        with self._lock:
+            service = self._services.pop(service_id, None)
+        if service is None:
+            return False
+        service.end()
+        service.join()
+        log.info("service %s stopped", service_id)
+        return True
+
+    def statuses(self) -> dict[str, Any]:
+        with self._lock:
+            services = list(self._services.values())
+        return {"instance": self.instance, "services": [s.status() for s in services]}
+
+    def stop_all(self) -> None:
+        """The worker stops: every service is asked at once, then awaited."""
+        with self._lock:
+            self._closed = True
+            services = list(self._services.values())
+            self._services.clear()
+        for service in services:
+            service.end()
+        for service in services:
+            service.join()
