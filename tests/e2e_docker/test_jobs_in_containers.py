@@ -1,8 +1,10 @@
-"""Jobs inside the released containers: the cpu-flavour images built without Docker, bundled,
-signed, verified, loaded and started with `modelforge-release up` (control plane, node agent in
-cpu mode, runtime worker), then an ONNX job and a Python job that imports numpy submitted
-through the admin API, run by the runtime worker's runners in its container, and their results
-checked against numpy and onnxruntime computed here.
+"""Jobs and services inside the released containers: the cpu-flavour images built without
+Docker, bundled, signed, verified, loaded and started with `modelforge-release up` (control
+plane, node agent in cpu mode, runtime worker with services enabled), then an ONNX job and a
+Python job that imports numpy submitted through the admin API, run by the runtime worker's
+runners in its container, and their results checked against numpy and onnxruntime computed
+here; and an ONNX service deployed from a model, served by the runtime worker's built-in Open
+Inference Protocol server in its container and called with the standard tritonclient.
 
 The images get a version of their own, so this module never shares tags with another build
 in the same engine."""
@@ -40,6 +42,8 @@ from tests.onnx_models import relu_matmul
 pytestmark = pytest.mark.e2e
 
 VERSION = "0.1.0-jobs"
+#: The node with services enabled: the runtime worker on the host's network.
+SERVICE_NODE_FILES = [*NODE_FILES, REPO / "compose" / "docker-compose.services.yml"]
 IMAGES = [
     f"modelforge-{component}:{VERSION}"
     for component in ("control-plane", "node-agent", "runtime-worker")
@@ -55,6 +59,9 @@ class Stack:
 
     def get(self, path: str, **kwargs: Any) -> httpx.Response:
         return httpx.get(self.url + path, headers=self.admin, timeout=30, **kwargs)
+
+    def delete(self, path: str) -> httpx.Response:
+        return httpx.delete(self.url + path, headers=self.admin, timeout=30)
 
     def upload(self, content: bytes) -> str:
         answer = self.post("/api/v1/artifacts", content=content)
@@ -145,7 +152,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str
             env.setenv("MODELFORGE_AGENT_CONTROL_PLANE_URL", url)
             env.setenv("MODELFORGE_AGENT_ACCELERATOR_MODE", "cpu")
             env.setenv("MODELFORGE_AGENT_ENROLLMENT_TOKEN", minted["token"])
-            assert _up(bundle, public, node_project, NODE_FILES) == 0
+            assert _up(bundle, public, node_project, SERVICE_NODE_FILES) == 0
             env.delenv("MODELFORGE_AGENT_ENROLLMENT_TOKEN")
             readiness = f"{url}/api/v1/admin/nodes/{minted['node_id']}/readiness"
             try:
@@ -159,7 +166,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str
                 raise AssertionError(f"{answer}\n{_logs(node_project)}") from None
             yield Stack(url, admin), node_project
         finally:
-            _down(node_project, NODE_FILES)
+            _down(node_project, SERVICE_NODE_FILES)
             _down(cp_project, CP_FILES[:1])
             docker("image", "rm", *IMAGES, check=False)
 
@@ -251,3 +258,38 @@ def test_python_job_imports_numpy_in_the_runtime_worker_container(
     assert (result["python"], result["uid"]) == ("/usr/bin/python3", 10001)
     events = api.get(f"/api/v1/jobs/{done['job_id']}/events").json()
     assert {"numpy": locked["numpy"]} in [e["data"] for e in events if e["kind"] == "event"]
+
+
+def test_onnx_service_serves_from_the_runtime_worker_container(stack: tuple[Stack, str]) -> None:
+    import tritonclient.http as triton
+
+    api, project = stack
+    model, weights = _model()
+    digest = api.upload(model)
+    created = api.post("/api/v1/models", json={"name": "relu", "version": "1", "weights": digest})
+    assert created.status_code == 201, created.text
+    deployed = api.post(
+        "/api/v1/services",
+        json={"name": "relu", "model": "relu@1", "resources": {"cpus": 0.5}},
+    )
+    assert deployed.status_code == 201, deployed.text
+    service_id = deployed.json()["service_id"]
+    try:
+        _wait(
+            lambda: api.get(f"/api/v1/services/{service_id}").json()["state"] == "healthy",
+            120,
+            "the ONNX service to be healthy",
+        )
+    except AssertionError:
+        events = api.get(f"/api/v1/services/{service_id}/events").text
+        raise AssertionError(f"{events}\n{_logs(project)}") from None
+    url = api.get(f"/api/v1/services/{service_id}").json()["url"]
+    client = triton.InferenceServerClient(url=url.removeprefix("http://"))
+    x = np.random.default_rng(5).standard_normal((3, 4)).astype(np.float32)
+    inputs = [triton.InferInput("x", list(x.shape), "FP32")]
+    inputs[0].set_data_from_numpy(x)
+    y = client.infer("relu", inputs).as_numpy("y")
+    expected = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(y, expected[0], rtol=1e-6)
+    np.testing.assert_allclose(y, np.maximum(x @ weights, 0), rtol=1e-5, atol=1e-6)
+    assert api.delete(f"/api/v1/services/{service_id}").status_code == 200
