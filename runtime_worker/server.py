@@ -24,8 +24,9 @@ from modelforge_contracts.ipc import JsonHandler, UnixHTTPServer, serve_unix
 from modelforge_contracts.job_records import encode
 from modelforge_contracts.protocol import PROTOCOL_VERSION
 from runtime_worker import WORKER_VERSION
+from runtime_worker._service_spec import InvalidService
 from runtime_worker.execution import check_variables, gpu_environment, run_job
-from runtime_worker.services import InvalidService, Services, WorkerStopping
+from runtime_worker.services import Services, WorkerStopping
 
 log = logging.getLogger("modelforge.runtime_worker")
 _SERVICES = "/v1/services"

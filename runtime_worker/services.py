@@ -1,5 +1,7 @@
 """Services on the node (WL-5a): long-running model servers the worker keeps running for as long
 as its agent wants them — `PUT`, `DELETE` and `GET` under `/v1/services` (runtime_worker.server).
+What a `PUT` asks for is parsed and checked by runtime_worker._service_spec (`ServiceSpec`, or
+`InvalidService`, both still importable from here); this module runs and supervises it.
 
 Each start runs under a supervisor of its own (runtime_worker.supervisor, argv mode): the
 service's process in a process group of its own, in a fresh work directory, ended with everything
@@ -27,7 +29,6 @@ import itertools
 import json
 import logging
 import os
-import re
 import secrets
 import select
 import shutil
@@ -38,26 +39,20 @@ import tempfile
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
 from modelforge_contracts.text import clean_line
-from runtime_worker.execution import (
-    Redactor,
-    check_variables,
-    gpu_environment,
-    job_environment,
-    readable,
-    stop_job,
-)
+from runtime_worker._service_spec import ONNX_HEALTH_PATH as ONNX_HEALTH_PATH
+from runtime_worker._service_spec import HealthCheck, ServiceSpec
+from runtime_worker._service_spec import InvalidService as InvalidService
+from runtime_worker.execution import Redactor, job_environment, readable, stop_job
 from runtime_worker.supervisor import remove_tree
 
 log = logging.getLogger("modelforge.runtime_worker.services")
 
-ONNX_HEALTH_PATH = "/v2/health/ready"
-_SERVICE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 _EVENTS_KEPT = 100
 _LOG_LINES_KEPT = 50
 _LINE_LIMIT = 2000
@@ -69,188 +64,8 @@ _FIRST_PROBES_EVERY = 0.5
 _REPORT_TIMEOUT = 10.0
 
 
-class InvalidService(ValueError):
-    """A service specification the worker cannot run; the message names the field, never a
-    value."""
-
-
 class WorkerStopping(Exception):
     """The worker is stopping its services: it starts none."""
-
-
-@dataclass(frozen=True)
-class HealthCheck:
-    path: str = "/"
-    interval: float = 5.0
-    timeout: float = 2.0
-    failure_threshold: int = 3
-    start_period: float = 60.0
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    initial: float = 1.0
-    maximum: float = 60.0
-
-    def backoff(self, failures: int) -> float:
-        """The wait before the next start after `failures` (≥ 1) failures in a row."""
-        return float(min(self.initial * 2 ** max(failures - 1, 0), self.maximum))
-
-
-@dataclass(frozen=True)
-class ServiceSpec:
-    """What to run, checked; `argv` has `{weights}` filled in and `{port}` still to fill."""
-
-    service_id: str
-    generation: int
-    name: str
-    argv: tuple[str, ...]
-    weights_path: str | None
-    health: HealthCheck
-    restart: RestartPolicy
-    params: dict[str, Any] = field(default_factory=dict)
-    env: dict[str, str] = field(default_factory=dict, repr=False)
-    secrets: dict[str, str] = field(default_factory=dict, repr=False)
-    gpu_env: dict[str, str] = field(default_factory=dict)
-    agent_socket: str | None = None
-    private_paths: tuple[str, ...] = ()
-
-    @classmethod
-    def from_json(cls, body: Any, *, service_id: str) -> ServiceSpec:
-        """The specification in a `PUT /v1/services/{service_id}` body; `InvalidService`."""
-        if not isinstance(body, dict):
-            raise InvalidService("the body must be a JSON object")
-        if not _SERVICE_ID.fullmatch(service_id):
-            raise InvalidService("service_id must be 1-100 letters, digits, '_', '.' or '-'")
-        if body.get("service_id", service_id) != service_id:
-            raise InvalidService("service_id in the body differs from the one in the path")
-        generation = body.get("generation")
-        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
-            raise InvalidService("generation must be a non-negative integer")
-        name = body.get("name")
-        if not isinstance(name, str) or not name.strip() or len(name) > 200:
-            raise InvalidService("name must be a non-empty string of at most 200 characters")
-        weights_path = body.get("weights_path")
-        if weights_path is not None and (not isinstance(weights_path, str) or not weights_path):
-            raise InvalidService("weights_path must be a path or null")
-        argv = _argv(body.get("command"), body.get("runner"), name, weights_path)
-        params = body.get("params") or {}
-        if not isinstance(params, dict):
-            raise InvalidService("params must be an object")
-        private_paths = body.get("private_paths") or []
-        if not isinstance(private_paths, list) or not all(
-            isinstance(path, str) for path in private_paths
-        ):
-            raise InvalidService("private_paths must be a list of paths")
-        agent_socket = body.get("agent_socket")
-        if agent_socket is not None and not isinstance(agent_socket, str):
-            raise InvalidService("agent_socket must be a path or null")
-        resources = body.get("resources") or {}
-        if not isinstance(resources, dict):
-            raise InvalidService("resources must be an object")
-        try:
-            env = check_variables(body.get("env"), "env")
-            secret_values = check_variables(body.get("secrets"), "secrets")
-            gpu_env = gpu_environment({**body, "resources": resources})
-        except (TypeError, ValueError) as exc:
-            raise InvalidService(str(exc)) from None
-        default_path = ONNX_HEALTH_PATH if body.get("runner") == "onnx" else "/"
-        return cls(
-            service_id=service_id,
-            generation=generation,
-            name=name,
-            argv=tuple(argv),
-            weights_path=weights_path,
-            health=_health(body.get("health"), default_path),
-            restart=_restart(body.get("restart")),
-            params=params,
-            env=env,
-            secrets=secret_values,
-            gpu_env=gpu_env,
-            agent_socket=agent_socket,
-            private_paths=tuple(private_paths),
-        )
-
-
-def onnx_argv(name: str) -> list[str]:
-    """The built-in ONNX runner's command (runtime_worker.onnx_server)."""
-    return [
-        sys.executable,
-        "-m",
-        "runtime_worker.onnx_server",
-        "--model",
-        "{weights}",
-        "--port",
-        "{port}",
-        "--name",
-        name,
-    ]
-
-
-def _argv(command: Any, runner: Any, name: str, weights_path: str | None) -> list[str]:
-    if runner is not None:
-        if runner != "onnx":
-            raise InvalidService(f"runner must be 'onnx' or null (got {str(runner)[:40]!r})")
-        if command is not None:
-            raise InvalidService("give either command or runner, not both")
-        if weights_path is None:
-            raise InvalidService("runner 'onnx' needs weights_path")
-        command = onnx_argv(name)
-    if (
-        not isinstance(command, list)
-        or not command
-        or not all(isinstance(arg, str) and "\0" not in arg for arg in command)
-        or not command[0]
-    ):
-        raise InvalidService("command must be a non-empty list of strings (or give a runner)")
-    if weights_path is None and any("{weights}" in arg for arg in command):
-        raise InvalidService("command names {weights} but weights_path is null")
-    if weights_path is None:
-        return list(command)
-    return [arg.replace("{weights}", weights_path) for arg in command]
-
-
-def _section(value: Any, name: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise InvalidService(f"{name} must be an object")
-    return {key: item for key, item in value.items() if item is not None}
-
-
-def _seconds(section: dict[str, Any], name: str, key: str, default: float, low: float) -> float:
-    value = section.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= low:
-        raise InvalidService(f"{name}.{key} must be a number of seconds, at least {low:g}")
-    if value > 86400:
-        raise InvalidService(f"{name}.{key} must be at most 86400 seconds")
-    return float(value)
-
-
-def _health(value: Any, default_path: str) -> HealthCheck:
-    section = _section(value, "health")
-    path = section.get("path", default_path)
-    if not isinstance(path, str) or not path.startswith("/") or clean_line(path) != path:
-        raise InvalidService("health.path must be a path starting with '/'")
-    threshold = section.get("failure_threshold", 3)
-    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
-        raise InvalidService("health.failure_threshold must be an integer of at least 1")
-    return HealthCheck(
-        path=path,
-        interval=_seconds(section, "health", "interval_seconds", 5.0, 0.05),
-        timeout=_seconds(section, "health", "timeout_seconds", 2.0, 0.05),
-        failure_threshold=threshold,
-        start_period=_seconds(section, "health", "start_period_seconds", 60.0, 0.0),
-    )
-
-
-def _restart(value: Any) -> RestartPolicy:
-    section = _section(value, "restart")
-    initial = _seconds(section, "restart", "initial_backoff_seconds", 1.0, 0.01)
-    maximum = _seconds(section, "restart", "max_backoff_seconds", max(60.0, initial), 0.01)
-    if maximum < initial:
-        raise InvalidService("restart.max_backoff_seconds must be at least initial_backoff_seconds")
-    return RestartPolicy(initial=initial, maximum=maximum)
 
 
 def free_port() -> int:

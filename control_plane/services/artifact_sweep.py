@@ -28,7 +28,9 @@ How the sweep never races an upload of the same digest
     never touches again; its row is inserted by the upload if it records after the sweep
     commits, and otherwise (it saw the old row and inserted nothing) by the sweep, which after
     its commit records again every deleted digest whose file is back. Trash left by a crash is
-    resolved by the next sweep: put back if the row still exists, unlinked if not.
+    resolved by the next sweep: put back if the row still exists, unlinked if not. The trash
+    itself (moving aside, putting back, unlinking, leftovers) is
+    control_plane.services._artifact_trash.
 
 Files without a row older than the grace period (an upload that crashed between its rename and
 its insert, or one killed while streaming to `tmp/`) are removed too, the same way. A dry run
@@ -38,24 +40,22 @@ decides the same way without locking, moving or deleting anything.
 from __future__ import annotations
 
 import logging
-import os
 import re
-import secrets
 from collections import defaultdict
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import and_, delete, event, or_, select, text
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, SessionTransaction
+from sqlalchemy import and_, delete, or_, select, text
+from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
 from control_plane.errors import NotFound
 from control_plane.models import Artifact, ArtifactUpload, Job, Model, Service
-from control_plane.services.artifacts import DIGEST_PREFIX, ArtifactStore, record_artifact
+from control_plane.services._artifact_trash import Trash, modified_at, resolve_leftover_trash
+from control_plane.services.artifacts import DIGEST_PREFIX, ArtifactStore
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,6 @@ log = logging.getLogger(__name__)
 _SWEEP_LOCK_KEY = 0x4D46_0002
 _ACTIVE_JOB_STATES = ("queued", "running")
 _HEX = re.compile(r"^[0-9a-f]{64}$")
-#: `<hex>.<random>`: a file moved aside by a sweep.
-_TRASHED = re.compile(r"^([0-9a-f]{64})\.[0-9a-f]+$")
 _CHUNK = 500
 _IN_PROGRESS = "being named by a request in progress"
 
@@ -209,7 +207,7 @@ def sweep(
     now = clock.now()
     cutoff = now - grace
     report = SweepReport(dry_run=dry_run, swept_at=now, grace_seconds=grace.total_seconds())
-    trash = _Trash(store, dry_run=dry_run)
+    trash = Trash(store, dry_run=dry_run)
     candidates = (
         select(Artifact.digest).where(Artifact.created_at < cutoff).order_by(Artifact.digest)
     )
@@ -217,7 +215,7 @@ def sweep(
     if not dry_run:
         if session.get_bind().dialect.name == "postgresql":
             session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _SWEEP_LOCK_KEY})
-        _resolve_leftover_trash(session, store)
+        resolve_leftover_trash(session, store, chunk_size=_CHUNK)
         # Before any file moves: whatever happens next, the transaction's end settles them.
         trash.settle_with(session, clock=clock, deleted=doomed)
         candidates = candidates.with_for_update(skip_locked=True)
@@ -262,102 +260,8 @@ def sweep(
     return report
 
 
-class _Trash:
-    """Files moved aside by one sweep: unlinked once its transaction commits, put back if it
-    rolls back. In a dry run nothing moves: `take` only looks."""
-
-    def __init__(self, store: ArtifactStore, *, dry_run: bool) -> None:
-        self.store = store
-        self.dry_run = dry_run
-        self.directory = store.root / "trash"
-        self.moved: dict[str, Path] = {}
-
-    def take(self, path: Path) -> tuple[datetime | None, bool]:
-        """Move `path` aside; its modification time read *after* the move (an upload that
-        replaced it just before is seen), and whether it existed."""
-        if self.dry_run or not path.is_file():
-            return _modified(path), path.is_file()
-        self.directory.mkdir(mode=0o700, exist_ok=True)
-        aside = self.directory / f"{path.name}.{secrets.token_hex(6)}"
-        try:
-            os.replace(path, aside)
-        except FileNotFoundError:
-            return None, False
-        self.moved[DIGEST_PREFIX + path.name] = aside
-        return _modified(aside), True
-
-    def put_back(self, digest: str) -> None:
-        aside = self.moved.pop(digest, None)
-        if aside is not None:
-            _restore(aside, self.store.path_for(digest))
-
-    def settle_with(self, session: Session, *, clock: Clock, deleted: list[str]) -> None:
-        """Unlink the trash when `session`'s transaction commits, put it back when it does not;
-        `deleted` (filled in later) names the rows the transaction deletes."""
-        session.connection()  # begins the transaction if nothing did yet: `root` is its end
-        root = session.get_transaction()
-        bind = session.get_bind()
-        state = {"committed": False, "settled": False}
-
-        def committed(_session: Session) -> None:
-            state["committed"] = True
-
-        def ended(_session: Session, transaction: SessionTransaction) -> None:
-            if transaction is not root or state["settled"]:
-                return
-            state["settled"] = True
-            try:
-                if state["committed"]:
-                    with Session(bind) as fresh:
-                        self._finish(fresh, clock=clock, deleted=deleted)
-                else:
-                    for digest in list(self.moved):
-                        self.put_back(digest)
-            except Exception:  # never turn a commit, or a rollback, into a failure
-                log.exception("artifact sweep: the trash could not be settled")
-
-        # Left registered: the session lives for one request or one round of the loop.
-        event.listen(session, "after_commit", committed)
-        event.listen(session, "after_transaction_end", ended)
-
-    def _finish(self, session: Session, *, clock: Clock, deleted: list[str]) -> None:
-        for aside in self.moved.values():
-            aside.unlink(missing_ok=True)
-        self.moved.clear()
-        # An upload that landed after the move and recorded before the commit saw the old row
-        # and inserted nothing: its file is back, so its row must be too.
-        back = [digest for digest in deleted if self.store.exists(digest)]
-        for digest in back:
-            size = self.store.path_for(digest).stat().st_size
-            try:
-                with session.begin():
-                    record_artifact(session=session, clock=clock, digest=digest, size=size)
-            except IntegrityError:
-                pass  # the upload recorded it itself
-            log.info("artifact sweep: %s was uploaded again while it was swept; kept", digest)
-
-
-def _resolve_leftover_trash(session: Session, store: ArtifactStore) -> None:
-    """Trash left by a sweep that crashed before settling it: put back where the row still
-    exists (the transaction did not commit), unlinked where it does not."""
-    directory = store.root / "trash"
-    if not directory.is_dir():
-        return
-    leftovers = sorted(path for path in directory.iterdir() if _TRASHED.match(path.name))
-    for start in range(0, len(leftovers), _CHUNK):
-        chunk = leftovers[start : start + _CHUNK]
-        digests = {DIGEST_PREFIX + path.name[:64] for path in chunk}
-        rows = set(session.scalars(select(Artifact.digest).where(Artifact.digest.in_(digests))))
-        for path in chunk:
-            digest = DIGEST_PREFIX + path.name[:64]
-            if digest in rows:
-                _restore(path, store.path_for(digest))
-            else:
-                path.unlink(missing_ok=True)
-
-
 def _stray_files(
-    store: ArtifactStore, trash: _Trash, *, known: set[str], cutoff: datetime
+    store: ArtifactStore, trash: Trash, *, known: set[str], cutoff: datetime
 ) -> Iterator[RemovedFile]:
     """Files without a row, last written before `cutoff`: in `sha256/` (an upload that crashed
     between its rename and its insert) and in `tmp/` (one killed while streaming)."""
@@ -380,32 +284,13 @@ def _stray_files(
                 trash.moved.pop(digest).unlink(missing_ok=True)  # no row: nothing to roll back
             yield RemovedFile(str(path.relative_to(store.root)), size, modified)
     for path in sorted((store.root / "tmp").glob("upload-*")):
-        modified = _modified(path)
+        modified = modified_at(path)
         if modified is None or modified >= cutoff:
             continue
         size = _size(path)
         if not trash.dry_run:
             path.unlink(missing_ok=True)
         yield RemovedFile(str(path.relative_to(store.root)), size, modified)
-
-
-def _restore(aside: Path, path: Path) -> None:
-    """Put `aside` back at `path` unless a file is there again (a newer upload of the same
-    content, whose modification time must not be replaced by the older one's)."""
-    try:
-        os.link(aside, path)
-    except FileExistsError:
-        pass
-    except FileNotFoundError:
-        return  # settled already (a concurrent sweep resolving leftovers)
-    aside.unlink(missing_ok=True)
-
-
-def _modified(path: Path) -> datetime | None:
-    try:
-        return datetime.fromtimestamp(path.stat().st_mtime, UTC)
-    except FileNotFoundError:
-        return None
 
 
 def _size(path: Path) -> int:
