@@ -7,6 +7,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from datetime import timedelta
 from http import HTTPStatus
 from typing import Any
 
@@ -76,7 +77,10 @@ def create_app(
         session_factory=session_factory,
         admin_token=resolve_admin_token(settings),
         authority=CredentialAuthority(
-            data_dir=settings.data_dir, clock=clock, session_factory=session_factory
+            data_dir=settings.data_dir,
+            clock=clock,
+            session_factory=session_factory,
+            lifetime=timedelta(days=settings.credential_lifetime_days),
         ),
     )
     ctx.dispatcher.attach(session_factory)

@@ -72,6 +72,13 @@ class CredentialRevoked(CredentialError):
     code = "CREDENTIAL_REVOKED"
 
 
+class CredentialExpired(CredentialError):
+    """Past its `exp` (CR-3): the node enrolls again."""
+
+    http_status = 401
+    code = "CREDENTIAL_EXPIRED"
+
+
 class EnrollmentRefused(ModelForgeError):
     """An enrollment token cannot be claimed; `code` says why."""
 

@@ -128,6 +128,12 @@ class NodeCredential(Base):
     issued_at: Mapped[datetime]
     revoked_at: Mapped[datetime | None] = mapped_column(index=True)
     revoked_reason: Mapped[str | None] = mapped_column(String(200))
+    #: Its `exp` (CR-3); None only for credentials issued before credentials expired.
+    expires_at: Mapped[datetime | None]
+    #: The labels signed into it.
+    labels: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    #: `enrollment` or `provisioner`: who had it issued.
+    issuer: Mapped[str | None] = mapped_column(String(16))
 
 
 class SigningKey(Base):

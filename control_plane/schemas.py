@@ -307,6 +307,9 @@ class NodePublic(BaseModel):
     inventory_at: datetime | None
     telemetry: dict[str, Any] | None
     telemetry_at: datetime | None
+    #: When the node's active credential expires (CR-3); null with none active, or one issued
+    #: before credentials expired.
+    credential_expires_at: datetime | None = None
 
 
 class NodeEventPublic(BaseModel):
@@ -334,6 +337,19 @@ class Readiness(BaseModel):
 class CredentialRevocation(BaseModel):
     node_id: str
     revoked: int
+
+
+class CredentialPublic(BaseModel):
+    """A node credential as the admin API lists it (CR-3): never the credential itself."""
+
+    jti: str
+    node_id: str
+    labels: dict[str, Any]
+    issuer: str | None
+    issued_at: datetime
+    expires_at: datetime | None
+    revoked_at: datetime | None
+    revoked_reason: str | None
 
 
 class KeyRotation(BaseModel):

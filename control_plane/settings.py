@@ -50,6 +50,8 @@ class Settings(BaseSettings):
     liveness_sweep_interval_seconds: float = Field(default=1.0, gt=0)
     #: How often this process re-reads credential revocations made by other processes.
     credential_refresh_interval_seconds: float = Field(default=1.0, gt=0)
+    #: How long a credential issued at enrollment is valid (CR-3); the node enrolls again after.
+    credential_lifetime_days: float = Field(default=365.0, gt=0, le=3650)
     telemetry_retention_seconds: float = Field(default=3600.0, gt=0)
     #: Readiness fails once the stored inventory is older than this. Agents are told to resend
     #: it, changed or not, every quarter of it, so only an agent that stopped reporting fails.

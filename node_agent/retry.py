@@ -90,6 +90,13 @@ def terminal_outcome(exc: ControlPlaneError) -> AgentStopped | None:
             f"the control plane refused this agent's protocol ({exc.code}); upgrade the "
             "component it names (see docs/COMPATIBILITY.md) and start the agent again",
         )
+    if exc.code == "CREDENTIAL_EXPIRED":
+        return AgentStopped(
+            EXIT_CREDENTIAL,
+            "the node credential has expired; this agent stops publishing. To bring the node "
+            "back, mint an enrollment token, remove identity.json from the state volume and "
+            "start the agent with the new token",
+        )
     if exc.code == "CREDENTIAL_REVOKED":
         return AgentStopped(
             EXIT_CREDENTIAL,

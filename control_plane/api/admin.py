@@ -20,6 +20,7 @@ from control_plane.console_schemas import (
 from control_plane.context import AppContext
 from control_plane.models import Node, NodeEnrollment
 from control_plane.schemas import (
+    CredentialPublic,
     CredentialRevocation,
     EnrollmentCreate,
     EnrollmentMinted,
@@ -55,14 +56,15 @@ def _enrollment_public(ctx: AppContext, row: NodeEnrollment) -> EnrollmentPublic
 def _node_views(ctx: AppContext, session: SessionDep, rows: list[Node]) -> list[NodePublic]:
     now = ctx.clock.now()
     duplicates = nodes.duplicates_of(session, rows)
+    expiries = nodes.credential_expiries(session, [row.id for row in rows])
     views = []
     liveness = ctx.liveness
     for row in rows:
-        views.append(
-            nodes.node_public(
-                row, now=now, liveness=liveness, duplicates=duplicates.get(row.id, [])
-            )
+        view = nodes.node_public(
+            row, now=now, liveness=liveness, duplicates=duplicates.get(row.id, [])
         )
+        view.credential_expires_at = expiries.get(row.id)
+        views.append(view)
     return views
 
 
@@ -260,6 +262,50 @@ def revoke_node_credential(
         reason=f"{len(revoked)} credential(s) revoked by an administrator",
     )
     return CredentialRevocation(node_id=node_id, revoked=len(revoked))
+
+
+@router.get("/credentials", response_model=list[CredentialPublic])
+def list_credentials(
+    session: SessionDep,
+    node_id: Annotated[str | None, Query(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")] = None,
+    active: bool | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+) -> list[CredentialPublic]:
+    """Node credentials, newest first: jti, node, labels, issued, expires, revoked (CR-3)."""
+    return [
+        CredentialPublic(
+            jti=row.jti,
+            node_id=row.node_id,
+            labels=row.labels or {},
+            issuer=row.issuer,
+            issued_at=row.issued_at,
+            expires_at=row.expires_at,
+            revoked_at=row.revoked_at,
+            revoked_reason=row.revoked_reason,
+        )
+        for row in nodes.list_credentials(
+            session=session, node_id=node_id, active=active, limit=limit
+        )
+    ]
+
+
+@router.post("/credentials/{jti}/revoke", response_model=CredentialPublic)
+def revoke_credential(
+    jti: ResourceId, ctx: ContextDep, session: SessionDep, audit: AuditDep
+) -> CredentialPublic:
+    """Revoke one credential by its jti: it, and no other, is refused from now on."""
+    audit("credential.revoke", jti)
+    row = ctx.authority.revoke_jti(session, jti=jti, reason="revoked by an administrator")
+    return CredentialPublic(
+        jti=row.jti,
+        node_id=row.node_id,
+        labels=row.labels or {},
+        issuer=row.issuer,
+        issued_at=row.issued_at,
+        expires_at=row.expires_at,
+        revoked_at=row.revoked_at,
+        revoked_reason=row.revoked_reason,
+    )
 
 
 @router.post("/signing-key/rotate", response_model=KeyRotation)

@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from control_plane.clock import Clock
 from control_plane.db import rowcount
 from control_plane.dispatch import jobs_changed, node_key
-from control_plane.errors import CredentialError, CredentialRevoked
+from control_plane.errors import CredentialError, CredentialExpired, CredentialRevoked, NotFound
 from control_plane.models import NodeCredential, SigningKey
 from control_plane.security import new_id
 from modelforge_contracts.files import write_private
@@ -45,12 +45,15 @@ with warnings.catch_warnings():
     # authlib.jose warns that joserfc is its successor; its JWT API is stable through Authlib 1.x.
     warnings.simplefilter("ignore", authlib.deprecate.AuthlibDeprecationWarning)
     from authlib.jose import JsonWebToken
-    from authlib.jose.errors import JoseError
+    from authlib.jose.errors import ExpiredTokenError, JoseError
 
 SIGNING_KEY_FILE = "signing-key.pem"
 ISSUER = "modelforge-control-plane"
 _ALGORITHM = "EdDSA"
 _VERIFIED_CACHE_LIMIT = 200_000
+DEFAULT_LIFETIME = timedelta(days=365)
+#: Credentials a provisioner has issued for a node agent it starts on a cluster (PV-1).
+PROVISIONER_LIFETIME = timedelta(hours=24)
 #: Revocations committed by other processes are searched this far behind the last refresh.
 _REFRESH_OVERLAP = timedelta(seconds=10)
 
@@ -60,6 +63,8 @@ class NodePrincipal:
     node_id: str
     jti: str
     labels: dict[str, str]
+    #: Its `exp` as a UNIX time (CR-3); None for a credential issued before expiry existed.
+    expires: int | None = None
 
 
 @dataclass(frozen=True)
@@ -71,9 +76,16 @@ class _Key:
 
 class CredentialAuthority:
     def __init__(
-        self, *, data_dir: Path, clock: Clock, session_factory: sessionmaker[Session]
+        self,
+        *,
+        data_dir: Path,
+        clock: Clock,
+        session_factory: sessionmaker[Session],
+        lifetime: timedelta = DEFAULT_LIFETIME,
     ) -> None:
         self._key_path = data_dir / SIGNING_KEY_FILE
+        #: How long an enrollment-issued credential lasts (`MODELFORGE_CREDENTIAL_LIFETIME_DAYS`).
+        self.lifetime = lifetime
         self._clock = clock
         self._session_factory = session_factory
         self._jwt = JsonWebToken([_ALGORITHM])
@@ -174,9 +186,19 @@ class CredentialAuthority:
 
     # -- issue ------------------------------------------------------------------------------
 
-    def issue(self, session: Session, *, node_id: str, labels: dict[str, str]) -> str:
-        """Revoke the node's active credential (if any) and issue a new one, in `session`."""
+    def issue(
+        self,
+        session: Session,
+        *,
+        node_id: str,
+        labels: dict[str, str],
+        lifetime: timedelta | None = None,
+        issuer: str = "enrollment",
+    ) -> str:
+        """Revoke the node's active credential (if any) and issue a new one, in `session`,
+        valid for `lifetime` (the enrollment lifetime unless given)."""
         now = self._clock.now()
+        expires_at = now + (lifetime or self.lifetime)
         replaced = list(
             session.scalars(
                 select(NodeCredential.jti).where(
@@ -191,13 +213,24 @@ class CredentialAuthority:
                 .values(revoked_at=now, revoked_reason="replaced by a new credential")
             )
         jti = new_id("jti")
-        session.add(NodeCredential(jti=jti, node_id=node_id, kid=self._kid, issued_at=now))
+        session.add(
+            NodeCredential(
+                jti=jti,
+                node_id=node_id,
+                kid=self._kid,
+                issued_at=now,
+                expires_at=expires_at,
+                labels=dict(labels),
+                issuer=issuer,
+            )
+        )
         session.flush()
         claims = {
             "iss": ISSUER,
             "sub": node_id,
             "jti": jti,
             "iat": int(now.timestamp()),
+            "exp": int(expires_at.timestamp()),
             "labels": labels,
         }
         token: bytes = self._jwt.encode(
@@ -219,6 +252,8 @@ class CredentialAuthority:
             if len(self._verified) >= _VERIFIED_CACHE_LIMIT:
                 self._verified.clear()
             self._verified[token] = principal
+        if self._expired(principal):
+            raise expired()
         active = self._jti_active.get(principal.jti)
         if active is None:
             owner = self._active_at_start.pop(principal.jti, None)
@@ -244,7 +279,12 @@ class CredentialAuthority:
         principal = self._verified.get(token)
         if principal is None or self._jti_active.get(principal.jti) is not True:
             return None
+        if self._expired(principal):
+            return None  # `authenticate` refuses it
         return principal
+
+    def _expired(self, principal: NodePrincipal) -> bool:
+        return principal.expires is not None and self._clock.now().timestamp() >= principal.expires
 
     def still_active(self, principal: NodePrincipal) -> bool:
         """Whether a principal authenticated earlier is still unrevoked as far as this process
@@ -275,20 +315,30 @@ class CredentialAuthority:
                 key.public_pem,
                 claims_options={"iss": {"essential": True, "value": ISSUER}},
             )
-            claims.validate()
+            # On this control plane's clock; a credential verified once is cached, so
+            # `_expired` judges its expiry again at every use.
+            claims.validate(now=int(self._clock.now().timestamp()))
             node_id, jti, labels = claims["sub"], claims["jti"], claims.get("labels", {})
+            expires = claims.get("exp")
+        except ExpiredTokenError:
+            raise expired() from None
         except (JoseError, ValueError, KeyError, TypeError):
             raise CredentialError(
                 "The node credential is malformed or its signature is invalid.",
                 "Check that the agent sends the credential it received at enrollment; "
                 "if its state volume was lost, enroll again.",
             ) from None
-        if not isinstance(node_id, str) or not isinstance(jti, str) or not isinstance(labels, dict):
+        if (
+            not isinstance(node_id, str)
+            or not isinstance(jti, str)
+            or not isinstance(labels, dict)
+            or not (expires is None or isinstance(expires, int))
+        ):
             raise CredentialError(
                 "The node credential is missing required claims.",
                 "Enroll the node again with a new enrollment token.",
             )
-        return NodePrincipal(node_id=node_id, jti=jti, labels=labels)
+        return NodePrincipal(node_id=node_id, jti=jti, labels=labels, expires=expires)
 
     # -- revoke -----------------------------------------------------------------------------
 
@@ -312,6 +362,22 @@ class CredentialAuthority:
         self.forget(jtis)
         return jtis
 
+    def revoke_jti(self, session: Session, *, jti: str, reason: str) -> NodeCredential:
+        """Revoke one credential by its `jti` (CR-3); that credential and no other is refused
+        from then on. Revoking a revoked one changes nothing."""
+        row = session.get(NodeCredential, jti, with_for_update=True)
+        if row is None:
+            raise NotFound(
+                "No credential with this jti.",
+                "List credentials with GET /api/v1/admin/credentials.",
+                code="CREDENTIAL_NOT_FOUND",
+            )
+        if row.revoked_at is None:
+            row.revoked_at, row.revoked_reason = self._clock.now(), reason
+            jobs_changed(session, [node_key(row.node_id)])
+            self.forget([jti])
+        return row
+
     def forget(self, jtis: list[str]) -> None:
         """Mark `jtis` revoked in this process's cache (the database is the caller's job)."""
         for jti in jtis:
@@ -331,6 +397,14 @@ class CredentialAuthority:
             self._load_keys(session)
         self.forget(revoked)
         self._refreshed_at = now
+
+
+def expired() -> CredentialExpired:
+    return CredentialExpired(
+        "The node credential has expired.",
+        "Enroll the node again: mint an enrollment token, remove identity.json from the agent's "
+        "state volume and start the agent with the new token (docs/nodes.md).",
+    )
 
 
 def revoked() -> CredentialRevoked:

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from control_plane.clock import Clock
 from control_plane.db import rowcount
 from control_plane.errors import NotFound
-from control_plane.models import Node, NodeEvent
+from control_plane.models import Node, NodeCredential, NodeEvent
 from control_plane.schemas import DuplicateIdentity, NeedsUpgrade, NodePublic
 from control_plane.services.liveness import Liveness, liveness_state
 
@@ -214,3 +214,30 @@ def delete_node(*, session: Session, node_id: str) -> Node:
     node = get_node(session=session, node_id=node_id)
     session.delete(node)
     return node
+
+
+def credential_expiries(session: Session, node_ids: list[str]) -> dict[str, datetime | None]:
+    """Each listed node's active credential's expiry (CR-3), in one query."""
+    if not node_ids:
+        return {}
+    rows = session.execute(
+        select(NodeCredential.node_id, NodeCredential.expires_at).where(
+            NodeCredential.node_id.in_(node_ids), NodeCredential.revoked_at.is_(None)
+        )
+    )
+    return {node_id: expires_at for node_id, expires_at in rows}
+
+
+def list_credentials(
+    *, session: Session, node_id: str | None, active: bool | None, limit: int
+) -> list[NodeCredential]:
+    query = select(NodeCredential).order_by(NodeCredential.issued_at.desc()).limit(limit)
+    if node_id:
+        query = query.where(NodeCredential.node_id == node_id)
+    if active is not None:
+        query = query.where(
+            NodeCredential.revoked_at.is_(None)
+            if active
+            else NodeCredential.revoked_at.is_not(None)
+        )
+    return list(session.scalars(query))

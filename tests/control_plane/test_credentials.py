@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import Engine, event, update
 
 from control_plane.models import NodeCredential
-from tests.factories import control_plane
+from tests.factories import control_plane, heartbeat_body
 
 NODES = 60
 _NOT_COUNTED = re.compile(r"\bjobs\b|^BEGIN IMMEDIATE$")
@@ -94,3 +94,76 @@ def test_a_revocation_committed_elsewhere_after_the_restart_is_picked_up(
         cp.clock.advance(1)
         cp.ctx.authority.refresh()  # the app runs it every second
         assert _revoked(cp.heartbeat(enrolled["credential"]))
+
+
+# -- lifetimes (CR-3) ---------------------------------------------------------------------------
+
+
+def test_a_credential_expires_after_its_lifetime(tmp_path: Path, database_url: str) -> None:
+    """Enrollment-issued credentials last MODELFORGE_CREDENTIAL_LIFETIME_DAYS: until then every
+    call is accepted (also from the verification cache and the fast path), after it every call
+    is refused with CREDENTIAL_EXPIRED and the next step."""
+    with control_plane(tmp_path, database_url, credential_lifetime_days=2) as cp:
+        node = cp.ready_node()
+        issued = cp.clock.now()
+        view = cp.node(node.node_id)
+        assert view["credential_expires_at"] is not None
+        listed = cp.client.get("/api/v1/admin/credentials", headers=cp.admin).json()
+        (entry,) = listed
+        assert entry["node_id"] == node.node_id and entry["issuer"] == "enrollment"
+        assert entry["revoked_at"] is None
+        expires = entry["expires_at"]
+        assert expires == view["credential_expires_at"]
+        assert abs(_seconds(expires) - (issued.timestamp() + 2 * 86400)) < 2
+
+        cp.clock.advance(2 * 86400 - 60)
+        assert cp.client.post(
+            "/api/v1/agent/heartbeat", headers=node.headers, json=heartbeat_body()
+        ).is_success
+        cp.clock.advance(120)
+        for method, path, body in (
+            ("POST", "/api/v1/agent/heartbeat", heartbeat_body()),
+            ("POST", "/api/v1/agent/work/claim", {"hold_seconds": 0}),
+            ("POST", "/api/v1/agent/services/sync", {}),
+        ):
+            refused = cp.client.request(method, path, headers=node.headers, json=body)
+            assert refused.status_code == 401, (path, refused.text)
+            error = refused.json()["error"]
+            assert error["code"] == "CREDENTIAL_EXPIRED" and "enroll" in error["next_step"]
+            assert node.headers["Authorization"].split()[1] not in refused.text
+
+
+def test_revoking_one_jti_refuses_that_credential_and_no_other(
+    tmp_path: Path, database_url: str
+) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        first, second = cp.ready_node(), cp.ready_node()
+        credentials = cp.client.get(
+            "/api/v1/admin/credentials", headers=cp.admin, params={"node_id": first.node_id}
+        ).json()
+        (jti,) = [entry["jti"] for entry in credentials]
+        revoked = cp.client.post(f"/api/v1/admin/credentials/{jti}/revoke", headers=cp.admin)
+        assert revoked.status_code == 200 and revoked.json()["revoked_at"] is not None
+        refused = cp.heartbeat(first.headers["Authorization"].split()[1])
+        assert refused.status_code == 403
+        assert refused.json()["error"]["code"] == "CREDENTIAL_REVOKED"
+        assert cp.heartbeat(second.headers["Authorization"].split()[1]).is_success
+        unknown = cp.client.post("/api/v1/admin/credentials/jti_nope/revoke", headers=cp.admin)
+        assert unknown.status_code == 404
+        assert unknown.json()["error"]["code"] == "CREDENTIAL_NOT_FOUND"
+        active = cp.client.get(
+            "/api/v1/admin/credentials", headers=cp.admin, params={"active": "true"}
+        ).json()
+        assert [entry["node_id"] for entry in active] == [second.node_id]
+        audit = cp.client.get("/api/v1/admin/audit", headers=cp.admin).json()
+        outcomes = [(e["action"], e["target"], e["outcome"]) for e in audit[:2]]
+        assert outcomes == [
+            ("credential.revoke", "jti_nope", "CREDENTIAL_NOT_FOUND"),
+            ("credential.revoke", jti, "ok"),
+        ]
+
+
+def _seconds(text: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(text).timestamp()

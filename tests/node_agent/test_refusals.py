@@ -30,6 +30,7 @@ def _error(code: str) -> dict[str, Any]:
         (426, "TOO_OLD", 5, "refused this agent's protocol (TOO_OLD)"),
         (426, "TOO_NEW", 5, "refused this agent's protocol (TOO_NEW)"),
         (403, "CREDENTIAL_REVOKED", 4, "credential was revoked"),
+        (401, "CREDENTIAL_EXPIRED", 4, "credential has expired"),
         (401, "CREDENTIAL_INVALID", 4, "does not accept this node's credential"),
     ],
 )

@@ -192,6 +192,16 @@ function NodeDetails({ node, onChanged }: { node: NodeView; onChanged: () => Pro
         ))}
       </ul>
       <h3>Credential</h3>
+      <p className="credential-expiry">
+        {node.credential_expires_at ? (
+          <>
+            Expires <time dateTime={node.credential_expires_at}>{new Date(node.credential_expires_at).toLocaleString()}</time>
+            ; after that the agent stops and the node must be enrolled again.
+          </>
+        ) : (
+          "No expiry recorded for this node's credential."
+        )}
+      </p>
       <ErrorNote error={error} />
       {revoked && <p role="status">{revoked}</p>}
       <button type="button" className="danger" onClick={() => setConfirming(true)}>

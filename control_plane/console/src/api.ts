@@ -212,6 +212,8 @@ export interface NodeView {
   inventory: { gpus?: Gpu[]; accelerator_mode?: string; cpu_count?: number; memory_mb?: number } | null;
   inventory_at: string | null;
   telemetry_at: string | null;
+  /** When its active credential expires; null with none active (or one without expiry). */
+  credential_expires_at?: string | null;
 }
 
 export interface NodeEvent {
