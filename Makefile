@@ -41,6 +41,7 @@ test: lint
 	./scripts/ensure-postgres
 	./scripts/ensure-chromium
 	./scripts/ensure-haproxy
+	./scripts/ensure-slurm
 	$(VENV)/bin/pytest --ignore=tests/e2e_docker
 
 ## The heavier end-to-end suite against a real Docker engine (installed and started if needed):
