@@ -31,6 +31,7 @@ from control_plane.api import (
     docs,
     jobs,
     metrics,
+    provisioning,
     public,
     workloads,
 )
@@ -49,6 +50,7 @@ from control_plane.db import (
 )
 from control_plane.errors import DatabaseUnavailable, ModelForgeError
 from control_plane.models import Node
+from control_plane.provisioning.metrics import ProvisioningCollector
 from control_plane.schemas import schema_words
 from control_plane.services.credentials import CredentialAuthority
 from control_plane.settings import Settings
@@ -87,6 +89,7 @@ def create_app(
     ctx.metrics.attach(session_factory)
     ctx.metrics.read_store(session_factory=session_factory, liveness=ctx.liveness, clock=clock)
     ctx.database.watch(engine)
+    ctx.metrics.registry.register(ProvisioningCollector(ctx.provisioner, session_factory))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -100,9 +103,12 @@ def create_app(
         if ctx.settings.is_postgresql:
             ctx.dispatcher.listen(ctx.settings.sqlalchemy_url)
         tasks = [*start_loops(ctx), start_service_placement(ctx)] if run_loops else []
+        if run_loops:
+            ctx.provisioner.start()
         try:
             yield
         finally:
+            await ctx.provisioner.stop()
             await ctx.scheduler.stop()
             await ctx.completions.stop()
             await stop_loops(ctx, tasks)
@@ -129,6 +135,7 @@ def create_app(
     app.include_router(artifacts.router)
     app.include_router(workloads.router)
     app.include_router(workloads.agent_router)
+    app.include_router(provisioning.router)
     console.mount_console(app)
     return AgentFastPath(Edge(JsonGuard(app), ctx), ctx)
 

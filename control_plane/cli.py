@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from control_plane.admin_token import AdminTokenConfigError, resolve_admin_token
 from control_plane.db import prepare_data_dir
+from control_plane.provisioning.config import ProvisionersError, load_provisioners
 from control_plane.settings import Settings
 from modelforge_contracts.settings_errors import describe_validation_error
 
@@ -42,6 +43,10 @@ def main() -> None:
             f"MODELFORGE_DATA_DIR {settings.data_dir}: {exc.strerror}; it must be a directory "
             "this user owns and can make private (mode 0700)",
         )
+    try:
+        provisioners = load_provisioners(settings.provisioners_path)
+    except ProvisionersError as exc:
+        _die(EXIT_CONFIG, f"invalid provisioners file, not starting: {exc}")
     _migrate_or_die(settings)
 
     scheme = "https" if settings.tls_cert else "http"
@@ -51,6 +56,9 @@ def main() -> None:
     else:
         log.info("admin token from %s", source.origin)
     log.info("ModelForge control plane on %s (console at %s/, API docs at %s/docs)", url, url, url)
+    if provisioners:
+        names = ", ".join(f"{p.name} ({len(p.profiles)} profiles)" for p in provisioners)
+        log.info("provisioners from %s: %s", settings.provisioners_path, names)
     log.info(
         "data dir %s, database %s",
         settings.data_dir.resolve(),

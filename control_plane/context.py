@@ -14,6 +14,8 @@ from control_plane.completions import Completions
 from control_plane.db import DatabaseAvailability
 from control_plane.dispatch import Dispatcher
 from control_plane.metrics import Metrics
+from control_plane.provisioning.config import load_provisioners
+from control_plane.provisioning.provisioner import Provisioner
 from control_plane.scheduler import Scheduler
 from control_plane.services.artifacts import ArtifactStore
 from control_plane.services.console_sessions import SignInThrottle
@@ -45,6 +47,8 @@ class AppContext:
     completions: Completions = field(init=False)
     #: Encrypts and decrypts secrets (WL-6a), with keys in the data dir.
     vault: Vault = field(init=False)
+    #: Starts node agents on Slurm clusters when work waits (PV-1); idle without provisioners.
+    provisioner: Provisioner = field(init=False)
 
     def __post_init__(self) -> None:
         self.vault = Vault(self.settings.data_dir)
@@ -56,6 +60,14 @@ class AppContext:
             dispatcher=self.dispatcher,
             on_placed=lambda latencies: self.metrics.observe_placements(latencies),
             vault=self.vault,
+        )
+        self.provisioner = Provisioner(
+            provisioners=load_provisioners(self.settings.provisioners_path),
+            session_factory=self.session_factory,
+            clock=self.clock,
+            authority=self.authority,
+            liveness=lambda: self.liveness,
+            fleet=lambda session: self.scheduler.fleet(session),
         )
 
     @property

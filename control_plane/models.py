@@ -341,6 +341,50 @@ class AuditEntry(Base):
     detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
 
 
+class ProvisionRequest(Base):
+    """A node agent asked of a Slurm profile (PV-1): submitted over SSH, attached once its agent
+    reports, released when idle; at most one outstanding (`submitting`/`pending`) per profile,
+    enforced by the database across replicas."""
+
+    __tablename__ = "provision_requests"
+    __table_args__ = (
+        Index(
+            "uq_provision_requests_outstanding",
+            "provisioner",
+            "profile",
+            unique=True,
+            sqlite_where=text("state IN ('submitting', 'pending')"),
+            postgresql_where=text("state IN ('submitting', 'pending')"),
+        ),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    provisioner: Mapped[str] = mapped_column(String(63))
+    profile: Mapped[str] = mapped_column(String(63))
+    #: submitting | pending | attached | released | cancelled | failed
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    slurm_job_id: Mapped[str | None] = mapped_column(String(32))
+    #: The node created for the agent it starts (its credential is issued by the provisioner).
+    node_id: Mapped[str | None] = mapped_column(String(40))
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    attached_at: Mapped[datetime | None]
+    ended_at: Mapped[datetime | None]
+    reason: Mapped[str | None] = mapped_column(Text)
+
+
+class ProvisionEvent(Base):
+    __tablename__ = "provision_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    request_id: Mapped[str] = mapped_column(
+        ForeignKey("provision_requests.id", ondelete="CASCADE"), index=True
+    )
+    at: Mapped[datetime]
+    kind: Mapped[str] = mapped_column(String(16))
+    data: Mapped[Any] = mapped_column(JSON)
+
+
 class ConsoleSession(Base):
     """A signed-in console. Only the SHA-256 of the cookie value is stored; the CSRF token
     is derived from the cookie value, so neither can be recovered from the database."""

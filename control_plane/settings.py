@@ -74,6 +74,8 @@ class Settings(BaseSettings):
     #: An artifact nothing names is kept this long after its upload (or its latest re-upload):
     #: the time between uploading weights and naming them in a job, model or service.
     artifact_grace_seconds: float = Field(default=86400.0, ge=1)
+    #: The Slurm provisioners (PV-1a); unset: `provisioners.json` in the data dir, if it exists.
+    provisioners_file: Path | None = None
     #: The verified release manifest; when set, a node-agent entry pasted into the Enroll
     #: node wizard must match its node-agent image exactly.
     release_manifest: Path | None = None
@@ -134,6 +136,10 @@ class Settings(BaseSettings):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    @property
+    def provisioners_path(self) -> Path:
+        return self.provisioners_file or self.data_dir / "provisioners.json"
 
     @property
     def sqlalchemy_url(self) -> str:

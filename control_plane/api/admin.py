@@ -18,7 +18,7 @@ from control_plane.console_schemas import (
     TelemetryPoint,
 )
 from control_plane.context import AppContext
-from control_plane.models import Node, NodeEnrollment
+from control_plane.models import Node, NodeCredential, NodeEnrollment
 from control_plane.schemas import (
     CredentialPublic,
     CredentialRevocation,
@@ -272,30 +272,11 @@ def list_credentials(
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> list[CredentialPublic]:
     """Node credentials, newest first: jti, node, labels, issued, expires, revoked (CR-3)."""
-    return [
-        CredentialPublic(
-            jti=row.jti,
-            node_id=row.node_id,
-            labels=row.labels or {},
-            issuer=row.issuer,
-            issued_at=row.issued_at,
-            expires_at=row.expires_at,
-            revoked_at=row.revoked_at,
-            revoked_reason=row.revoked_reason,
-        )
-        for row in nodes.list_credentials(
-            session=session, node_id=node_id, active=active, limit=limit
-        )
-    ]
+    rows = nodes.list_credentials(session=session, node_id=node_id, active=active, limit=limit)
+    return [_credential_public(row) for row in rows]
 
 
-@router.post("/credentials/{jti}/revoke", response_model=CredentialPublic)
-def revoke_credential(
-    jti: ResourceId, ctx: ContextDep, session: SessionDep, audit: AuditDep
-) -> CredentialPublic:
-    """Revoke one credential by its jti: it, and no other, is refused from now on."""
-    audit("credential.revoke", jti)
-    row = ctx.authority.revoke_jti(session, jti=jti, reason="revoked by an administrator")
+def _credential_public(row: NodeCredential) -> CredentialPublic:
     return CredentialPublic(
         jti=row.jti,
         node_id=row.node_id,
@@ -306,6 +287,16 @@ def revoke_credential(
         revoked_at=row.revoked_at,
         revoked_reason=row.revoked_reason,
     )
+
+
+@router.post("/credentials/{jti}/revoke", response_model=CredentialPublic)
+def revoke_credential(
+    jti: ResourceId, ctx: ContextDep, session: SessionDep, audit: AuditDep
+) -> CredentialPublic:
+    """Revoke one credential by its jti: it, and no other, is refused from now on."""
+    audit("credential.revoke", jti)
+    row = ctx.authority.revoke_jti(session, jti=jti, reason="revoked by an administrator")
+    return _credential_public(row)
 
 
 @router.post("/signing-key/rotate", response_model=KeyRotation)

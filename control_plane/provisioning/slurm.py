@@ -1,0 +1,176 @@
+"""Talking to a Slurm login host through the system `ssh` client, and the job script a request
+submits.
+
+Every call is `ssh` with the provisioner's key, `BatchMode=yes` (never a password or passphrase
+prompt), `StrictHostKeyChecking=yes` against the operator's known_hosts (an unknown or changed
+host key is refused, never accepted), a connect timeout and an overall timeout. Nothing secret
+is ever in an argument: the node's credential travels on `ssh`'s standard input into a file of
+mode 0600 in the cluster user's home, which the job script moves into the agent's private state
+directory before anything else runs — so it is in no process's argv on either side, in no
+`squeue`/`scontrol show job` field (the script arrives on sbatch's standard input; its text
+names only the file), and in no log.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from dataclasses import dataclass
+
+from control_plane.provisioning.config import Profile, SlurmProvisioner
+
+#: Where the credential file waits on the cluster, relative to the user's home (shared with the
+#: compute nodes, as Slurm clusters' homes are).
+SPOOL = ".modelforge/provision"
+CONNECT_TIMEOUT_S = 10
+CALL_TIMEOUT_S = 30
+_TAIL = 2000
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One SSH call: what ran (no secret in it), its exit code, and the tail of its stderr."""
+
+    command: str
+    exit_code: int
+    stdout: str
+    stderr_tail: str
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def event(self) -> dict[str, object]:
+        return {"command": self.command, "exit_code": self.exit_code, "stderr": self.stderr_tail}
+
+
+def ssh_argv(provisioner: SlurmProvisioner, remote: str) -> list[str]:
+    return [
+        "ssh",
+        "-i",
+        str(provisioner.ssh_key),
+        "-p",
+        str(provisioner.port),
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        f"UserKnownHostsFile={provisioner.known_hosts}",
+        "-o",
+        "IdentitiesOnly=yes",
+        "-o",
+        f"ConnectTimeout={CONNECT_TIMEOUT_S}",
+        "-o",
+        "LogLevel=ERROR",
+        f"{provisioner.user}@{provisioner.host}",
+        remote,
+    ]
+
+
+def run(provisioner: SlurmProvisioner, remote: str, stdin: bytes = b"") -> Outcome:
+    """Run `remote` on the login host; never raises for the call's own failure."""
+    try:
+        done = subprocess.run(  # noqa: S603 - a fixed argv, no shell on this side
+            ssh_argv(provisioner, remote),
+            input=stdin,
+            capture_output=True,
+            timeout=CALL_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stderr or b"").decode(errors="replace")[-_TAIL:]
+        return Outcome(remote, 124, "", f"timed out after {CALL_TIMEOUT_S} s. {tail}".strip())
+    except OSError as exc:
+        return Outcome(remote, 127, "", f"cannot run ssh: {exc.strerror}")
+    return Outcome(
+        remote,
+        done.returncode,
+        done.stdout.decode(errors="replace"),
+        done.stderr.decode(errors="replace")[-_TAIL:],
+    )
+
+
+def credential_path(request_id: str) -> str:
+    return f"{SPOOL}/{request_id}.json"
+
+
+def log_path(request_id: str) -> str:
+    """The Slurm job's output, relative to the user's home (sbatch's working directory)."""
+    return f"{SPOOL}/{request_id}.log"
+
+
+def put_credential(
+    provisioner: SlurmProvisioner, request_id: str, identity: dict[str, str]
+) -> Outcome:
+    """Write the agent's identity (node id, control plane URL, credential) to a 0600 file."""
+    remote = f"umask 077 && mkdir -p {SPOOL} && cat > {shlex.quote(credential_path(request_id))}"
+    return run(provisioner, remote, json.dumps(identity).encode())
+
+
+def remove_credential(provisioner: SlurmProvisioner, request_id: str) -> Outcome:
+    return run(provisioner, f"rm -f {shlex.quote(credential_path(request_id))}")
+
+
+def submit(provisioner: SlurmProvisioner, profile: Profile, request_id: str) -> Outcome:
+    """`sbatch --parsable` with the job script on its standard input."""
+    options = [
+        f"--job-name=modelforge-{request_id}",
+        f"--cpus-per-task={profile.cpus}",
+        f"--mem={profile.ram_mb}M",
+        # The agent's and the worker's output, for debugging a request that never attaches.
+        f"--output={log_path(request_id)}",
+        *([f"--gres=gpu:{profile.gpus}"] if profile.gpus else []),
+        *profile.sbatch,
+    ]
+    remote = "sbatch --parsable " + " ".join(shlex.quote(option) for option in options)
+    return run(provisioner, remote, job_script(provisioner, profile, request_id).encode())
+
+
+def cancel(provisioner: SlurmProvisioner, slurm_job_id: str) -> Outcome:
+    return run(provisioner, f"scancel {shlex.quote(slurm_job_id)}")
+
+
+def parse_job_id(stdout: str) -> str | None:
+    """`sbatch --parsable` prints `<id>` or `<id>;<cluster>`."""
+    job_id = stdout.strip().split(";", 1)[0]
+    return job_id if job_id.isdigit() else None
+
+
+def job_script(provisioner: SlurmProvisioner, profile: Profile, request_id: str) -> str:
+    """The batch script: installs nothing; moves the credential file into a private state
+    directory, runs the profile's `prerun` lines, then the runtime worker and the node agent
+    (which knows it runs under Slurm from SLURM_* and reports the allocation). When the agent
+    ends — released (scancel), its credential revoked or expired — the worker stops and the
+    state directory is removed."""
+    mode = "nvidia" if profile.gpus else "cpu"
+    credential = shlex.quote(credential_path(request_id))
+    prerun = "\n".join(profile.prerun)
+    return f"""#!/bin/bash
+# ModelForge provision request {request_id} ({provisioner.name}/{profile.name})
+set -uo pipefail
+state=$(mktemp -d "${{TMPDIR:-/tmp}}/modelforge-{request_id}.XXXXXX")
+chmod 700 "$state"
+cleanup() {{ kill "${{worker:-}}" 2>/dev/null; wait 2>/dev/null; rm -rf "$state"; }}
+trap cleanup EXIT
+trap 'kill -TERM "${{agent:-}}" 2>/dev/null' TERM INT
+if ! mv "$HOME"/{credential} "$state/identity.json"; then
+  echo "modelforge: the credential file of request {request_id} is missing" >&2
+  exit 1
+fi
+{prerun}
+export MODELFORGE_AGENT_CONTROL_PLANE_URL={shlex.quote(provisioner.engine_url.rstrip("/"))}
+export MODELFORGE_AGENT_STATE_VOLUME="$state"
+export MODELFORGE_AGENT_ACCELERATOR_MODE={mode}
+export MODELFORGE_AGENT_WORKER_SOCKET="$state/worker.sock"
+export MODELFORGE_WORKER_SOCKET="$state/worker.sock"
+export MODELFORGE_AGENT_SOCKET="$state/agent.sock"
+export MODELFORGE_ARTIFACT_CACHE="$state/cache"
+python3 -m runtime_worker &
+worker=$!
+python3 -m node_agent &
+agent=$!
+wait "$agent"
+wait "$agent" 2>/dev/null  # a trapped TERM ends the first wait early; let the agent finish
+"""
