@@ -29,6 +29,10 @@ class GpuPoint(BaseModel):
     utilization_percent: float | None
     memory_used_mb: float | None
     memory_total_mb: float | None
+    #: Where the GPU reports them (NVML may not, for a given board).
+    temperature_c: float | None = None
+    power_draw_w: float | None = None
+    power_limit_w: float | None = None
 
 
 class TelemetryPoint(BaseModel):

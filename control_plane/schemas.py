@@ -479,6 +479,16 @@ class WaitingReason(BaseModel):
     next_step: str
 
 
+class QueuedWork(BaseModel):
+    """A queued job or pending service a node could run (the console's node details)."""
+
+    kind: Literal["job", "service"]
+    id: str
+    name: str
+    created_at: datetime
+    labels: dict[str, Any]
+
+
 class JobPublic(BaseModel):
     job_id: str
     state: JobState

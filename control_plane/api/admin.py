@@ -28,12 +28,14 @@ from control_plane.schemas import (
     KeyRotation,
     NodeEventPublic,
     NodePublic,
+    QueuedWork,
     Readiness,
     ResourceId,
 )
 from control_plane.services import enrollments, node_setup, nodes
 from control_plane.services.readiness import assess_readiness
 from control_plane.services.reports import telemetry_history
+from control_plane.services.waiting import could_run_on
 
 router = APIRouter(prefix="/api/v1/admin", tags=["admin"], dependencies=[AdminDep])
 
@@ -212,7 +214,8 @@ def node_telemetry(
     session: SessionDep,
     minutes: Annotated[float, Query(gt=0, le=1440)] = 10,
 ) -> list[TelemetryPoint]:
-    """Utilisation and memory per GPU over the last `minutes` (the console's charts)."""
+    """Utilisation, memory, temperature and power per GPU over the last `minutes` (the
+    console's charts)."""
     nodes.get_node(session=session, node_id=node_id)
     since = ctx.clock.now() - timedelta(minutes=minutes)
     points = []
@@ -225,6 +228,9 @@ def node_telemetry(
                 utilization_percent=gpu.get("utilization_percent"),
                 memory_used_mb=gpu.get("memory_used_mb"),
                 memory_total_mb=gpu.get("memory_total_mb"),
+                temperature_c=gpu.get("temperature_c"),
+                power_draw_w=gpu.get("power_draw_w"),
+                power_limit_w=gpu.get("power_limit_w"),
             )
             for gpu in sample.get("gpus") or []
         ]
@@ -304,3 +310,14 @@ def rotate_signing_key(ctx: ContextDep, session: SessionDep, audit: AuditDep) ->
     audit("signing_key.rotate", "signing key")
     kid, revoked = ctx.authority.rotate(session)
     return KeyRotation(kid=kid, revoked_credentials=revoked)
+
+
+@router.get("/nodes/{node_id}/queued-work", response_model=list[QueuedWork])
+def node_queued_work(
+    node_id: ResourceId,
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+) -> list[QueuedWork]:
+    """The queued jobs and pending services this node could run, oldest first (its labels and
+    size fit theirs; whether it has room now is the scheduler's call)."""
+    return could_run_on(session, nodes.get_node(session=session, node_id=node_id), limit=limit)

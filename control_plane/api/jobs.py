@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
+from pydantic import StringConstraints
 from sqlalchemy.orm import Session
 
 from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
@@ -26,6 +27,9 @@ from control_plane.schemas import (
 )
 from control_plane.services import artifacts, jobs
 from control_plane.services.audit import ADMIN_TOKEN_ACTOR, Audit
+
+#: `key=value`: a job list keeps the jobs that carry it.
+LabelFilter = Annotated[str, StringConstraints(pattern=r"^[^=]{1,100}=.{0,200}$")]
 
 router = APIRouter(prefix="/api/v1", tags=["jobs"], dependencies=[AdminDep])
 
@@ -68,9 +72,12 @@ def list_jobs(
         str | None, Query(pattern="^(queued|running|succeeded|failed|cancelled)$")
     ] = None,
     node_id: Annotated[str | None, Query(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")] = None,
+    label: Annotated[list[LabelFilter] | None, Query(description="key=value")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> list[JobPublic]:
-    rows = jobs.list_jobs(session=session, state=state, node_id=node_id, limit=limit)
+    """Newest first. Each `label=key=value` (repeatable) keeps the jobs that carry it."""
+    wanted = dict(item.split("=", 1) for item in label or [])
+    rows = jobs.list_jobs(session=session, state=state, node_id=node_id, limit=limit, labels=wanted)
     return [_public(ctx, job, session) for job in rows]
 
 

@@ -152,12 +152,22 @@ def get_job(*, session: Session, job_id: str) -> Job:
     return job
 
 
-def list_jobs(*, session: Session, state: str | None, node_id: str | None, limit: int) -> list[Job]:
-    query = select(Job).order_by(Job.created_at.desc()).limit(limit)
+def list_jobs(
+    *,
+    session: Session,
+    state: str | None,
+    node_id: str | None,
+    limit: int,
+    labels: dict[str, str] | None = None,
+) -> list[Job]:
+    """Newest first; `labels`: only jobs that carry every one of them."""
+    query = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
     if state:
         query = query.where(Job.state == state)
     if node_id:
         query = query.where(Job.node_id == node_id)
+    for key, value in (labels or {}).items():
+        query = query.where(Job.labels[key].as_string() == value)
     return list(session.scalars(query))
 
 

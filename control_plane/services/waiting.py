@@ -15,10 +15,20 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from control_plane.models import Node
-from control_plane.schemas import WaitingReason
+from control_plane.errors import InvalidRequest, NotFound
+from control_plane.models import Job, Node, Service
+from control_plane.schemas import QueuedWork, WaitingReason
+from control_plane.services import deployments
 from control_plane.services.liveness import Liveness
-from control_plane.services.scheduling import Capacity, Request, Shape, free_capacity, labels_match
+from control_plane.services.scheduling import (
+    QUEUED_COLUMNS,
+    Capacity,
+    Request,
+    Shape,
+    free_capacity,
+    labels_match,
+    queued_job,
+)
 
 
 @dataclass(frozen=True)
@@ -234,3 +244,62 @@ def _n(count: int, thing: str) -> str:
 
 def _reason(code: str, message: str, next_step: str) -> WaitingReason:
     return WaitingReason(code=code, message=message, next_step=next_step)
+
+
+def could_run_on(session: Session, node: Node, *, limit: int, scan: int = 5000) -> list[QueuedWork]:
+    """The queued jobs and pending services `node` could run, oldest first: its labels satisfy
+    theirs (or they only `prefer` them), it carries their secrets' labels, and it is big enough
+    for them once empty. Whether it has room now is the scheduler's business. Looks at the
+    `scan` oldest of each."""
+    inventory = node.inventory or {}
+    total = Capacity.of_inventory(inventory) if inventory else None
+    carried = dict(node.labels or {})
+
+    def fits(shape: Shape) -> bool:
+        return (
+            (shape.prefer or labels_match(shape.labels, carried))
+            and shape.admits(carried)
+            and (total is None or total.fits(shape.request))
+        )
+
+    found: list[QueuedWork] = []
+    rows = session.execute(
+        select(*QUEUED_COLUMNS)
+        .where(Job.state == "queued")
+        .order_by(Job.created_at, Job.id)
+        .limit(scan)
+    ).all()
+    for row in rows:
+        if fits(queued_job(row).shape):
+            found.append(
+                QueuedWork(
+                    kind="job",
+                    id=row.id,
+                    name=row.id,
+                    created_at=row.created_at,
+                    labels=dict(row.labels or {}),
+                )
+            )
+    services = session.scalars(
+        select(Service)
+        .where(Service.state == "pending")
+        .order_by(Service.created_at, Service.id)
+        .limit(scan)
+    )
+    for service in services:
+        try:
+            shape = deployments.shape_of(session, service)
+        except (NotFound, InvalidRequest):
+            continue  # a secret it names is gone: no node can run it until it is set again
+        if fits(shape):
+            found.append(
+                QueuedWork(
+                    kind="service",
+                    id=service.id,
+                    name=service.name,
+                    created_at=service.created_at,
+                    labels=dict(service.labels or {}),
+                )
+            )
+    found.sort(key=lambda work: (work.created_at, work.id))
+    return found[:limit]
