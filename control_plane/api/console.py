@@ -28,7 +28,19 @@ from control_plane.services import console_sessions
 
 CONSOLE_DIST = Path(__file__).resolve().parent.parent / "console" / "dist"
 #: The console's routes (client-side); each serves index.html.
-CONSOLE_ROUTES = ("/", "/hardware", "/nodes")
+CONSOLE_ROUTES = (
+    "/",
+    "/hardware",
+    "/nodes",
+    "/jobs",
+    "/jobs/{job_id}",
+    "/services",
+    "/services/{service_id}",
+    "/models",
+    "/artifacts",
+    "/provisioning",
+    "/audit",
+)
 _SECURITY_HEADERS = {
     "Content-Security-Policy": (
         "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "

@@ -297,7 +297,9 @@ def test_console_pages_and_assets_are_served_with_security_headers(tmp_path: Pat
     app = FastAPI()
     mount_console(app, dist)
     client = TestClient(app)
-    for path in ("/", "/hardware", "/nodes"):
+    screens = ("/", "/hardware", "/nodes", "/jobs", "/services", "/models", "/artifacts")
+    pages = (*screens, "/provisioning", "/audit", "/jobs/job_abc", "/services/svc_abc")
+    for path in pages:
         page = client.get(path)
         assert page.status_code == 200 and "ModelForge console" in page.text
         csp = page.headers["content-security-policy"]
@@ -305,6 +307,7 @@ def test_console_pages_and_assets_are_served_with_security_headers(tmp_path: Pat
         assert page.headers["x-content-type-options"] == "nosniff"
         assert page.headers["cache-control"] == "no-store"
     assert client.get("/assets/index-abc.js").text == "console.log(1)"
+    assert client.get("/jobs/a/b").status_code == 404  # not a console route
 
     unbuilt = FastAPI()
     mount_console(unbuilt, tmp_path / "missing")

@@ -9,6 +9,7 @@ MODELFORGE_CONSOLE_SCREENSHOTS=docs/img/console to refresh the screenshots in do
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -25,6 +26,34 @@ pytestmark = pytest.mark.e2e
 
 CONSOLE = Path(__file__).resolve().parents[2] / "control_plane" / "console"
 CHROMIUM = Path("/usr/bin/chromium")
+#: Nothing listens on port 1 of the loopback address (it would need root, and nothing here uses it).
+CLOSED_PORT = 1
+
+
+def _unreachable_provisioner(root: Path) -> Path:
+    """A Slurm provisioner whose login host refuses connections (a closed loopback port): the
+    provisioning screen then shows a profile, and requests that failed with ssh's exit code and
+    stderr, without a cluster."""
+    root.mkdir()
+    key, known_hosts = root / "id_ed25519", root / "known_hosts"
+    key.write_text("a key the login host never gets to see\n")
+    key.chmod(0o600)
+    known_hosts.write_text(f"[127.0.0.1]:{CLOSED_PORT} ssh-ed25519 AAAA\n")
+    profile = {"name": "hpc-cpu", "cpus": 1, "gpus": 0, "ram_mb": 512, "labels": {"site": "hpc"}}
+    provisioner = {
+        "type": "slurm",
+        "name": "hpc",
+        "login": f"mfslurm@127.0.0.1:{CLOSED_PORT}",
+        "ssh_key": str(key),
+        "known_hosts": str(known_hosts),
+        "engine_url": "http://127.0.0.1:8000",
+        "max_idle_s": 300,
+        "provision_timeout_s": 600,
+        "profiles": [profile],
+    }
+    path = root / "provisioners.json"
+    path.write_text(json.dumps([provisioner]))
+    return path
 
 
 def test_console_in_headless_chromium(tmp_path: Path) -> None:
@@ -36,7 +65,15 @@ def test_console_in_headless_chromium(tmp_path: Path) -> None:
     major = subprocess.run([node, "-p", "process.versions.node"], capture_output=True, text=True)
     assert int(major.stdout.split(".")[0]) >= 20, f"playwright-core needs Node.js 20+: {major}"
     manifest = write_release_manifest(tmp_path / "release-manifest.json")
-    overrides = {**FAST, "MODELFORGE_RELEASE_MANIFEST": str(manifest)}
+    overrides = {
+        **FAST,
+        "MODELFORGE_RELEASE_MANIFEST": str(manifest),
+        "MODELFORGE_PROVISIONERS_FILE": str(_unreachable_provisioner(tmp_path / "slurm")),
+        # A sweep dry run then has something it would delete: an unreferenced artifact.
+        # (and only the console's own dry run and sweep look: the periodic sweep is off).
+        "MODELFORGE_ARTIFACT_GRACE_SECONDS": "1",
+        "MODELFORGE_ARTIFACT_SWEEP_INTERVAL_SECONDS": "0",
+    }
     workdir = tmp_path / "nodes"
     workdir.mkdir()
     # MODELFORGE_CONSOLE_TESTS=tests/flags.test.mjs runs a subset while working on the console.

@@ -1,19 +1,40 @@
-import { useCallback, useEffect, useState } from "react";
+import { useEffect, useState } from "react";
 import { type ApiError, asApiError, resumeSession, signOut, whenSignedOut } from "./api";
+import { Audit } from "./Audit";
+import { Artifacts, Models } from "./Catalog";
 import { ErrorNote } from "./ErrorNote";
 import { Hardware } from "./Hardware";
+import { JobPage, Jobs } from "./Jobs";
 import { Nodes } from "./Nodes";
+import { Provisioning } from "./Provisioning";
+import { navigate, type Route, SCREENS, useRoute } from "./route";
+import { ServicePage, Services } from "./Services";
 import { SignIn } from "./SignIn";
 
-type Screen = "hardware" | "nodes";
-
-function screenFromPath(): Screen {
-  return window.location.pathname.startsWith("/nodes") ? "nodes" : "hardware";
+function Screen({ route }: { route: Route }) {
+  switch (route.screen) {
+    case "hardware":
+      return <Hardware />;
+    case "nodes":
+      return <Nodes />;
+    case "jobs":
+      return route.id ? <JobPage key={route.id} jobId={route.id} /> : <Jobs />;
+    case "services":
+      return route.id ? <ServicePage key={route.id} serviceId={route.id} /> : <Services />;
+    case "models":
+      return <Models />;
+    case "artifacts":
+      return <Artifacts />;
+    case "provisioning":
+      return <Provisioning />;
+    case "audit":
+      return <Audit />;
+  }
 }
 
 export function App() {
   const [signedIn, setSignedIn] = useState<boolean | null>(null);
-  const [screen, setScreen] = useState<Screen>(screenFromPath);
+  const route = useRoute();
   const [notice, setNotice] = useState<string | null>(null);
   const [signOutError, setSignOutError] = useState<ApiError | null>(null);
 
@@ -23,14 +44,6 @@ export function App() {
       setNotice("Your console session ended. Sign in again.");
     });
     void resumeSession().then(setSignedIn);
-    const onPop = () => setScreen(screenFromPath());
-    window.addEventListener("popstate", onPop);
-    return () => window.removeEventListener("popstate", onPop);
-  }, []);
-
-  const go = useCallback((next: Screen) => {
-    window.history.pushState(null, "", "/" + next);
-    setScreen(next);
   }, []);
 
   if (signedIn === null) return <p className="loading">Loading…</p>;
@@ -50,17 +63,14 @@ export function App() {
       <header className="topbar">
         <span className="brand">ModelForge</span>
         <nav aria-label="Main">
-          {(["hardware", "nodes"] as const).map((name) => (
+          {SCREENS.map(({ screen, title }) => (
             <a
-              key={name}
-              href={"/" + name}
-              aria-current={screen === name ? "page" : undefined}
-              onClick={(event) => {
-                event.preventDefault();
-                go(name);
-              }}
+              key={screen}
+              href={"/" + screen}
+              aria-current={route.screen === screen ? "page" : undefined}
+              onClick={(event) => navigate(event, "/" + screen)}
             >
-              {name === "hardware" ? "Hardware" : "Nodes"}
+              {title}
             </a>
           ))}
         </nav>
@@ -82,7 +92,7 @@ export function App() {
       </header>
       <main>
         <ErrorNote error={signOutError} />
-        {screen === "hardware" ? <Hardware /> : <Nodes />}
+        <Screen route={route} />
       </main>
     </div>
   );

@@ -1,8 +1,10 @@
-import { useEffect, useRef, useState } from "react";
-import { type ApiError, api, asApiError, type NodeView } from "./api";
-import { Chart, type Series } from "./Chart";
+import { useState } from "react";
+import { type ApiError, api, asApiError, type Gpu, type NodeView, type TelemetryPoint } from "./api";
+import { Chart } from "./Chart";
+import { Confirm } from "./Confirm";
 import { ErrorNote } from "./ErrorNote";
 import { ago } from "./format";
+import { Go, Labels } from "./Labels";
 import { ListTable } from "./ListTable";
 import { usePolled } from "./usePolled";
 
@@ -12,7 +14,7 @@ const CHART_MINUTES = 10;
 // Nodes: state, Needs upgrade, duplicate identity, labels, GPUs with live telemetry,
 // events, and revoking a node's credential.
 export function Nodes() {
-  const { data: nodes, error, reload } = usePolled(api.nodes, [], REFRESH_MS);
+  const { data: nodes, error, loaded, reload } = usePolled(api.nodes, [], REFRESH_MS);
   const [selected, setSelected] = useState<string | null>(null);
 
   const current = nodes.find((node) => node.node_id === selected) ?? null;
@@ -34,6 +36,7 @@ export function Nodes() {
           <span className="visually-hidden">Details</span>,
         ]}
         empty="No nodes yet: enroll one from Hardware."
+        loaded={loaded}
         rows={nodes}
         row={(node) => (
           <tr key={node.node_id} data-node-id={node.node_id}>
@@ -59,11 +62,7 @@ export function Nodes() {
               )}
             </td>
             <td>
-              {Object.entries(node.labels).map(([key, value]) => (
-                <span key={key} className="chip">
-                  {key}={value}
-                </span>
-              ))}
+              <Labels labels={node.labels} />
             </td>
             <td>{node.inventory?.gpus?.length ?? 0}</td>
             <td>{ago(node.last_heartbeat_at)}</td>
@@ -90,6 +89,7 @@ export function Nodes() {
 function NodeDetails({ node, onChanged }: { node: NodeView; onChanged: () => Promise<void> }) {
   const samples = usePolled(api.nodeTelemetry(node.node_id, CHART_MINUTES), [], REFRESH_MS);
   const history = usePolled(api.nodeEvents(node.node_id, 50), [], REFRESH_MS);
+  const queued = usePolled(api.nodeQueuedWork(node.node_id), [], REFRESH_MS);
   const telemetry = samples.data;
   const events = history.data;
   const [failure, setFailure] = useState<ApiError | null>(null);
@@ -125,6 +125,13 @@ function NodeDetails({ node, onChanged }: { node: NodeView; onChanged: () => Pro
         {node.health?.message ? ` — ${node.health.message}` : ""} · protocol {node.protocol_version ?? "—"} ·
         inventory {ago(node.inventory_at)} · telemetry {ago(node.telemetry_at)}
       </p>
+      <p data-testid="runtime-worker">
+        Runtime worker: {node.inventory?.runtime_worker?.version ?? "not reported"}
+        {node.inventory?.runtime_worker?.protocol_version != null
+          ? ` (protocol ${node.inventory.runtime_worker.protocol_version})`
+          : ""}
+        {node.inventory?.slurm?.job_id ? ` · Slurm job ${node.inventory.slurm.job_id}` : ""}
+      </p>
       {node.needs_upgrade && (
         <p className="warning">
           Needs upgrade: {node.needs_upgrade.code} ({node.needs_upgrade.component}) — {node.needs_upgrade.detail}
@@ -138,50 +145,45 @@ function NodeDetails({ node, onChanged }: { node: NodeView; onChanged: () => Pro
       <h3>GPUs</h3>
       {gpus.length === 0 && <p>No GPUs (CPU-only node).</p>}
       <div className="charts">
-        {gpus.map((gpu) => {
-          const samples = telemetry.map((p, i) => ({ t: times[i] ?? 0, g: p.gpus.find((g) => g.uuid === gpu.uuid) }));
-          const total = gpu.memory_total_mb ?? Math.max(1, ...samples.map((s) => s.g?.memory_total_mb ?? 0));
-          const series: Series[] = [
-            {
-              label: "utilisation",
-              className: "line-util",
-              unit: "%",
-              max: 100,
-              points: samples.map((s) => ({ t: s.t, v: s.g?.utilization_percent ?? null })),
-            },
-            {
-              label: "memory",
-              className: "line-mem",
-              unit: " MB",
-              max: total,
-              points: samples.map((s) => ({ t: s.t, v: s.g?.memory_used_mb ?? null })),
-            },
-          ];
-          return (
-            <Chart
-              key={gpu.uuid}
-              title={`GPU ${gpu.index} ${gpu.name} (last ${CHART_MINUTES} min)`}
-              series={series}
-              from={from}
-              to={to}
-            />
-          );
-        })}
+        {gpus.map((gpu) => (
+          <GpuCharts key={gpu.uuid} gpu={gpu} telemetry={telemetry} times={times} from={from} to={to} />
+        ))}
         <Chart
           title={`Host CPU (last ${CHART_MINUTES} min)`}
+          unit="%"
+          max={100}
           from={from}
           to={to}
           series={[
             {
               label: "cpu",
               className: "line-util",
-              unit: "%",
-              max: 100,
               points: telemetry.map((p, i) => ({ t: times[i] ?? 0, v: p.cpu_percent })),
             },
           ]}
         />
       </div>
+      <h3>Queued work it could run</h3>
+      <ErrorNote error={queued.error} />
+      <ListTable
+        caption="Queued jobs and pending services whose labels and size this node fits, oldest first"
+        columns={["Kind", "Name", "Labels", "Queued"]}
+        loaded={queued.loaded}
+        empty="Nothing queued that this node could run."
+        rows={queued.data}
+        row={(work) => (
+          <tr key={work.kind + work.id}>
+            <td>{work.kind}</td>
+            <td>
+              <Go to={`/${work.kind}s/${work.id}`}>{work.name}</Go>
+            </td>
+            <td>
+              <Labels labels={work.labels} />
+            </td>
+            <td>{ago(work.created_at)}</td>
+          </tr>
+        )}
+      />
       <h3>Events</h3>
       <ul className="events">
         {events.map((event) => (
@@ -207,38 +209,79 @@ function NodeDetails({ node, onChanged }: { node: NodeView; onChanged: () => Pro
       <button type="button" className="danger" onClick={() => setConfirming(true)}>
         Revoke credential
       </button>
-      {confirming && <ConfirmRevoke node={node} onConfirm={revoke} onCancel={() => setConfirming(false)} />}
+      {confirming && (
+        <Confirm
+          title={`Revoke the credential of ${node.display_name}?`}
+          action="Revoke credential"
+          onConfirm={revoke}
+          onCancel={() => setConfirming(false)}
+        >
+          <p>
+            The agent on {node.hostname} is refused from its next request and stops. To bring the node back, enroll it
+            again with a new token.
+          </p>
+        </Confirm>
+      )}
     </section>
   );
 }
 
-function ConfirmRevoke({ node, onConfirm, onCancel }: { node: NodeView; onConfirm: () => void; onCancel: () => void }) {
-  const dialog = useRef<HTMLDialogElement>(null);
-  useEffect(() => {
-    if (dialog.current && !dialog.current.open) dialog.current.showModal();
-  }, []);
+type Sample = TelemetryPoint["gpus"][number];
+
+// One GPU's charts: utilisation, memory, and temperature and power where the GPU reports them.
+function GpuCharts({ gpu, telemetry, times, from, to }: { gpu: Gpu; telemetry: TelemetryPoint[]; times: number[]; from: number; to: number }) {
+  const samples = telemetry.map((p, i) => ({ t: times[i] ?? 0, g: p.gpus.find((g) => g.uuid === gpu.uuid) }));
+  const points = (pick: (g: Sample) => number | null | undefined) =>
+    samples.map((s) => ({ t: s.t, v: s.g ? (pick(s.g) ?? null) : null }));
+  const reported = (pick: (g: Sample) => number | null | undefined) => samples.some((s) => s.g && pick(s.g) != null);
+  const totalMb = gpu.memory_total_mb ?? Math.max(1, ...samples.map((s) => s.g?.memory_total_mb ?? 0));
+  const name = `GPU ${gpu.index} ${gpu.name}`;
+  const window = `(last ${CHART_MINUTES} min)`;
+  const limit = Math.max(0, ...samples.map((s) => s.g?.power_limit_w ?? 0), ...samples.map((s) => (s.g?.power_draw_w ?? 0) * 1.2));
   return (
-    <dialog
-      ref={dialog}
-      aria-labelledby="confirm-title"
-      onCancel={(event) => {
-        event.preventDefault();
-        onCancel();
-      }}
-    >
-      <h2 id="confirm-title">Revoke the credential of {node.display_name}?</h2>
-      <p>
-        The agent on {node.hostname} is refused from its next request and stops. To bring the node back,
-        enroll it again with a new token.
-      </p>
-      <div className="actions">
-        <button type="button" className="secondary" onClick={onCancel} autoFocus>
-          Cancel
-        </button>
-        <button type="button" className="danger" onClick={onConfirm}>
-          Revoke credential
-        </button>
-      </div>
-    </dialog>
+    <>
+      <Chart
+        title={`${name} utilisation ${window}`}
+        unit="%"
+        max={100}
+        from={from}
+        to={to}
+        series={[{ label: "utilisation", className: "line-util", points: points((g) => g.utilization_percent) }]}
+      />
+      <Chart
+        title={`${name} memory ${window}`}
+        unit=" GiB"
+        max={totalMb / 1024}
+        from={from}
+        to={to}
+        series={[
+          {
+            label: "memory",
+            className: "line-mem",
+            points: points((g) => (g.memory_used_mb == null ? null : g.memory_used_mb / 1024)),
+          },
+        ]}
+      />
+      {reported((g) => g.temperature_c) && (
+        <Chart
+          title={`${name} temperature ${window}`}
+          unit=" °C"
+          max={100}
+          from={from}
+          to={to}
+          series={[{ label: "temperature", className: "line-temp", points: points((g) => g.temperature_c) }]}
+        />
+      )}
+      {reported((g) => g.power_draw_w) && (
+        <Chart
+          title={`${name} power ${window}`}
+          unit=" W"
+          max={limit || 1}
+          from={from}
+          to={to}
+          series={[{ label: "power", className: "line-power", points: points((g) => g.power_draw_w) }]}
+        />
+      )}
+    </>
   );
 }

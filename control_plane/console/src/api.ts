@@ -35,7 +35,7 @@ const ENROLLMENTS = "/api/v1/admin/node-enrollments";
 const NODES = "/api/v1/admin/nodes";
 const NODE_IMAGE_CHECK = "/api/v1/admin/node-images/check";
 
-async function request<T>(method: string, path: string, body?: unknown): Promise<T> {
+async function request<T>(method: string, path: string, body?: unknown, signal?: AbortSignal): Promise<T> {
   const headers: Record<string, string> = { Accept: "application/json" };
   if (body !== undefined) headers["Content-Type"] = "application/json";
   if (method !== "GET" && csrfToken) headers["X-ModelForge-CSRF"] = csrfToken;
@@ -47,8 +47,10 @@ async function request<T>(method: string, path: string, body?: unknown): Promise
       body: body === undefined ? undefined : JSON.stringify(body),
       credentials: "same-origin",
       cache: "no-store",
+      signal,
     });
-  } catch {
+  } catch (caught) {
+    if (signal?.aborted) throw caught;
     throw new ApiError(0, "NETWORK", "The control plane did not answer.", "Check that it is running, then retry.");
   }
   if (response.status === 204) return undefined as T;
@@ -72,6 +74,20 @@ async function request<T>(method: string, path: string, body?: unknown): Promise
 
 const get = <T>(path: string) => request<T>("GET", path);
 const post = <T>(path: string, body: unknown = {}) => request<T>("POST", path, body);
+const del = <T>(path: string) => request<T>("DELETE", path);
+const JOBS = "/api/v1/jobs";
+const SERVICES = "/api/v1/services";
+
+// A query string from the parameters that are set (repeated keys as arrays).
+function query(params: Record<string, string | number | readonly string[] | null | undefined>): string {
+  const search = new URLSearchParams();
+  for (const [key, value] of Object.entries(params)) {
+    if (value === null || value === undefined || value === "") continue;
+    for (const item of Array.isArray(value) ? value : [value]) search.append(key, String(item));
+  }
+  const text = search.toString();
+  return text ? "?" + text : "";
+}
 
 // Something the console reads and may poll: its URL, typed with the shape it answers. The URL
 // also names it, so usePolled can tell when it is asked for something else.
@@ -111,6 +127,32 @@ export const api = {
   revokeEnrollment: (enrollmentId: string) => post<Enrollment>(`${ENROLLMENTS}/${enrollmentId}/revoke`),
   nodeReadiness: (nodeId: string) => get<Readiness>(`${NODES}/${nodeId}/readiness`),
   revokeNodeCredential: (nodeId: string) => post<{ revoked: number }>(`${NODES}/${nodeId}/credential/revoke`),
+  nodeQueuedWork: (nodeId: string) => resource<QueuedWork[]>(`${NODES}/${nodeId}/queued-work?limit=20`),
+
+  jobs: (state: string, labels: readonly string[]) => resource<JobView[]>(JOBS + query({ state, label: labels, limit: 200 })),
+  job: (jobId: string) => resource<JobView>(`${JOBS}/${jobId}`),
+  // A long poll (`wait` seconds); `signal` ends it when the page is left.
+  jobEvents: (jobId: string, after: number, wait: number, signal?: AbortSignal) =>
+    request<JobEvent[]>("GET", `${JOBS}/${jobId}/events` + query({ after, wait, limit: 1000 }), undefined, signal),
+  submitJob: (body: unknown) => post<JobView>(JOBS, body),
+  cancelJob: (jobId: string) => post<JobView>(`${JOBS}/${jobId}/cancel`),
+  deleteJob: (jobId: string) => del<void>(`${JOBS}/${jobId}`),
+
+  services: resource<ServiceView[]>(SERVICES + "?limit=200"),
+  service: (serviceId: string) => resource<ServiceView>(`${SERVICES}/${serviceId}`),
+  serviceEvents: (serviceId: string) => resource<ServiceEvent[]>(`${SERVICES}/${serviceId}/events?limit=200`),
+  deployService: (body: unknown) => post<ServiceView>(SERVICES, body),
+  restartService: (serviceId: string) => post<ServiceView>(`${SERVICES}/${serviceId}/restart`),
+  undeployService: (serviceId: string) => del<ServiceView>(`${SERVICES}/${serviceId}`),
+  secrets: resource<SecretView[]>("/api/v1/admin/secrets"),
+
+  models: resource<ModelView[]>("/api/v1/models"),
+  artifacts: resource<ArtifactView[]>("/api/v1/artifacts?limit=200"),
+  sweep: (dryRun: boolean) => post<SweepReport>("/api/v1/admin/artifacts/sweep", { dry_run: dryRun }),
+
+  provisioners: resource<Provisioner[]>("/api/v1/admin/provisioners"),
+  audit: (filters: { action: string; actor: string; target: string }) =>
+    resource<AuditEntry[]>("/api/v1/admin/audit" + query({ ...filters, limit: 200 })),
 };
 
 export async function resumeSession(): Promise<boolean> {
@@ -209,7 +251,14 @@ export interface NodeView {
   health: { status?: string; message?: string | null } | null;
   needs_upgrade: { code: string; component: string; detail: string } | null;
   duplicate_identity: { other_node_ids: string[]; message: string; next_step: string } | null;
-  inventory: { gpus?: Gpu[]; accelerator_mode?: string; cpu_count?: number; memory_mb?: number } | null;
+  inventory: {
+    gpus?: Gpu[];
+    accelerator_mode?: string;
+    cpu_count?: number;
+    memory_mb?: number;
+    runtime_worker?: { version?: string; protocol_version?: number } | null;
+    slurm?: { job_id?: string } | null;
+  } | null;
   inventory_at: string | null;
   telemetry_at: string | null;
   /** When its active credential expires; null with none active (or one without expiry). */
@@ -234,5 +283,152 @@ export interface TelemetryPoint {
     utilization_percent: number | null;
     memory_used_mb: number | null;
     memory_total_mb: number | null;
+    temperature_c?: number | null;
+    power_draw_w?: number | null;
+    power_limit_w?: number | null;
   }[];
+}
+
+export interface QueuedWork {
+  kind: "job" | "service";
+  id: string;
+  name: string;
+  created_at: string;
+  labels: Record<string, string>;
+}
+
+export interface Reason {
+  code: string;
+  message: string;
+  next_step: string;
+}
+
+export interface AssignedGpu {
+  index: number;
+  uuid: string;
+}
+
+export type JobState = "queued" | "running" | "succeeded" | "failed" | "cancelled";
+
+export interface JobView {
+  job_id: string;
+  state: JobState;
+  node_id: string | null;
+  entrypoint: Record<string, unknown>;
+  params: Record<string, unknown>;
+  labels: Record<string, string>;
+  resources: Record<string, unknown>;
+  created_at: string;
+  started_at: string | null;
+  finished_at: string | null;
+  cancel_requested: boolean;
+  result?: unknown;
+  outputs: Record<string, string> | null;
+  error: { code: string; message: string; next_step?: string } | null;
+  assigned_gpus: AssignedGpu[];
+  waiting_reason: Reason | null;
+  model: string | null;
+  secrets: string[];
+}
+
+export interface JobEvent {
+  seq: number;
+  at: string;
+  kind: string;
+  data: unknown;
+}
+
+export type ServiceState = "pending" | "starting" | "healthy" | "unhealthy" | "restarting" | "stopped" | "failed";
+
+export interface ServiceView {
+  service_id: string;
+  name: string;
+  state: ServiceState;
+  node_id: string | null;
+  url: string | null;
+  restarts: number;
+  last_exit: Record<string, unknown> | null;
+  gpus: AssignedGpu[];
+  command: string[] | null;
+  runner: string | null;
+  weights: string | null;
+  model: string | null;
+  labels: Record<string, string>;
+  resources: Record<string, unknown>;
+  health: Record<string, unknown>;
+  secrets: string[];
+  generation: number;
+  created_at: string;
+  stopped_at: string | null;
+  waiting_reason: Reason | null;
+  log_tail: string[];
+}
+
+export interface ServiceEvent {
+  seq: number;
+  at: string;
+  kind: string;
+  data: unknown;
+}
+
+export interface SecretView {
+  name: string;
+  labels: Record<string, string>;
+}
+
+export interface ModelView {
+  model_id: string;
+  ref: string;
+  runner: string;
+  weights: string;
+  params: Record<string, unknown>;
+  created_at: string;
+}
+
+export interface ArtifactView {
+  digest: string;
+  size_bytes: number;
+  created_at: string;
+  references: { kind: "model" | "service" | "job"; id: string; name: string; state: string | null }[];
+}
+
+export interface SweepReport {
+  dry_run: boolean;
+  swept_at: string;
+  grace_seconds: number;
+  deleted: { digest: string; size_bytes: number; created_at: string }[];
+  kept: { digest: string; size_bytes: number; reasons: string[] }[];
+  removed_files: { path: string; size_bytes: number }[];
+  bytes_freed: number;
+}
+
+export interface ProvisionRequest {
+  request_id: string;
+  profile: string;
+  state: string;
+  slurm_job_id: string | null;
+  node_id: string | null;
+  age_seconds: number;
+  reason: string | null;
+  events: { at: string; kind: string; data: unknown }[];
+}
+
+export interface Provisioner {
+  name: string;
+  type: string;
+  login: string;
+  max_idle_s: number;
+  provision_timeout_s: number;
+  profiles: { name: string; cpus: number; gpus: number; ram_mb: number; labels: Record<string, string>; outstanding: number }[];
+  requests: ProvisionRequest[];
+}
+
+export interface AuditEntry {
+  id: number;
+  at: string;
+  actor: string;
+  action: string;
+  target: string;
+  outcome: string;
+  detail: Record<string, unknown>;
 }

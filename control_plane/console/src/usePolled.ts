@@ -2,10 +2,12 @@ import { useCallback, useEffect, useRef, useState } from "react";
 import { type ApiError, asApiError, read, type Resource } from "./api";
 
 // Read `resource` (from api.ts) now and every `intervalMs` (if given) while the component is
-// shown; the latest answer, or the refusal that replaced it.
+// shown; the latest answer, or the refusal that replaced it, and whether an answer (or a
+// refusal) came at all yet (`loaded`), so a screen can tell "loading" from "empty".
 export function usePolled<T>(resource: Resource<T>, initial: T, intervalMs?: number) {
   const [data, setData] = useState<T>(initial);
   const [error, setError] = useState<ApiError | null>(null);
+  const [loaded, setLoaded] = useState(false);
   const initialRef = useRef(initial);
 
   const reload = useCallback(async () => {
@@ -15,9 +17,13 @@ export function usePolled<T>(resource: Resource<T>, initial: T, intervalMs?: num
       if (current.current === asked) {
         setData(answer);
         setError(null);
+        setLoaded(true);
       }
     } catch (caught) {
-      if (current.current === asked) setError(asApiError(caught));
+      if (current.current === asked) {
+        setError(asApiError(caught));
+        setLoaded(true);
+      }
     }
   }, [resource]);
 
@@ -28,6 +34,7 @@ export function usePolled<T>(resource: Resource<T>, initial: T, intervalMs?: num
     current.current = resource;
     setData(initialRef.current);
     setError(null);
+    setLoaded(false);
   }, [resource]);
 
   useEffect(() => {
@@ -37,5 +44,5 @@ export function usePolled<T>(resource: Resource<T>, initial: T, intervalMs?: num
     return () => window.clearInterval(timer);
   }, [reload, intervalMs]);
 
-  return { data, error, reload };
+  return { data, error, loaded, reload };
 }

@@ -100,7 +100,17 @@ test("an NVIDIA node's GPUs show live utilisation and memory charts", async () =
   const before = await points();
   await page.waitForTimeout(6500);
   assert.ok((await points()) > before, "the chart gained samples");
-  assert.ok(await page.getByRole("img", { name: /GPU 1 / }).count() === 1);
+  // Each GPU: utilisation (%), memory (GiB), temperature (°C) and power (W), each chart with
+  // its y axis in its unit and a time axis.
+  for (const index of [0, 1]) {
+    for (const metric of [/utilisation .*: latest utilisation \d+%/, /memory .*: latest memory \d+ GiB/, /temperature .*: latest temperature \d+ °C/, /power .*: latest power \d+ W/]) {
+      const name = new RegExp(`GPU ${index} .*` + metric.source);
+      assert.equal(await page.getByRole("img", { name }).count(), 1, `GPU ${index}: ${metric}`);
+    }
+  }
+  const axis = await page.getByRole("img", { name: /GPU 0 .*utilisation/ }).locator("text").allTextContents();
+  assert.ok(axis.includes("0%") && axis.includes("100%"), `y axis ticks: ${axis}`);
+  assert.ok(axis.filter((label) => /\d{1,2}:\d{2}:\d{2}/.test(label)).length === 3, `time axis: ${axis}`);
   await screenshot(page, "nodes-gpu");
   await page.context().close();
 });
