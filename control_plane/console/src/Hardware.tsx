@@ -8,7 +8,7 @@ import { usePolled } from "./usePolled";
 
 // Hardware: the enrollments this control plane has minted, and the Enroll node wizard.
 export function Hardware() {
-  const { data: enrollments, error, reload } = usePolled(api.enrollments, []);
+  const { data: enrollments, error, loaded, reload } = usePolled(api.enrollments, []);
   const [wizardOpen, setWizardOpen] = useState(false);
 
   return (
@@ -24,6 +24,7 @@ export function Hardware() {
         caption="Node enrollments (one-time tokens are never shown here)"
         columns={["Name", "State", "Node", "Created", "Expires", "Production eligible"]}
         empty="No enrollments yet: use Enroll node."
+        loaded={loaded}
         rows={enrollments}
         row={(row) => (
           <tr key={row.enrollment_id}>
