@@ -1,4 +1,4 @@
-import { useEffect, useState } from "react";
+import { useState } from "react";
 import { ApiError, api, asApiError, type JobEvent, type JobState, type JobView, type Reason } from "./api";
 import { Confirm } from "./Confirm";
 import { ErrorNote } from "./ErrorNote";
@@ -6,6 +6,7 @@ import { ago } from "./format";
 import { Go, Labels, when } from "./Labels";
 import { ListTable } from "./ListTable";
 import { navigate } from "./route";
+import { useEventStream } from "./useEventStream";
 import { usePolled } from "./usePolled";
 
 const LIST_REFRESH_MS = 3000;
@@ -181,36 +182,6 @@ function SubmitJob() {
   );
 }
 
-// Follow a job's events with the long poll, from the first; what it returned so far.
-function useJobEvents(jobId: string) {
-  const [events, setEvents] = useState<JobEvent[]>([]);
-  const [error, setError] = useState<ApiError | null>(null);
-  useEffect(() => {
-    const stop = new AbortController();
-    let after = 0;
-    setEvents([]);
-    void (async () => {
-      while (!stop.signal.aborted) {
-        try {
-          const batch = await api.jobEvents(jobId, after, 15, stop.signal);
-          setError(null);
-          const last = batch.at(-1);
-          if (last) {
-            after = last.seq;
-            setEvents((seen) => [...seen, ...batch]);
-          }
-        } catch (caught) {
-          if (stop.signal.aborted) return;
-          setError(asApiError(caught));
-          await new Promise((resolve) => setTimeout(resolve, 3000));
-        }
-      }
-    })();
-    return () => stop.abort();
-  }, [jobId]);
-  return { events, error };
-}
-
 function describe(event: JobEvent): string {
   if (event.kind === "state" && event.data && typeof event.data === "object") {
     const data = event.data as Record<string, unknown>;
@@ -225,7 +196,11 @@ function describe(event: JobEvent): string {
 // (followed while it runs); cancel and delete, each confirmed.
 export function JobPage({ jobId }: { jobId: string }) {
   const polled = usePolled(api.job(jobId), null as JobView | null, JOB_REFRESH_MS);
-  const { events, error: eventsError } = useJobEvents(jobId);
+  const { events, error: eventsError } = useEventStream(
+    jobId,
+    (after, signal) => api.jobEvents(jobId, after, 15, signal),
+    0,
+  );
   const [asking, setAsking] = useState<"cancel" | "delete" | null>(null);
   const [failure, setFailure] = useState<ApiError | null>(null);
   const [notice, setNotice] = useState<string | null>(null);

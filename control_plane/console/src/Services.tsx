@@ -7,6 +7,7 @@ import { WaitingReason } from "./Jobs";
 import { Go, Labels, when } from "./Labels";
 import { ListTable } from "./ListTable";
 import { navigate } from "./route";
+import { useEventStream } from "./useEventStream";
 import { usePolled } from "./usePolled";
 
 const REFRESH_MS = 3000;
@@ -255,7 +256,7 @@ function describe(data: unknown): string {
 // restart and undeploy, each confirmed.
 export function ServicePage({ serviceId }: { serviceId: string }) {
   const polled = usePolled(api.service(serviceId), null as ServiceView | null, REFRESH_MS);
-  const events = usePolled(api.serviceEvents(serviceId), [], REFRESH_MS);
+  const events = useEventStream(serviceId, (after, signal) => api.serviceEvents(serviceId, after, signal), REFRESH_MS, 200);
   const [asking, setAsking] = useState<"restart" | "undeploy" | null>(null);
   const [failure, setFailure] = useState<ApiError | null>(null);
   const service = polled.data;
@@ -267,7 +268,7 @@ export function ServicePage({ serviceId }: { serviceId: string }) {
     try {
       if (what === "restart") await api.restartService(serviceId);
       else await api.undeployService(serviceId);
-      await Promise.all([polled.reload(), events.reload()]);
+      await polled.reload();
     } catch (caught) {
       setFailure(asApiError(caught));
     }
@@ -339,8 +340,8 @@ export function ServicePage({ serviceId }: { serviceId: string }) {
       <h2>Events</h2>
       <ErrorNote error={events.error} />
       <ul className="events">
-        {events.data.length === 0 && <li>{events.loaded ? "No events yet." : "Loading…"}</li>}
-        {[...events.data].reverse().map((event) => (
+        {events.events.length === 0 && <li>{polled.loaded ? "No events yet." : "Loading…"}</li>}
+        {[...events.events].reverse().map((event) => (
           <li key={event.seq}>
             <time dateTime={event.at}>{new Date(event.at).toLocaleTimeString()}</time> <strong>{event.kind}</strong>{" "}
             {describe(event.data)}

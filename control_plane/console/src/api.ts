@@ -140,7 +140,8 @@ export const api = {
 
   services: resource<ServiceView[]>(SERVICES + "?limit=200"),
   service: (serviceId: string) => resource<ServiceView>(`${SERVICES}/${serviceId}`),
-  serviceEvents: (serviceId: string) => resource<ServiceEvent[]>(`${SERVICES}/${serviceId}/events?limit=200`),
+  serviceEvents: (serviceId: string, after: number, signal?: AbortSignal) =>
+    request<ServiceEvent[]>("GET", `${SERVICES}/${serviceId}/events` + query({ after, limit: 1000 }), undefined, signal),
   deployService: (body: unknown) => post<ServiceView>(SERVICES, body),
   restartService: (serviceId: string) => post<ServiceView>(`${SERVICES}/${serviceId}/restart`),
   undeployService: (serviceId: string) => del<ServiceView>(`${SERVICES}/${serviceId}`),
