@@ -250,7 +250,15 @@ def test_a_request_that_never_attaches_is_cancelled_and_a_burst_asks_once(
     ended = next(r for r in _requests(server, "stuck") if r["request_id"] == first["request_id"])
     assert ended["state"] == "cancelled" and f"{TIMEOUT_S}" in ended["reason"]
     wait_until(lambda: not _ours(first["request_id"]), 30, "scancel to end the Slurm job")
-    scancel = [
-        e for e in ended["events"] if e["kind"] == "ssh" and "scancel" in e["data"]["command"]
-    ]
-    assert scancel and scancel[0]["data"]["exit_code"] == 0
+
+    # The request ends first (one transaction), then scancel runs over SSH and is recorded.
+    def scancel_events() -> list[dict[str, Any]]:
+        request = next(
+            r for r in _requests(server, "stuck") if r["request_id"] == first["request_id"]
+        )
+        return [
+            e for e in request["events"] if e["kind"] == "ssh" and "scancel" in e["data"]["command"]
+        ]
+
+    wait_until(scancel_events, 30, "the scancel call's event")
+    assert scancel_events()[0]["data"]["exit_code"] == 0
