@@ -231,12 +231,12 @@ class Scheduler:
             fleet = self._fleet
             if fleet is not None and time.monotonic() - self._fleet_read <= FLEET_MAX_AGE_SECONDS:
                 return fleet
-        now, liveness = self._clock.now(), self._liveness()
+        now, liveness, previous = self._clock.now(), self._liveness(), self._fleet
         if session is not None:
-            fleet = read_fleet(session, now=now, liveness=liveness)
+            fleet = read_fleet(session, now=now, liveness=liveness, previous=previous)
         else:
             with self._session_factory() as own:
-                fleet = read_fleet(own, now=now, liveness=liveness)
+                fleet = read_fleet(own, now=now, liveness=liveness, previous=previous)
         with self._fleet_lock:
             self._fleet, self._fleet_read = fleet, time.monotonic()
         return fleet

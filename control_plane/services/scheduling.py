@@ -374,24 +374,41 @@ def free_capacity(
     """Every listed node's inventory minus its running jobs and the services placed on it (a
     service holds its resources and GPUs for as long as it is deployed), in two queries.
     `holders`, when given, receives per node the services that hold something there."""
-    free = {node_id: Capacity.of_inventory(inv) for node_id, inv in inventories.items()}
-    if free:
-        node_ids = list(free)
-        for node_id, resources, held_gpus in session.execute(
-            select(Job.node_id, Job.resources, Job.assigned_gpus).where(
-                Job.state == "running", Job.node_id.in_(node_ids)
-            )
-        ):
+    totals = {node_id: Capacity.of_inventory(inv) for node_id, inv in inventories.items()}
+    return held_back(session, totals, holders)
+
+
+def held_back(
+    session: Session,
+    totals: dict[str, Capacity],
+    holders: dict[str, list[str]] | None = None,
+) -> dict[str, Capacity]:
+    """`free_capacity` from each node's whole capacity, already known."""
+    free = dict(totals)
+    if not free:
+        return free
+    jobs = select(Job.node_id, Job.resources, Job.assigned_gpus).where(Job.state == "running")
+    services = select(
+        Service.node_id, Service.name, Service.resources, Service.assigned_gpus
+    ).where(Service.state != "stopped")
+    if len(free) <= _IN_LIST_MAX:
+        jobs = jobs.where(Job.node_id.in_(list(free)))
+        services = services.where(Service.node_id.in_(list(free)))
+    # Else every running job and deployed service, filtered here: a thousand-element IN list
+    # costs PostgreSQL more to plan than the rows it saves.
+    for node_id, resources, held_gpus in session.execute(jobs):
+        if node_id in free:
             free[node_id] = free[node_id].minus(Request.of(resources), held_gpus)
-        for node_id, name, resources, held_gpus in session.execute(
-            select(Service.node_id, Service.name, Service.resources, Service.assigned_gpus).where(
-                Service.node_id.in_(node_ids), Service.state != "stopped"
-            )
-        ):
+    for node_id, name, resources, held_gpus in session.execute(services):
+        if node_id in free:
             free[node_id] = free[node_id].minus(Request.of(resources), held_gpus or [])
             if holders is not None:
                 holders.setdefault(node_id, []).append(name)
     return free
+
+
+#: Up to this many nodes, `held_back` asks for their holdings by id.
+_IN_LIST_MAX = 64
 
 
 def place_batch(

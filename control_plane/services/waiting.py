@@ -25,10 +25,13 @@ from control_plane.services.scheduling import (
     Capacity,
     Request,
     Shape,
-    free_capacity,
+    held_back,
     labels_match,
     queued_job,
 )
+
+#: Node ids per `IN (…)` list when re-reading changed nodes.
+_READ_CHUNK = 500
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,8 @@ class FleetNode:
     free: Capacity | None
     #: The services deployed here, which hold their resources while deployed.
     services: tuple[str, ...] = ()
+    #: When its inventory was last reported: the next read parses it again only if it moved.
+    inventory_at: datetime | None = None
 
     @property
     def usable(self) -> bool:
@@ -97,33 +102,61 @@ class Fleet:
         }
 
 
-def read_fleet(session: Session, *, now: datetime, liveness: Liveness) -> Fleet:
+def read_fleet(
+    session: Session, *, now: datetime, liveness: Liveness, previous: Fleet | None = None
+) -> Fleet:
+    """Every node, as now. With `previous` (the last view), only the nodes whose inventory
+    changed since, or that are new, have their labels and inventory read and parsed again: a
+    node's labels never change (they are signed into its credential at enrollment), and its
+    inventory changes only with `inventory_at`. At a thousand nodes that is most of the cost of
+    a read, which runs every second while claims wait."""
     rows = session.execute(
         select(
-            Node.id,
-            Node.display_name,
-            Node.labels,
-            Node.inventory,
-            Node.compat_code,
-            Node.last_heartbeat_at,
+            Node.id, Node.display_name, Node.compat_code, Node.last_heartbeat_at, Node.inventory_at
         ).order_by(Node.id)
     ).all()
+    known = previous.by_id if previous is not None else {}
+    stale = [
+        row.id
+        for row in rows
+        if (seen := known.get(row.id)) is None or seen.inventory_at != row.inventory_at
+    ]
+    fresh: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {}
+    for start in range(0, len(stale), _READ_CHUNK):
+        chunk = stale[start : start + _READ_CHUNK]
+        for node_id, labels, inventory in session.execute(
+            select(Node.id, Node.labels, Node.inventory).where(Node.id.in_(chunk))
+        ):
+            fresh[node_id] = (dict(labels or {}), inventory)
+
+    def described(row: Any) -> tuple[dict[str, Any], dict[str, Any] | None, Capacity | None]:
+        if row.id in fresh:
+            labels, inventory = fresh[row.id]
+            return labels, inventory, Capacity.of_inventory(inventory) if inventory else None
+        seen = known[row.id]
+        return seen.labels, seen.inventory, seen.total
+
+    # A node deleted between the two reads has no fresh row: it is left out.
+    nodes = {row.id: (row, *described(row)) for row in rows if row.id in fresh or row.id in known}
     holders: dict[str, list[str]] = {}
-    free = free_capacity(session, {row.id: row.inventory for row in rows if row.inventory}, holders)
+    free = held_back(
+        session, {node_id: total for node_id, (_, _, _, total) in nodes.items() if total}, holders
+    )
     return Fleet(
         tuple(
             FleetNode(
                 id=row.id,
                 name=row.display_name,
-                labels=dict(row.labels or {}),
+                labels=labels,
                 state=liveness.state_of(row.id, row.last_heartbeat_at, now),
                 needs_upgrade=row.compat_code is not None,
-                inventory=row.inventory,
-                total=Capacity.of_inventory(row.inventory) if row.inventory else None,
+                inventory=inventory,
+                total=total,
                 free=free.get(row.id),
                 services=tuple(holders.get(row.id, ())),
+                inventory_at=row.inventory_at,
             )
-            for row in rows
+            for row, labels, inventory, total in nodes.values()
         ),
         now,
     )

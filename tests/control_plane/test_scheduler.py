@@ -14,8 +14,9 @@ import pytest
 from sqlalchemy import event
 
 from control_plane.services.scheduling import PlacedJob, return_unanswered
+from control_plane.services.waiting import read_fleet
 from tests.control_plane.test_jobs import _claim, _job, _node, _submit
-from tests.factories import ControlPlane, control_plane, heartbeat_body
+from tests.factories import ControlPlane, control_plane, heartbeat_body, inventory_body
 
 
 def _long_claim(cp: ControlPlane, node: dict[str, str], hold: float) -> dict[str, Any] | None:
@@ -285,3 +286,35 @@ def test_a_job_cancelled_before_its_closed_claim_gave_it_back_ends_cancelled(
             )
         view = cp.client.get(f"/api/v1/jobs/{job['job_id']}", headers=cp.admin).json()
         assert view["state"] == "cancelled" and view["error"]["code"] == "JOB_CANCELLED"
+
+
+def test_the_fleet_view_rereads_only_nodes_whose_inventory_changed(
+    tmp_path: Path, database_url: str
+) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        a = _node(cp, labels={"site": "lab"}, cpus=4)
+        b = _node(cp, labels={"site": "lab"}, cpus=4)
+        with cp.ctx.session_factory() as session:
+            first = read_fleet(session, now=cp.clock.now(), liveness=cp.ctx.liveness)
+        # b reports a bigger inventory; a reports nothing new.
+        cp.clock.advance(1)
+        bigger = inventory_body(cpu_count=16)
+        headers = {"Authorization": b["Authorization"]}
+        assert cp.client.put("/api/v1/agent/inventory", headers=headers, json=bigger).is_success
+        with cp.ctx.session_factory() as session:
+            second = read_fleet(
+                session, now=cp.clock.now(), liveness=cp.ctx.liveness, previous=first
+            )
+        old_a, new_a = first.by_id[a["node_id"]], second.by_id[a["node_id"]]
+        assert new_a.inventory is old_a.inventory  # reused, not parsed again
+        assert new_a.labels == {"site": "lab"} and new_a.total == old_a.total
+        new_b = second.by_id[b["node_id"]]
+        assert new_b.total is not None and new_b.total.cpus == 16
+        assert new_b.free is not None and new_b.free.cpus == 16
+        # A node deleted since the last view is gone from the next.
+        assert cp.client.delete(f"/api/v1/admin/nodes/{a['node_id']}", headers=cp.admin).is_success
+        with cp.ctx.session_factory() as session:
+            third = read_fleet(
+                session, now=cp.clock.now(), liveness=cp.ctx.liveness, previous=second
+            )
+        assert set(third.by_id) == {b["node_id"]}
