@@ -29,7 +29,7 @@ import pytest
 
 from tests.e2e.node import wait_until
 from tests.e2e.server import LiveServer, free_port
-from tests.e2e.slurm import SshLogin, ensure_cluster, make_login, squeue_jobs
+from tests.e2e.slurm import SshLogin, ensure_cluster, make_login, scancel_all, squeue_jobs
 
 pytestmark = pytest.mark.e2e
 
@@ -124,10 +124,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServ
     path = root / "provisioners.json"
     path.write_text(json.dumps(provisioners))
     env = {**FAST, "MODELFORGE_PROVISIONERS_FILE": str(path)}
-    with LiveServer(
-        root / "cp", f"sqlite:///{root / 'cp.db'}", env_overrides=env, port=port
-    ) as server:
-        yield server, login
+    try:
+        with LiveServer(
+            root / "cp", f"sqlite:///{root / 'cp.db'}", env_overrides=env, port=port
+        ) as server:
+            yield server, login
+    finally:
+        # A clean shutdown cancels every outstanding request (scancel); after a failed test or
+        # a server that had to be killed, whatever is left would hold a core of the one-node
+        # cluster for the next run: cancel it here, and say so.
+        leftovers = [job for job in squeue_jobs() if job["name"].startswith("modelforge-prq_")]
+        if leftovers:
+            print(f"cancelling Slurm jobs left behind: {leftovers}")
+            scancel_all()
 
 
 def _submit(server: LiveServer, labels: dict[str, str]) -> str:
