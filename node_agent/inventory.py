@@ -52,6 +52,18 @@ def slurm_allocation(environ: dict[str, str] | None = None) -> dict[str, str] | 
     return {name: env[var] for name, var in keys.items() if env.get(var)}
 
 
+def slurm_gpu_indices(value: str) -> set[int] | None:
+    """The GPU indices of `SLURM_JOB_GPUS` ("0,2" or "0-3,6"); None when it cannot be read,
+    which leaves the GPUs NVML sees as they are."""
+    indices: set[int] = set()
+    for part in value.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            return None
+        indices.update(range(int(first), int(last or first) + 1))
+    return indices
+
+
 def _os_name() -> str:
     try:
         release = platform.freedesktop_os_release()
@@ -78,6 +90,10 @@ def collect_inventory(
         if slurm.get("mem_per_node_mb", "").isdigit():
             memory_mb = min(memory_mb, int(slurm["mem_per_node_mb"]))
     listed = list(gpus)
+    allocated = slurm_gpu_indices(slurm["gpus"]) if slurm and "gpus" in slurm else None
+    if allocated is not None:
+        # NVML lists every GPU of a shared node; the job may use only those Slurm gave it.
+        listed = [gpu for gpu in listed if gpu.index in allocated]
     if overrides.cpus is not None:
         cpus = overrides.cpus
     if overrides.ram_mb is not None:

@@ -48,6 +48,9 @@ class Outcome:
 def ssh_argv(provisioner: SlurmProvisioner, remote: str) -> list[str]:
     return [
         "ssh",
+        # No ssh_config and no global known_hosts: only the operator's key and host file count.
+        "-F",
+        "/dev/null",
         "-i",
         str(provisioner.ssh_key),
         "-p",
@@ -58,6 +61,10 @@ def ssh_argv(provisioner: SlurmProvisioner, remote: str) -> list[str]:
         "StrictHostKeyChecking=yes",
         "-o",
         f"UserKnownHostsFile={provisioner.known_hosts}",
+        "-o",
+        "GlobalKnownHostsFile=/dev/null",
+        "-o",
+        "PreferredAuthentications=publickey",
         "-o",
         "IdentitiesOnly=yes",
         "-o",

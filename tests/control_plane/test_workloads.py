@@ -135,6 +135,30 @@ def test_secrets_are_write_only_encrypted_and_placed_by_signed_labels(
         assert all(entry["actor"] == "admin-token" for entry in audit)
 
 
+def test_a_secret_relabelled_after_submission_is_not_delivered(
+    tmp_path: Path, database_url: str
+) -> None:
+    """WL-6a, checked again at delivery: the job was queued while HF_TOKEN allowed `site=a`;
+    before any node claims it, the secret is narrowed to `site=b`. The `site=a` node's claim
+    gets nothing, the job fails SECRET_NOT_PERMITTED, and the value is in no answer."""
+    with control_plane(tmp_path, database_url) as cp:
+        assert _put_secret(cp, "HF_TOKEN", {"site": "a"}).status_code == 200
+        site_a = _node(cp, labels={"site": "a"})
+        job = _submit(cp, secrets=["HF_TOKEN"])
+        assert _put_secret(cp, "HF_TOKEN", {"site": "b"}).status_code == 200
+        response = cp.client.post(
+            "/api/v1/agent/work/claim",
+            headers={"Authorization": site_a["Authorization"]},
+            json={"hold_seconds": 0},
+        )
+        assert response.status_code == 204, response.text  # nothing handed over
+        view = cp.client.get(f"/api/v1/jobs/{job['job_id']}", headers=cp.admin)
+        events = cp.client.get(f"/api/v1/jobs/{job['job_id']}/events", headers=cp.admin)
+        assert SECRET_VALUE not in response.text + view.text + events.text
+        assert view.json()["state"] == "failed", view.text
+        assert view.json()["error"]["code"] == "SECRET_NOT_PERMITTED", view.text
+
+
 def _job_body() -> dict[str, Any]:
     return {"entrypoint": {"kind": "python", "module": "m", "function": "f", "source": {}}}
 

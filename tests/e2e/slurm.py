@@ -8,22 +8,28 @@ root, as the tests run on CI.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pwd
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.e2e.node import wait_until
 
-ENSURE_SLURM = Path(__file__).resolve().parents[2] / "scripts" / "ensure-slurm"
+REPO = Path(__file__).resolve().parents[2]
+ENSURE_SLURM = REPO / "scripts" / "ensure-slurm"
 SSH_USER = "mfslurm"
 SSH_HOST = "127.0.0.1"
 SSH_PORT = 2222
 #: The login host's own host key, written by scripts/ensure-slurm.
 SSHD_HOST_KEY = Path("/etc/ssh/modelforge/ssh_host_ed25519_key.pub")
+#: A virtual environment `mfslurm` can run: Debian's python3 and the node agent's locked
+#: dependencies; the checkout itself comes in through PYTHONPATH.
+VENV_ROOT = Path("/opt/modelforge-slurm")
 
 
 def ensure_cluster(timeout: float = 240) -> None:
@@ -205,3 +211,46 @@ def wait_until_state(job_id: str, states: set[str], timeout: float) -> str:
     except AssertionError as exc:
         raise AssertionError(f"{exc} (last state {seen[-1] if seen else 'unknown'})") from None
     return seen[-1]
+
+
+def agent_venv() -> Path:
+    """A virtual environment of the node agent's locked dependencies that `mfslurm` can run
+    (Debian's python3), made once per lock; the checkout itself comes in through PYTHONPATH."""
+    lock = REPO / "locks" / "node-agent.lock"
+    digest = hashlib.sha256(lock.read_bytes()).hexdigest()[:16]
+    venv = VENV_ROOT / f"venv-{digest}"
+    python = venv / "bin" / "python3"
+    if not (venv / ".complete").exists():
+        VENV_ROOT.mkdir(parents=True, exist_ok=True)
+        VENV_ROOT.chmod(0o755)
+        subprocess.run(["/usr/bin/python3", "-m", "venv", "--clear", str(venv)], check=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "--require-hashes", "-r", str(lock)],
+            check=True,
+            timeout=600,
+        )
+        (venv / ".complete").touch()
+    return venv
+
+
+def readable_by_everyone(path: Path) -> None:
+    """`mfslurm` imports the checkout: every directory above it must let it through."""
+    for parent in [path, *path.parents]:
+        mode = parent.stat().st_mode
+        assert mode & 0o005 == 0o005, f"{parent} is not readable by other users"
+
+
+def slurm_provisioner(
+    login: SshLogin, port: int, name: str, *, profile: dict[str, Any], **limits: int
+) -> dict[str, Any]:
+    """A provisioner of the local cluster for a control plane on `port`."""
+    return {
+        "type": "slurm",
+        "name": name,
+        "login": login.login,
+        "ssh_key": str(login.key_path),
+        "known_hosts": str(login.known_hosts_path),
+        "engine_url": f"http://127.0.0.1:{port}",
+        **limits,
+        "profiles": [profile],
+    }

@@ -3,7 +3,8 @@
 The browser tests themselves are JavaScript (`control_plane/console/tests/*.test.mjs`, Playwright
 through playwright-core driving Debian's /usr/bin/chromium). This module gives them what they
 drive: the real control plane on Granian with a verified-release manifest configured, the
-substitute NVML library for the GPU node, and a work directory for the node processes. Set
+substitute NVML library for the GPU node, a work directory for the node processes, and Slurm
+provisioners: the real single-node cluster (its agent attaches) and one that cannot be reached. Set
 MODELFORGE_CONSOLE_SCREENSHOTS=docs/img/console to refresh the screenshots in docs/console.md.
 """
 
@@ -18,7 +19,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.server import FAST, LiveServer
+from tests.e2e.server import FAST, LiveServer, free_port
+from tests.e2e.slurm import (
+    REPO,
+    agent_venv,
+    ensure_cluster,
+    make_login,
+    readable_by_everyone,
+    scancel_all,
+    slurm_provisioner,
+)
 from tests.factories import ADMIN_TOKEN, write_release_manifest
 from tests.nvml_substitute import build_fake_nvml
 
@@ -30,29 +40,49 @@ CHROMIUM = Path("/usr/bin/chromium")
 CLOSED_PORT = 1
 
 
-def _unreachable_provisioner(root: Path) -> Path:
-    """A Slurm provisioner whose login host refuses connections (a closed loopback port): the
-    provisioning screen then shows a profile, and requests that failed with ssh's exit code and
-    stderr, without a cluster."""
+def _provisioners(root: Path, port: int) -> Path:
+    """Two provisioners for a control plane on `port`: `hpc`, the real single-node Slurm
+    cluster over SSH (tests/e2e/slurm.py), whose agent attaches, so the provisioning screen
+    shows the node a request brought and its credential's expiry; and `down`, whose login host
+    refuses connections (a closed loopback port), so it shows a request that failed with ssh's
+    exit code and stderr."""
+    ensure_cluster()
+    readable_by_everyone(REPO)
+    venv = agent_venv()
     root.mkdir()
+    hpc = slurm_provisioner(
+        make_login(root / "ssh"),
+        port,
+        "hpc",
+        max_idle_s=900,  # attached for the rest of the run; cancelled after it
+        provision_timeout_s=240,
+        profile={
+            "name": "hpc-cpu",
+            "cpus": 1,
+            "ram_mb": 256,
+            "labels": {"site": "hpc"},
+            "prerun": [f"export PATH={venv}/bin:$PATH", f"export PYTHONPATH={REPO}"],
+        },
+    )
     key, known_hosts = root / "id_ed25519", root / "known_hosts"
     key.write_text("a key the login host never gets to see\n")
     key.chmod(0o600)
     known_hosts.write_text(f"[127.0.0.1]:{CLOSED_PORT} ssh-ed25519 AAAA\n")
-    profile = {"name": "hpc-cpu", "cpus": 1, "gpus": 0, "ram_mb": 512, "labels": {"site": "hpc"}}
-    provisioner = {
+    down = {
         "type": "slurm",
-        "name": "hpc",
+        "name": "down",
         "login": f"mfslurm@127.0.0.1:{CLOSED_PORT}",
         "ssh_key": str(key),
         "known_hosts": str(known_hosts),
-        "engine_url": "http://127.0.0.1:8000",
+        "engine_url": f"http://127.0.0.1:{port}",
         "max_idle_s": 300,
         "provision_timeout_s": 600,
-        "profiles": [profile],
+        "profiles": [
+            {"name": "down-cpu", "cpus": 1, "gpus": 0, "ram_mb": 512, "labels": {"site": "down"}}
+        ],
     }
     path = root / "provisioners.json"
-    path.write_text(json.dumps([provisioner]))
+    path.write_text(json.dumps([hpc, down]))
     return path
 
 
@@ -65,10 +95,11 @@ def test_console_in_headless_chromium(tmp_path: Path) -> None:
     major = subprocess.run([node, "-p", "process.versions.node"], capture_output=True, text=True)
     assert int(major.stdout.split(".")[0]) >= 20, f"playwright-core needs Node.js 20+: {major}"
     manifest = write_release_manifest(tmp_path / "release-manifest.json")
+    port = free_port()
     overrides = {
         **FAST,
         "MODELFORGE_RELEASE_MANIFEST": str(manifest),
-        "MODELFORGE_PROVISIONERS_FILE": str(_unreachable_provisioner(tmp_path / "slurm")),
+        "MODELFORGE_PROVISIONERS_FILE": str(_provisioners(tmp_path / "slurm", port)),
         # A sweep dry run then has something it would delete: an unreferenced artifact.
         # (and only the console's own dry run and sweep look: the periodic sweep is off).
         "MODELFORGE_ARTIFACT_GRACE_SECONDS": "1",
@@ -80,28 +111,35 @@ def test_console_in_headless_chromium(tmp_path: Path) -> None:
     selected = os.environ.get("MODELFORGE_CONSOLE_TESTS", "tests/").split()
     screenshots = os.environ.get("MODELFORGE_CONSOLE_SCREENSHOTS", str(tmp_path / "screenshots"))
 
-    with LiveServer(tmp_path / "cp", f"sqlite:///{tmp_path / 'cp.db'}", overrides) as server:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
-        env.update(
-            MODELFORGE_CONSOLE_URL=server.url,
-            MODELFORGE_TEST_ADMIN_TOKEN=ADMIN_TOKEN,
-            MODELFORGE_TEST_PYTHON=sys.executable,
-            MODELFORGE_TEST_WORKDIR=str(workdir),
-            MODELFORGE_TEST_MANIFEST=str(manifest),
-            MODELFORGE_TEST_NVML_DIR=str(build_fake_nvml(tmp_path / "nvml")),
-            MODELFORGE_CONSOLE_SCREENSHOTS=str(Path(screenshots).resolve()),
-            PYTHONPATH=str(CONSOLE.parents[1]),
-        )
-        result = subprocess.run(
-            [node, "--test", "--test-concurrency=1", "--test-reporter=spec", *selected],
-            cwd=CONSOLE,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-            check=False,
-        )
-        log = server.log()
+    database = f"sqlite:///{tmp_path / 'cp.db'}"
+    try:
+        with LiveServer(tmp_path / "cp", database, overrides, port=port) as server:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+            env.update(
+                MODELFORGE_CONSOLE_URL=server.url,
+                MODELFORGE_TEST_ADMIN_TOKEN=ADMIN_TOKEN,
+                MODELFORGE_TEST_PYTHON=sys.executable,
+                MODELFORGE_TEST_WORKDIR=str(workdir),
+                MODELFORGE_TEST_MANIFEST=str(manifest),
+                MODELFORGE_TEST_NVML_DIR=str(build_fake_nvml(tmp_path / "nvml")),
+                MODELFORGE_CONSOLE_SCREENSHOTS=str(Path(screenshots).resolve()),
+                PYTHONPATH=str(CONSOLE.parents[1]),
+            )
+            result = subprocess.run(
+                [node, "--test", "--test-concurrency=1", "--test-reporter=spec", *selected],
+                cwd=CONSOLE,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=900,
+                check=False,
+            )
+            log = server.log()
+    finally:
+        # An attached node outlives the control plane (only requests not attached yet are
+        # cancelled at shutdown): end the provisioned agent's Slurm job, so that it holds no
+        # core of the one-node cluster after this test.
+        scancel_all()
 
     report = result.stdout + result.stderr
     print(report)

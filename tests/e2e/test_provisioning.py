@@ -15,8 +15,8 @@ environment of the agent's locked dependencies that `mfslurm` can read.
 
 from __future__ import annotations
 
-import hashlib
 import json
+import sqlite3
 import subprocess
 import tempfile
 import time
@@ -29,14 +29,20 @@ import pytest
 
 from tests.e2e.node import wait_until
 from tests.e2e.server import LiveServer, free_port
-from tests.e2e.slurm import SshLogin, ensure_cluster, make_login, scancel_all, squeue_jobs
+from tests.e2e.slurm import (
+    REPO,
+    SshLogin,
+    agent_venv,
+    ensure_cluster,
+    make_login,
+    readable_by_everyone,
+    scancel_all,
+    slurm_provisioner,
+    squeue_jobs,
+)
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
-#: A virtual environment `mfslurm` can run: Debian's python3 and the node agent's locked
-#: dependencies; the checkout itself comes in through PYTHONPATH.
-VENV_ROOT = Path("/opt/modelforge-slurm")
 MAX_IDLE_S = 6
 TIMEOUT_S = 15
 FAST = {
@@ -47,79 +53,38 @@ FAST = {
 }
 
 
-def _agent_venv() -> Path:
-    lock = REPO / "locks" / "node-agent.lock"
-    digest = hashlib.sha256(lock.read_bytes()).hexdigest()[:16]
-    venv = VENV_ROOT / f"venv-{digest}"
-    python = venv / "bin" / "python3"
-    if not (venv / ".complete").exists():
-        VENV_ROOT.mkdir(parents=True, exist_ok=True)
-        VENV_ROOT.chmod(0o755)
-        subprocess.run(["/usr/bin/python3", "-m", "venv", "--clear", str(venv)], check=True)
-        subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", "--require-hashes", "-r", str(lock)],
-            check=True,
-            timeout=600,
-        )
-        (venv / ".complete").touch()
-    return venv
-
-
-def _readable_by_everyone(path: Path) -> None:
-    """`mfslurm` imports the checkout: every directory above it must let it through."""
-    for parent in [path, *path.parents]:
-        mode = parent.stat().st_mode
-        assert mode & 0o005 == 0o005, f"{parent} is not readable by other users"
+#: A profile whose job script never starts an agent.
+NEVER = {
+    "name": "never",
+    "cpus": 1,
+    "ram_mb": 64,
+    "labels": {"site": "stuck"},
+    "prerun": ["sleep 3600"],
+}
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, SshLogin]]:
     ensure_cluster()
-    _readable_by_everyone(REPO)
-    venv = _agent_venv()
+    readable_by_everyone(REPO)
+    venv = agent_venv()
     root = tmp_path_factory.mktemp("provisioning")
     login = make_login(root / "ssh")
     port = free_port()
-    prerun = [f"export PATH={venv}/bin:$PATH", f"export PYTHONPATH={REPO}"]
+    cpu = {
+        "name": "cpu",
+        "cpus": 1,
+        "ram_mb": 256,
+        "labels": {"site": "slurm"},
+        "prerun": [f"export PATH={venv}/bin:$PATH", f"export PYTHONPATH={REPO}"],
+    }
     provisioners = [
-        {
-            "type": "slurm",
-            "name": "local",
-            "login": login.login,
-            "ssh_key": str(login.key_path),
-            "known_hosts": str(login.known_hosts_path),
-            "engine_url": f"http://127.0.0.1:{port}",
-            "max_idle_s": MAX_IDLE_S,
-            "provision_timeout_s": 120,
-            "profiles": [
-                {
-                    "name": "cpu",
-                    "cpus": 1,
-                    "ram_mb": 256,
-                    "labels": {"site": "slurm"},
-                    "prerun": prerun,
-                },
-            ],
-        },
-        {
-            "type": "slurm",
-            "name": "stuck",
-            "login": login.login,
-            "ssh_key": str(login.key_path),
-            "known_hosts": str(login.known_hosts_path),
-            "engine_url": f"http://127.0.0.1:{port}",
-            "max_idle_s": 0,
-            "provision_timeout_s": TIMEOUT_S,
-            "profiles": [
-                {
-                    "name": "never",
-                    "cpus": 1,
-                    "ram_mb": 64,
-                    "labels": {"site": "stuck"},
-                    "prerun": ["sleep 3600"],
-                },
-            ],
-        },
+        slurm_provisioner(
+            login, port, "local", max_idle_s=MAX_IDLE_S, provision_timeout_s=120, profile=cpu
+        ),
+        slurm_provisioner(
+            login, port, "stuck", max_idle_s=0, provision_timeout_s=TIMEOUT_S, profile=NEVER
+        ),
     ]
     path = root / "provisioners.json"
     path.write_text(json.dumps(provisioners))
@@ -271,3 +236,53 @@ def test_a_request_that_never_attaches_is_cancelled_and_a_burst_asks_once(
 
     wait_until(scancel_events, 30, "the scancel call's event")
     assert scancel_events()[0]["data"]["exit_code"] == 0
+
+
+def test_a_clean_shutdown_cancels_the_requests_not_attached_yet(
+    cluster: tuple[LiveServer, SshLogin], tmp_path: Path
+) -> None:
+    _, login = cluster
+    port = free_port()
+    path = tmp_path / "provisioners.json"
+    path.write_text(
+        json.dumps(
+            [
+                slurm_provisioner(
+                    login, port, "parting", max_idle_s=0, provision_timeout_s=0, profile=NEVER
+                )
+            ]
+        )
+    )
+    database = tmp_path / "cp.db"
+    with LiveServer(
+        tmp_path / "cp",
+        f"sqlite:///{database}",
+        env_overrides={**FAST, "MODELFORGE_PROVISIONERS_FILE": str(path)},
+        port=port,
+    ) as server:
+        _submit(server, {"site": "stuck"})
+        wait_until(
+            lambda: [r for r in _requests(server, "parting") if r["state"] == "pending"],
+            60,
+            "a pending request",
+        )
+        (request,) = _requests(server, "parting")
+        assert _ours(request["request_id"]), "its Slurm job is not queued"
+        # provision_timeout_s 0: it would wait for ever; a few rounds later it still does.
+        time.sleep(6)
+        assert _requests(server, "parting")[0]["state"] == "pending"
+        assert server.stop() == 0
+    # Nothing of it outlives the control plane: the Slurm job, the credential, the request.
+    wait_until(lambda: not _ours(request["request_id"]), 30, "scancel at shutdown")
+    with sqlite3.connect(database) as db:
+        state, reason = db.execute(
+            "SELECT state, reason FROM provision_requests WHERE id = ?", (request["request_id"],)
+        ).fetchone()
+        (revoked,) = db.execute(
+            "SELECT count(*) FROM node_credentials WHERE node_id = ? AND revoked_at IS NOT NULL",
+            (request["node_id"],),
+        ).fetchone()
+    assert state == "cancelled" and "shutting down" in reason, (state, reason)
+    assert revoked == 1
+    home = Path(f"~{login.login.split('@')[0]}").expanduser()
+    assert not (home / ".modelforge" / "provision" / f"{request['request_id']}.json").exists()

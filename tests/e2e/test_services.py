@@ -149,7 +149,7 @@ def test_weights_named_by_a_model_and_a_service_survive_the_sweep_and_serve(
     import onnxruntime as ort
     import tritonclient.http as triton
 
-    server, _ = stack
+    server, node = stack
     weights = np.arange(12, dtype=np.float32).reshape(3, 4) - 5.0
     model_bytes = relu_matmul(weights)
     # A job produces the weights as an output.
@@ -193,6 +193,17 @@ def test_weights_named_by_a_model_and_a_service_survive_the_sweep_and_serve(
     listed = [item["digest"] for item in _call(server, "GET", "/api/v1/artifacts")]
     assert digest in listed and orphan not in listed
 
+    # The control plane still holds the bytes, and the node must fetch them again: the job
+    # saved them into this node's cache, which would otherwise serve the restart by itself.
+    with server.client() as client:
+        assert client.get(f"/api/v1/artifacts/{digest}", headers=server.admin).content == (
+            model_bytes
+        )
+        assert client.get(f"/api/v1/artifacts/{orphan}", headers=server.admin).status_code == 404
+    cached = node.root / "cache" / digest.removeprefix("sha256:")
+    assert cached.is_file()
+    cached.unlink()
+
     # The service still starts from the weights: restart it, and call it.
     _call(server, "POST", f"/api/v1/services/{service['service_id']}/restart")
     wait_until(
@@ -201,6 +212,7 @@ def test_weights_named_by_a_model_and_a_service_survive_the_sweep_and_serve(
         "the restart",
     )
     running = _service_state(server, service["service_id"], "healthy", 60)
+    assert cached.read_bytes() == model_bytes  # downloaded again from the control plane
     host_port = running["url"].removeprefix("http://")
     client = triton.InferenceServerClient(url=host_port)
     assert client.is_model_ready("relu")

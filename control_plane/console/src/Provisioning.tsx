@@ -64,7 +64,7 @@ export function Provisioning() {
             row={(request) => {
               const node = request.node_id ? nodeById.get(request.node_id) : undefined;
               return (
-                <tr key={request.request_id}>
+                <tr key={request.request_id} data-request-id={request.request_id} data-state={request.state}>
                   <td>
                     <code>{request.request_id}</code>
                   </td>
@@ -74,8 +74,8 @@ export function Provisioning() {
                   </td>
                   <td>{request.slurm_job_id ?? "—"}</td>
                   <td>{age(request.age_seconds)}</td>
-                  <td>{node ? `${node.display_name} (${node.state})` : request.node_id ?? "—"}</td>
-                  <td>{node ? when(node.credential_expires_at ?? null) : "—"}</td>
+                  <td data-testid="request-node">{node ? `${node.display_name} (${node.state})` : request.node_id ?? "—"}</td>
+                  <td data-testid="request-expires">{node ? when(node.credential_expires_at ?? null) : "—"}</td>
                   <td>{request.reason ?? ""}</td>
                 </tr>
               );

@@ -199,6 +199,14 @@ test("deploy a command service from the form, see it healthy, kill it, see the r
   assert.match(await page.locator("dl.facts").textContent(), /CONSOLE_TEST_SECRET/);
   assertNowhere(await browserState(page), secretValue);
 
+  // Restart from its page, confirmed: a new generation, counted, and healthy again.
+  const before = Number(await page.getByTestId("service-restarts").textContent());
+  await page.getByRole("button", { name: "Restart" }).click();
+  await page.getByRole("dialog", { name: /Restart console-http/ }).getByRole("button", { name: "Restart" }).click();
+  await until("the restart to be counted", async () => Number(await page.getByTestId("service-restarts").textContent()) > before);
+  await page.getByTestId("service-state").filter({ hasText: "healthy" }).waitFor({ timeout: 60_000 });
+  assert.equal((await admin("GET", "/api/v1/admin/audit?action=service.restart")).body.length, 1);
+
   // The list shows it with its URL and restart count; undeploy from its page, confirmed.
   await page.getByRole("link", { name: "← Services" }).click();
   const row = page.locator("tr[data-service-id]", { hasText: "console-http" });
@@ -262,21 +270,58 @@ test("artifacts and models: who references what, and a sweep dry run that change
   assert.match(await report.textContent(), /Sweep dry run/);
   assert.equal((await admin("GET", "/api/v1/admin/audit?action=artifact.sweep")).body.length, 1, "one sweep: the dry run");
   await page.locator(`tr[data-digest="${orphan}"]`).waitFor();
-  assert.equal((await fetch(`${BASE_URL}/api/v1/artifacts/${orphan}`, { headers: { "X-ModelForge-Admin-Token": ADMIN_TOKEN } })).status, 200);
+  const stored = async (which) =>
+    (await fetch(`${BASE_URL}/api/v1/artifacts/${which}`, { headers: { "X-ModelForge-Admin-Token": ADMIN_TOKEN } })).status;
+  assert.equal(await stored(orphan), 200);
+
+  // Confirmed, it deletes what the dry run listed: the orphan goes, the model's weights stay.
+  await page.getByRole("button", { name: "Sweep now" }).click();
+  await page.getByRole("dialog", { name: /Delete every unreferenced artifact/ }).getByRole("button", { name: "Sweep now" }).click();
+  await report.filter({ hasText: /^Sweep at/ }).waitFor();
+  assert.match(await report.textContent(), /deleted \d+ artifact\(s\)/);
+  assert.equal(await report.getByRole("table").first().locator("tr", { hasText: orphan }).count(), 1);
+  await page.locator(`tr[data-digest="${orphan}"]`).waitFor({ state: "detached" });
+  assert.equal(await stored(orphan), 404);
+  assert.equal(await stored(digest), 200);
+  await page.locator(`tr[data-digest="${digest}"]`).waitFor();
+  assert.equal((await admin("GET", "/api/v1/admin/audit?action=artifact.sweep")).body.length, 2, "the dry run and the sweep");
   assert.deepEqual(page.problems, []);
   await page.context().close();
 });
 
-test("provisioning shows the profile and the failed Slurm requests; audit lists admin actions by filter", async () => {
+test("provisioning: the node a Slurm request brought and its credential's expiry, a failed request; audit by filter", async () => {
+  // A site=down job: the `down` provisioner's login host refuses, so its request fails with
+  // ssh's exit code and stderr (never a secret).
+  assert.equal((await admin("POST", "/api/v1/jobs", { ...pythonJob("def main():\n    return 1\n"), labels: { site: "down" } })).status, 201);
   const page = await newPage(browser);
   await signIn(page);
   await page.getByRole("link", { name: "Provisioning" }).click();
-  const provisioner = page.getByRole("region", { name: "Provisioner hpc" });
-  await provisioner.getByRole("cell", { name: "hpc-cpu" }).first().waitFor();
-  // The site=hpc job queued above makes a request; the login host refuses, so it fails with
-  // ssh's exit code and stderr (never a secret).
-  await provisioner.locator("tr", { hasText: "failed" }).first().waitFor({ timeout: 30_000 });
-  assert.match(await provisioner.locator("tr", { hasText: "failed" }).first().textContent(), /255/);
+  const down = page.getByRole("region", { name: "Provisioner down" });
+  await down.locator('tr[data-state="failed"]').first().waitFor({ timeout: 30_000 });
+  assert.match(await down.locator('tr[data-state="failed"]').first().textContent(), /255/);
+
+  // The site=hpc job queued above made a request of the real Slurm cluster: its agent attached
+  // with a 24 h credential the provisioner issued, and ran the job.
+  const hpc = page.getByRole("region", { name: "Provisioner hpc" });
+  await hpc.getByRole("cell", { name: "hpc-cpu" }).first().waitFor();
+  const attached = hpc.locator('tr[data-state="attached"]');
+  await attached.waitFor({ timeout: 180_000 });
+  const requestId = await attached.getAttribute("data-request-id");
+  const request = (await admin("GET", "/api/v1/admin/provisioners")).body
+    .flatMap((provisioner) => provisioner.requests)
+    .find((candidate) => candidate.request_id === requestId);
+  const [credential] = (await admin("GET", `/api/v1/admin/credentials?node_id=${request.node_id}`)).body;
+  assert.equal(credential.issuer, "provisioner");
+  const hours = (Date.parse(credential.expires_at) - Date.parse(credential.issued_at)) / 3_600_000;
+  assert.ok(Math.abs(hours - 24) < 0.01, `a 24 h credential, not ${hours} h`);
+  await attached.getByTestId("request-node").filter({ hasText: "(online)" }).waitFor({ timeout: 30_000 });
+  const shown = await page.evaluate((iso) => new Date(iso).toLocaleString(), credential.expires_at);
+  assert.equal(await attached.getByTestId("request-expires").textContent(), shown);
+  assert.match(await attached.textContent(), new RegExp(request.slurm_job_id));
+  await until("the site=hpc job to succeed on the Slurm node", async () => {
+    const jobs = (await admin("GET", "/api/v1/jobs?label=site=hpc")).body;
+    return jobs.length === 1 && jobs[0].state === "succeeded" && jobs[0].node_id === request.node_id;
+  }, 60_000);
   await screenshot(page, "provisioning");
 
   await page.getByRole("link", { name: "Audit" }).click();
