@@ -4,6 +4,7 @@ loops in the lifespan. Nothing happens at import time."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -60,8 +61,24 @@ log = logging.getLogger(__name__)
 _WORKER_THREADS = 8
 
 
+def create_served_app() -> AgentFastPath:
+    """What `modelforge-control-plane` serves (Granian's factory): `create_app()` that sets the
+    objects alive once it has started aside from the garbage collector (`gc.freeze`).
+
+    Those — modules, the ORM's and the schemas' classes, the app, the settings — live as long as
+    the process, yet a full collection walked all of them each time: measured with 1,000 claims
+    waiting, 100–170 ms with the event loop stopped, every second or two, in the dispatch
+    latency's tail. Only this process does it: a process that builds apps and throws them away
+    (the tests) would keep what it froze for ever."""
+    return create_app(set_aside_startup_objects=True)
+
+
 def create_app(
-    settings: Settings | None = None, *, clock: Clock | None = None, run_loops: bool = True
+    settings: Settings | None = None,
+    *,
+    clock: Clock | None = None,
+    run_loops: bool = True,
+    set_aside_startup_objects: bool = False,
 ) -> AgentFastPath:
     """The served ASGI app: the heartbeat fast path, which answers the common heartbeat itself
     (reading at most 16 KiB, with the same security headers), then for everything else the edge
@@ -105,6 +122,9 @@ def create_app(
         tasks = [*start_loops(ctx), start_service_placement(ctx)] if run_loops else []
         if run_loops:
             ctx.provisioner.start()
+        if set_aside_startup_objects:
+            gc.collect()  # garbage from the start is not kept for ever
+            gc.freeze()
         try:
             yield
         finally:

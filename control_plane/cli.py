@@ -92,7 +92,7 @@ def _serve(settings: Settings) -> None:
     from granian.constants import HTTPModes, Interfaces, Loops
 
     Granian(
-        target="control_plane.app:create_app",
+        target="control_plane.app:create_served_app",
         factory=True,
         interface=Interfaces.ASGI,
         # Agents and the console speak HTTP/1.1; uvloop for the event loop (HB-4 throughput).
