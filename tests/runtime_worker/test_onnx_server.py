@@ -328,3 +328,34 @@ def test_inferences_beyond_max_concurrency_wait_then_get_503(
             pass
     finally:
         server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("available", "environ", "expected"),
+    [
+        # A GPU the service holds: CUDA first, the CPU behind it.
+        (
+            ["CUDAExecutionProvider", "CPUExecutionProvider"],
+            {"CUDA_VISIBLE_DEVICES": "GPU-1"},
+            ["CUDAExecutionProvider", "CPUExecutionProvider"],
+        ),
+        # Nothing set (a GPU host outside the worker's assignment): CUDA may be used.
+        (
+            ["CUDAExecutionProvider", "CPUExecutionProvider"],
+            {},
+            ["CUDAExecutionProvider", "CPUExecutionProvider"],
+        ),
+        # `gpus: 0`: the worker hides every GPU, so onnxruntime must not try CUDA.
+        (
+            ["CUDAExecutionProvider", "CPUExecutionProvider"],
+            {"CUDA_VISIBLE_DEVICES": ""},
+            ["CPUExecutionProvider"],
+        ),
+        # An onnxruntime without CUDA (the CPU image): the CPU, whatever is visible.
+        (["CPUExecutionProvider"], {"CUDA_VISIBLE_DEVICES": "GPU-1"}, ["CPUExecutionProvider"]),
+    ],
+)
+def test_cuda_is_chosen_only_with_a_visible_gpu_and_a_cuda_build(
+    available: list[str], environ: dict[str, str], expected: list[str]
+) -> None:
+    assert onnx_server.choose_providers(available, environ) == expected

@@ -425,3 +425,31 @@ def test_a_malformed_body_is_refused_over_the_socket(worker: Worker) -> None:
     assert status == 400 and "service_id" in answer["error"]["message"]
     _, listing = worker.call("GET", "/v1/services")
     assert listing["services"] == []
+
+
+TELLS_GPUS = """
+import http.server, json, os, pathlib
+names = ["CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"]
+pathlib.Path(os.environ["OUT_DIR"], "gpus.json").write_text(
+    json.dumps({name: os.environ.get(name) for name in names})
+)
+http.server.test(
+    HandlerClass=http.server.SimpleHTTPRequestHandler, port=int(os.environ["PORT"]),
+    bind="127.0.0.1",
+)
+"""
+
+
+def test_a_service_sees_exactly_the_gpus_it_holds(worker: Worker, tmp_path: Path) -> None:
+    held = [{"index": 1, "uuid": "GPU-held-1"}]
+    body = service(
+        command=[sys.executable, "-c", TELLS_GPUS],
+        env={"OUT_DIR": str(tmp_path)},
+        assigned_gpus=held,
+        resources={"cpus": 1, "gpus": 1, "memory_mb": 128},
+    )
+    worker.put("on-gpu", body)
+    worker.wait_for("on-gpu", "healthy", state="healthy")
+    seen = json.loads((tmp_path / "gpus.json").read_text())
+    assert seen == {"CUDA_VISIBLE_DEVICES": "GPU-held-1", "NVIDIA_VISIBLE_DEVICES": "GPU-held-1"}
+    worker.call("DELETE", "/v1/services/on-gpu")
