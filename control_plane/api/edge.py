@@ -1,12 +1,13 @@
 """The edge of the served app: what every request meets before any route, written as two thin
 pure-ASGI seams just inside the heartbeat fast path.
 
-`Edge` bounds every request body — by its `Content-Length` before a byte is read,
-and by counting the bytes of a chunked body as they arrive, so memory never holds more than the
-limit — and gives every response the security headers (a strict Content-Security-Policy unless
-the response brings its own). `JsonGuard` (between the edge and FastAPI) reads a body whole
-and refuses JSON that is malformed, nested deeper than `MAX_JSON_DEPTH` or holds a number that
-is not finite, before any route sees it, so nothing is stored that a later read cannot return.
+`Edge` refuses a query string that holds a control character, bounds every request body — by
+its `Content-Length` before a byte is read, and by counting the bytes of a chunked body as they
+arrive, so memory never holds more than the limit — and gives every response the security
+headers (a strict Content-Security-Policy unless the response brings its own). `JsonGuard`
+(between the edge and FastAPI) reads a body whole and refuses JSON that is malformed, nested
+deeper than `MAX_JSON_DEPTH` or holds a number that is not finite, before any route sees it, so
+nothing is stored that a later read cannot return.
 
 The common heartbeat never reaches these seams: the fast path in front of them reads at most
 16 KiB of it, parses it once with pydantic (which has its own depth limit, and the heartbeat
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+from urllib.parse import unquote_plus
 
 from pydantic_core import from_json
 
@@ -31,6 +33,7 @@ from control_plane.api.asgi import ASGIApp, Message, Receive, Scope, Send, repla
 from control_plane.context import AppContext
 from control_plane.errors import InvalidRequest, ModelForgeError, RequestTooLarge
 from modelforge_contracts.json_trees import tree_problem
+from modelforge_contracts.text import UNSAFE_LINE
 
 #: The deepest nesting of arrays and objects accepted in a JSON body (the body itself is 1).
 MAX_JSON_DEPTH = 64
@@ -84,6 +87,9 @@ class Edge:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if _unsafe_query(scope.get("query_string", b"")):
+            await _refuse(send, _bad_query())
             return
         limit, setting = self.limit_for(scope["method"], scope["path"])
         declared = _content_length(scope)
@@ -176,6 +182,22 @@ def _not_finite() -> ModelForgeError:
         "too large for a 64-bit float, such as 1e999).",
         "Send finite numbers only; encode a missing value as null.",
         code="JSON_NOT_FINITE",
+    )
+
+
+def _unsafe_query(raw: bytes) -> bool:
+    """A query string that, decoded, holds a control character (NUL among them) or a mark that
+    reorders text: no filter or option takes one, and PostgreSQL cannot even compare text with a
+    NUL in it."""
+    return bool(raw) and UNSAFE_LINE.search(unquote_plus(raw.decode("latin-1"))) is not None
+
+
+def _bad_query() -> ModelForgeError:
+    return InvalidRequest(
+        "The query string holds a control character (such as NUL or an escape) or a "
+        "bidirectional-text mark.",
+        "Send printable text in query parameters, percent-encoded as URLs require.",
+        code="INVALID_QUERY",
     )
 
 

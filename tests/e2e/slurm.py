@@ -254,3 +254,12 @@ def slurm_provisioner(
         **limits,
         "profiles": [profile],
     }
+
+
+def agent_prerun() -> list[str]:
+    """A profile's `prerun` lines that run the node agent of this checkout on the cluster, once
+    the cluster, the agent's environment and the checkout's permissions are ready."""
+    ensure_cluster()
+    readable_by_everyone(REPO)
+    venv = agent_venv()
+    return [f"export PATH={venv}/bin:$PATH", f"export PYTHONPATH={REPO}"]

@@ -21,11 +21,8 @@ import pytest
 
 from tests.e2e.server import FAST, LiveServer, free_port
 from tests.e2e.slurm import (
-    REPO,
-    agent_venv,
-    ensure_cluster,
+    agent_prerun,
     make_login,
-    readable_by_everyone,
     scancel_all,
     slurm_provisioner,
 )
@@ -46,9 +43,7 @@ def _provisioners(root: Path, port: int) -> Path:
     shows the node a request brought and its credential's expiry; and `down`, whose login host
     refuses connections (a closed loopback port), so it shows a request that failed with ssh's
     exit code and stderr."""
-    ensure_cluster()
-    readable_by_everyone(REPO)
-    venv = agent_venv()
+    prerun = agent_prerun()
     root.mkdir()
     hpc = slurm_provisioner(
         make_login(root / "ssh"),
@@ -61,7 +56,7 @@ def _provisioners(root: Path, port: int) -> Path:
             "cpus": 1,
             "ram_mb": 256,
             "labels": {"site": "hpc"},
-            "prerun": [f"export PATH={venv}/bin:$PATH", f"export PYTHONPATH={REPO}"],
+            "prerun": prerun,
         },
     )
     key, known_hosts = root / "id_ed25519", root / "known_hosts"

@@ -30,12 +30,9 @@ import pytest
 from tests.e2e.node import wait_until
 from tests.e2e.server import LiveServer, free_port
 from tests.e2e.slurm import (
-    REPO,
     SshLogin,
-    agent_venv,
-    ensure_cluster,
+    agent_prerun,
     make_login,
-    readable_by_everyone,
     scancel_all,
     slurm_provisioner,
     squeue_jobs,
@@ -65,9 +62,7 @@ NEVER = {
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, SshLogin]]:
-    ensure_cluster()
-    readable_by_everyone(REPO)
-    venv = agent_venv()
+    prerun = agent_prerun()
     root = tmp_path_factory.mktemp("provisioning")
     login = make_login(root / "ssh")
     port = free_port()
@@ -76,7 +71,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServ
         "cpus": 1,
         "ram_mb": 256,
         "labels": {"site": "slurm"},
-        "prerun": [f"export PATH={venv}/bin:$PATH", f"export PYTHONPATH={REPO}"],
+        "prerun": prerun,
     }
     provisioners = [
         slurm_provisioner(
