@@ -15,6 +15,7 @@ from control_plane.models import ProvisionEvent, ProvisionRequest
 from control_plane.provisioning import slurm
 from control_plane.provisioning.config import load_provisioners
 from tests.e2e.server import free_port
+from tests.e2e.slurm import SshLogin, slurm_provisioner
 from tests.factories import control_plane, heartbeat_body
 
 
@@ -24,17 +25,14 @@ def _provisioners(tmp_path: Path) -> Path:
     known_hosts.write_text("[127.0.0.1]:2222 ssh-ed25519 AAAA\n")
 
     def one(name: str, limit: int) -> dict[str, Any]:
-        return {
-            "type": "slurm",
-            "name": name,
-            "login": f"mfslurm@127.0.0.1:{free_port()}",
-            "ssh_key": str(key),
-            "known_hosts": str(known_hosts),
-            "engine_url": "http://127.0.0.1:8000",
-            "max_idle_s": limit,
-            "provision_timeout_s": limit,
-            "profiles": [{"name": "p", "cpus": 1, "ram_mb": 64, "labels": {"site": name}}],
-        }
+        return slurm_provisioner(
+            SshLogin(f"mfslurm@127.0.0.1:{free_port()}", key, known_hosts),
+            8000,
+            name,
+            max_idle_s=limit,
+            provision_timeout_s=limit,
+            profile={"name": "p", "cpus": 1, "ram_mb": 64, "labels": {"site": name}},
+        )
 
     path = tmp_path / "provisioners.json"
     path.write_text(json.dumps([one("forever", 0), one("limited", 600)]))

@@ -243,7 +243,8 @@ def readable_by_everyone(path: Path) -> None:
 def slurm_provisioner(
     login: SshLogin, port: int, name: str, *, profile: dict[str, Any], **limits: int
 ) -> dict[str, Any]:
-    """A provisioner of the local cluster for a control plane on `port`."""
+    """A provisioner reached through `login` (the local cluster's, or one that refuses) for a
+    control plane on `port`."""
     return {
         "type": "slurm",
         "name": name,
@@ -256,10 +257,11 @@ def slurm_provisioner(
     }
 
 
-def agent_prerun() -> list[str]:
-    """A profile's `prerun` lines that run the node agent of this checkout on the cluster, once
+def agent_profile(name: str, labels: dict[str, str]) -> dict[str, Any]:
+    """A profile (1 CPU, 256 MB) whose job runs this checkout's node agent on the cluster, once
     the cluster, the agent's environment and the checkout's permissions are ready."""
     ensure_cluster()
     readable_by_everyone(REPO)
     venv = agent_venv()
-    return [f"export PATH={venv}/bin:$PATH", f"export PYTHONPATH={REPO}"]
+    prerun = [f"export PATH={venv}/bin:$PATH", f"export PYTHONPATH={REPO}"]
+    return {"name": name, "cpus": 1, "ram_mb": 256, "labels": labels, "prerun": prerun}

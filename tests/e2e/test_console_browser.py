@@ -21,7 +21,8 @@ import pytest
 
 from tests.e2e.server import FAST, LiveServer, free_port
 from tests.e2e.slurm import (
-    agent_prerun,
+    SshLogin,
+    agent_profile,
     make_login,
     scancel_all,
     slurm_provisioner,
@@ -43,7 +44,7 @@ def _provisioners(root: Path, port: int) -> Path:
     shows the node a request brought and its credential's expiry; and `down`, whose login host
     refuses connections (a closed loopback port), so it shows a request that failed with ssh's
     exit code and stderr."""
-    prerun = agent_prerun()
+    profile = agent_profile("hpc-cpu", {"site": "hpc"})
     root.mkdir()
     hpc = slurm_provisioner(
         make_login(root / "ssh"),
@@ -51,31 +52,26 @@ def _provisioners(root: Path, port: int) -> Path:
         "hpc",
         max_idle_s=900,  # attached for the rest of the run; cancelled after it
         provision_timeout_s=240,
-        profile={
-            "name": "hpc-cpu",
-            "cpus": 1,
-            "ram_mb": 256,
-            "labels": {"site": "hpc"},
-            "prerun": prerun,
-        },
+        profile=profile,
     )
     key, known_hosts = root / "id_ed25519", root / "known_hosts"
     key.write_text("a key the login host never gets to see\n")
     key.chmod(0o600)
     known_hosts.write_text(f"[127.0.0.1]:{CLOSED_PORT} ssh-ed25519 AAAA\n")
-    down = {
-        "type": "slurm",
-        "name": "down",
-        "login": f"mfslurm@127.0.0.1:{CLOSED_PORT}",
-        "ssh_key": str(key),
-        "known_hosts": str(known_hosts),
-        "engine_url": f"http://127.0.0.1:{port}",
-        "max_idle_s": 300,
-        "provision_timeout_s": 600,
-        "profiles": [
-            {"name": "down-cpu", "cpus": 1, "gpus": 0, "ram_mb": 512, "labels": {"site": "down"}}
-        ],
-    }
+    down = slurm_provisioner(
+        SshLogin(f"mfslurm@127.0.0.1:{CLOSED_PORT}", key, known_hosts),
+        port,
+        "down",
+        max_idle_s=300,
+        provision_timeout_s=600,
+        profile={
+            "name": "down-cpu",
+            "cpus": 1,
+            "gpus": 0,
+            "ram_mb": 512,
+            "labels": {"site": "down"},
+        },
+    )
     path = root / "provisioners.json"
     path.write_text(json.dumps([hpc, down]))
     return path

@@ -31,7 +31,7 @@ from tests.e2e.node import wait_until
 from tests.e2e.server import LiveServer, free_port
 from tests.e2e.slurm import (
     SshLogin,
-    agent_prerun,
+    agent_profile,
     make_login,
     scancel_all,
     slurm_provisioner,
@@ -62,17 +62,10 @@ NEVER = {
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, SshLogin]]:
-    prerun = agent_prerun()
+    cpu = agent_profile("cpu", {"site": "slurm"})
     root = tmp_path_factory.mktemp("provisioning")
     login = make_login(root / "ssh")
     port = free_port()
-    cpu = {
-        "name": "cpu",
-        "cpus": 1,
-        "ram_mb": 256,
-        "labels": {"site": "slurm"},
-        "prerun": prerun,
-    }
     provisioners = [
         slurm_provisioner(
             login, port, "local", max_idle_s=MAX_IDLE_S, provision_timeout_s=120, profile=cpu
