@@ -78,7 +78,7 @@ HOLDING_BODIES = ("/api/v1/agent/work/claim", "/api/v1/agent/jobs/watch")
 def _bound_long_polls(case: schemathesis.Case) -> None:
     """Cap what the generated case asks a long poll to hold (an absent hold is the default)."""
     if isinstance(case.body, dict) and case.path in HOLDING_BODIES:
-        hold = case.body.get("hold_seconds", 25.0)
+        hold = case.body.get("hold_seconds", LONG_POLL_MAX_SECONDS)
         if isinstance(hold, int | float) and not isinstance(hold, bool):
             case.body["hold_seconds"] = min(hold, LONG_POLL_MAX_SECONDS)
     if case.query and isinstance(case.query.get("wait"), int | float):
