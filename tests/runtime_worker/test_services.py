@@ -33,20 +33,33 @@ http.server.test(
     bind="127.0.0.1",
 )
 """
-#: A service that records what its secrets are (in OUT_DIR, which the test gives it), prints
-#: one of them, then serves HTTP.
-TELLS_SECRETS = """
+
+
+def telling(names: list[str], out: str, then: str = "") -> str:
+    """A service that writes what it sees of `names` in its environment to OUT_DIR/`out` as
+    JSON, runs `then`, and serves HTTP on its port."""
+    return f"""
 import http.server, json, os, pathlib
-names = ["MY_SECRET", "HF_TOKEN"]
-pathlib.Path(os.environ["OUT_DIR"], "seen.json").write_text(
-    json.dumps({name: os.environ.get(name) for name in names})
+names = {names!r}
+pathlib.Path(os.environ["OUT_DIR"], {out!r}).write_text(
+    json.dumps({{name: os.environ.get(name) for name in names}})
 )
-print("my secret is", os.environ["MY_SECRET"], flush=True)
+{then}
 http.server.test(
     HandlerClass=http.server.SimpleHTTPRequestHandler, port=int(os.environ["PORT"]),
     bind="127.0.0.1",
 )
 """
+
+
+#: A service that records what its secrets are (in OUT_DIR, which the test gives it), prints
+#: one of them, then serves HTTP; and one that records which GPUs it may see.
+TELLS_SECRETS = telling(
+    ["MY_SECRET", "HF_TOKEN"],
+    "seen.json",
+    then='print("my secret is", os.environ["MY_SECRET"], flush=True)',
+)
+TELLS_GPUS = telling(["CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"], "gpus.json")
 FAST_HEALTH = {
     "path": "/",
     "interval_seconds": 0.2,
@@ -425,19 +438,6 @@ def test_a_malformed_body_is_refused_over_the_socket(worker: Worker) -> None:
     assert status == 400 and "service_id" in answer["error"]["message"]
     _, listing = worker.call("GET", "/v1/services")
     assert listing["services"] == []
-
-
-TELLS_GPUS = """
-import http.server, json, os, pathlib
-names = ["CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"]
-pathlib.Path(os.environ["OUT_DIR"], "gpus.json").write_text(
-    json.dumps({name: os.environ.get(name) for name in names})
-)
-http.server.test(
-    HandlerClass=http.server.SimpleHTTPRequestHandler, port=int(os.environ["PORT"]),
-    bind="127.0.0.1",
-)
-"""
 
 
 def test_a_service_sees_exactly_the_gpus_it_holds(worker: Worker, tmp_path: Path) -> None:
