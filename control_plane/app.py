@@ -38,6 +38,7 @@ from control_plane.api import (
 )
 from control_plane.api.agent_fast import AgentFastPath
 from control_plane.api.edge import Edge, JsonGuard, invalid_json
+from control_plane.api.rsgi import ServedApp
 from control_plane.background.loops import start_loops, stop_loops
 from control_plane.background.service_placement import start_service_placement
 from control_plane.clock import Clock, SystemClock
@@ -61,16 +62,17 @@ log = logging.getLogger(__name__)
 _WORKER_THREADS = 8
 
 
-def create_served_app() -> AgentFastPath:
-    """What `modelforge-control-plane` serves (Granian's factory): `create_app()` that sets the
-    objects alive once it has started aside from the garbage collector (`gc.freeze`).
+def create_served_app() -> ServedApp:
+    """What `modelforge-control-plane` serves (Granian's factory, RSGI): `create_app()` behind
+    the RSGI front (`api/rsgi.py`), setting the objects alive once it has started aside from
+    the garbage collector (`gc.freeze`).
 
     Those — modules, the ORM's and the schemas' classes, the app, the settings — live as long as
     the process, yet a full collection walked all of them each time: measured with 1,000 claims
     waiting, 100–170 ms with the event loop stopped, every second or two, in the dispatch
     latency's tail. Only this process does it: a process that builds apps and throws them away
     (the tests) would keep what it froze for ever."""
-    return create_app(set_aside_startup_objects=True)
+    return ServedApp(create_app(set_aside_startup_objects=True))
 
 
 def create_app(

@@ -94,9 +94,11 @@ def _serve(settings: Settings) -> None:
     Granian(
         target="control_plane.app:create_served_app",
         factory=True,
-        interface=Interfaces.ASGI,
+        # RSGI: the agents' requests skip the ASGI bridge (api/rsgi.py, HB-4 throughput).
+        interface=Interfaces.RSGI,
         # Agents and the console speak HTTP/1.1; uvloop for the event loop (HB-4 throughput).
         http=HTTPModes.http1,
+        websockets=False,
         loop=Loops.uvloop,
         address=settings.host,
         port=settings.port,

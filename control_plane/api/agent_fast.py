@@ -1,15 +1,19 @@
-"""The agents' fast path (HB-4, SC-3): a thin pure-ASGI seam in front of everything that answers
-the three requests every node sends all the time — a heartbeat, a work claim, a job's
-completion — without FastAPI's routing and dependency injection, when the credential already
-verified and is known active and the body is small and one the route's own model accepts.
+"""The agents' fast path (HB-4, SC-3): a thin seam in front of everything that answers the three
+requests every node sends all the time — a heartbeat, a work claim, a job's completion —
+without FastAPI's routing and dependency injection, when the credential already verified and is
+known active and the body is small and one the route's own model accepts. The served control
+plane puts it straight on Granian's RSGI interface (`api/rsgi.py`); in-process it is the
+outermost ASGI app.
 
 It is not a second implementation: it validates with the routes' models, calls the same
-services (`accept_heartbeat`, `Scheduler.claim`, `Completions.record`) and answers with the
-routes' response models; a completion's body passes the same JSON check as every other body
-(`edge.check_json`: depth, finite numbers). Anything else (an unknown or revoked credential,
-another protocol, a body the model refuses, a body larger than it reads) goes on towards the
-FastAPI app — through the edge and the JSON guard — with the original, complete body, so every
-other answer still comes from the routes and the one error hierarchy. Refusals that can only
+services (`judge_heartbeat` and `record_heartbeat`, which the route calls through
+`accept_heartbeat`; `Scheduler.claim`, `Completions.record`) and answers with the routes'
+response models (a heartbeat body already judged is answered from memory); a completion's
+body passes the same JSON check as every other body (`edge.check_json`: depth, finite
+numbers). Anything else (an unknown or revoked credential, another protocol, a body the model
+refuses, a body larger than it reads) goes on towards the FastAPI app — through the edge and the
+JSON guard — with the original, complete body, so every other answer still comes from the
+routes and the one error hierarchy. Refusals that can only
 come up here (a completion the job does not take, a claim whose credential was revoked while it
 waited) are rendered from the same errors the routes raise.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Awaitable, Callable
 
 from pydantic import ValidationError
 
@@ -28,38 +33,62 @@ from control_plane.context import AppContext
 from control_plane.errors import ModelForgeError, ProtocolIncompatible
 from control_plane.schemas import AgentJobComplete, AgentJobControl, HeartbeatRequest, WorkClaim
 from control_plane.services.credentials import NodePrincipal, revoked
-from control_plane.services.heartbeats import accept_heartbeat
+from control_plane.services.heartbeats import JudgedHeartbeat, judge_heartbeat, record_heartbeat
 from control_plane.services.scheduling import PlacedJob
 
 PATH = "/api/v1/agent/heartbeat"
 CLAIM_PATH = "/api/v1/agent/work/claim"
-_FIXED = frozenset({PATH, CLAIM_PATH})
 _COMPLETE = re.compile(r"^/api/v1/agent/jobs/([A-Za-z0-9_-]{1,64})/complete$")
-_GONE = (0, b"")
+#: What `answer` returns when the agent closed the connection first: nobody to answer.
+GONE = (0, b"")
 _NOT_CANCELLED = AgentJobControl(cancel=False).model_dump_json().encode()
 #: The most this seam reads before it hands the request on; a real heartbeat is ~150 bytes.
 FAST_BODY_LIMIT = 16 * 1024
-_JSON_TYPES = (b"application/json", b"")
+_JSON_TYPES = ("application/json", "")
+#: Heartbeat bodies judged once and answered from memory after: a node sends the same bytes
+#: every time until its health changes, so a fleet has a handful of distinct bodies. Bounded;
+#: only small bodies are kept.
+_JUDGED_BODY_LIMIT = 1024
+_JUDGED_MAX = 256
+
+#: An agent's request this seam may answer: a heartbeat, a claim, or a job's completion (its id).
+AgentRequest = tuple[str, str | None]
+#: What waits until the client has closed the connection (ASGI `receive` after the body).
+WaitClosed = Callable[[], Awaitable[object]]
+
+
+def agent_request(method: str, path: str) -> AgentRequest | None:
+    """Which of the agents' requests `method path` is, if one this seam answers."""
+    if method != "POST":
+        return None
+    if path == PATH or path == CLAIM_PATH:
+        return path, None
+    completing = _COMPLETE.match(path)
+    return None if completing is None else (path, completing.group(1))
 
 
 class AgentFastPath:
-    """Heartbeats, claims and completions answered here; everything else passed to `app`."""
+    """Heartbeats, claims and completions answered here; everything else passed to `app`.
+
+    `answer` is the seam itself, in terms of the request's parts; `__call__` puts it in front of
+    the ASGI app (the tests' in-process app), and `control_plane.api.rsgi.ServedApp` in front of
+    Granian's RSGI interface (the served control plane), so both answer alike.
+    """
 
     def __init__(self, app: ASGIApp, ctx: AppContext) -> None:
         self.app = app
         self.ctx = ctx
+        self._judged: dict[bytes, tuple[JudgedHeartbeat, bytes]] = {}
         # Requests answered here, by kind (observability and tests).
         self.answered = 0  # heartbeats
         self.claims = 0
         self.completions = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"]
-        completing = None if path in _FIXED else _COMPLETE.match(path)
-        if path not in _FIXED and completing is None:
+        request = None
+        if scope["type"] == "http":
+            request = agent_request(scope["method"], scope["path"])
+        if request is None:
             await self.app(scope, receive, send)
             return
         chunks: list[bytes] = []
@@ -74,17 +103,17 @@ class AgentFastPath:
             size += len(chunk)
             more = bool(message.get("more_body"))
         body = b"".join(chunks)
-        principal = None if more or size > FAST_BODY_LIMIT else self._principal(scope)
         answer: tuple[int, bytes] | None = None
-        if principal is not None:
-            if path == PATH:
-                answer = self._heartbeat(principal.node_id, body)
-            elif path == CLAIM_PATH:
-                answer = await self._claim(principal, body, receive)
-                if answer is _GONE:
-                    return  # the agent closed the connection: nobody to answer
-            elif completing is not None:
-                answer = await self._complete(principal.node_id, completing.group(1), body)
+        if not more and size <= FAST_BODY_LIMIT:
+            authorization = content_type = None
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    authorization = value.decode("latin-1")
+                elif name == b"content-type":
+                    content_type = value.decode("latin-1")
+            answer = await self.answer(request, authorization, content_type, body, receive)
+            if answer is GONE:
+                return
         if answer is None:
             await self.app(scope, replay(body, receive, more=more), send)
             return
@@ -95,43 +124,65 @@ class AgentFastPath:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": reply})
 
-    def _principal(self, scope: Scope) -> NodePrincipal | None:
+    async def answer(
+        self,
+        request: AgentRequest,
+        authorization: str | None,
+        content_type: str | None,
+        body: bytes,
+        closed: WaitClosed,
+    ) -> tuple[int, bytes] | None:
+        """The status and JSON body (empty for 204) to answer with; `GONE` when the agent closed
+        the connection first; None when the routes must answer (the caller hands the request
+        on with `body`). `body` is complete; `closed` is awaited only after it was read."""
+        principal = self._principal(authorization, content_type)
+        if principal is None:
+            return None
+        path, job_id = request
+        if path == PATH:
+            return self._heartbeat(principal.node_id, body)
+        if job_id is None:
+            return await self._claim(principal, body, closed)
+        return await self._complete(principal.node_id, job_id, body)
+
+    def _principal(
+        self, authorization: str | None, content_type: str | None
+    ) -> NodePrincipal | None:
         """The node, when the credential verified before and is known active, and the body is
         declared JSON (or not declared); else None (the routes answer)."""
-        authorization = content_type = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                authorization = value
-            elif name == b"content-type":
-                content_type = value
-        if authorization is None or authorization[:7].lower() != b"bearer ":
+        if authorization is None or authorization[:7].lower() != "bearer ":
             return None
-        if content_type is not None and content_type.split(b";")[0].strip() not in _JSON_TYPES:
+        if content_type is not None and content_type.split(";")[0].strip() not in _JSON_TYPES:
             return None
-        return self.ctx.authority.cached_active(authorization[7:].decode("latin-1").strip())
+        return self.ctx.authority.cached_active(authorization[7:].strip())
 
     def _heartbeat(self, node_id: str, body: bytes) -> tuple[int, bytes] | None:
         """The encoded response when this heartbeat is certainly accepted, else None."""
-        try:
-            request = HeartbeatRequest.model_validate_json(body)
-            response = accept_heartbeat(
-                request,
-                node_id=node_id,
-                buffer=self.ctx.heartbeats,
-                clock=self.ctx.clock,
-                settings=self.ctx.settings,
-                metrics=self.ctx.metrics,
-            )
-        except (ValidationError, ProtocolIncompatible):
-            return None  # the route refuses it, and records a protocol refusal
+        known = self._judged.get(body)
+        if known is None:
+            try:
+                request = HeartbeatRequest.model_validate_json(body)
+                judged = judge_heartbeat(request, settings=self.ctx.settings)
+            except (ValidationError, ProtocolIncompatible):
+                return None  # the route refuses it, and records a protocol refusal
+            known = judged, judged.response.model_dump_json().encode()
+            if len(body) <= _JUDGED_BODY_LIMIT:
+                if len(self._judged) >= _JUDGED_MAX:
+                    self._judged.clear()
+                self._judged[body] = known
+        judged, reply = known
+        ctx = self.ctx
+        record_heartbeat(
+            judged, node_id=node_id, buffer=ctx.heartbeats, clock=ctx.clock, metrics=ctx.metrics
+        )
         self.answered += 1
-        return 200, response.model_dump_json().encode()
+        return 200, reply
 
     async def _claim(
-        self, principal: NodePrincipal, body: bytes, receive: Receive
+        self, principal: NodePrincipal, body: bytes, closed: WaitClosed
     ) -> tuple[int, bytes] | None:
         """The claim route's answer: a job, 204, or the refusal of a credential revoked while
-        it waited; `_GONE` when the agent (or a balancer's timeout) closed the connection
+        it waited; `GONE` when the agent (or a balancer's timeout) closed the connection
         first — the claim is withdrawn, and a job placed for it meanwhile goes back to the
         queue."""
         try:
@@ -140,9 +191,9 @@ class AgentFastPath:
             return None
         authority = self.ctx.authority
         self.claims += 1
-        placed = await claim_until_closed(self.ctx, principal, claim.hold_seconds, receive)
+        placed = await claim_until_closed(self.ctx, principal, claim.hold_seconds, closed)
         if placed is CLOSED:
-            return _GONE
+            return GONE
         if not isinstance(placed, PlacedJob):
             if not authority.still_active(principal):
                 return _refusal(revoked())

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 
-from control_plane.api.asgi import Receive
 from control_plane.api.deps import ContextDep, NodeDep
 from control_plane.api.ranges import artifact_response
 from control_plane.context import AppContext
@@ -57,7 +57,7 @@ CLOSED = object()
 
 
 async def claim_until_closed(
-    ctx: AppContext, node: NodePrincipal, hold: float, receive: Receive
+    ctx: AppContext, node: NodePrincipal, hold: float, closed: Callable[[], Awaitable[object]]
 ) -> PlacedJob | None | object:
     """Wait for a job for `node` (the route and the agents' fast path): the job, None at the end
     of the hold, or `CLOSED` when the connection closed first (a stopped agent, a balancer's
@@ -66,10 +66,12 @@ async def claim_until_closed(
     waiting = asyncio.ensure_future(
         ctx.scheduler.claim(node.node_id, hold, lambda: ctx.authority.still_active(node))
     )
-    closed = asyncio.ensure_future(receive())  # the body is read: next comes a disconnect
-    await asyncio.wait((waiting, closed), return_when=asyncio.FIRST_COMPLETED)
+    # The body is read: what `closed` waits for next is the disconnect (ASGI `receive`, or
+    # RSGI's `client_disconnect`).
+    closing = asyncio.ensure_future(closed())
+    await asyncio.wait((waiting, closing), return_when=asyncio.FIRST_COMPLETED)
     if waiting.done():
-        closed.cancel()
+        closing.cancel()
         placed = waiting.result()
         if isinstance(placed, PlacedJob) and not _may_receive_secrets(placed, node):
             with contextlib.suppress(ModelForgeError):  # cancelled meanwhile: it ends anyway

@@ -68,6 +68,61 @@ class PendingHeartbeat:
         }
 
 
+@dataclass(frozen=True)
+class JudgedHeartbeat:
+    """What a heartbeat's body decides, whichever node sent it and whenever: what is recorded,
+    and the answer. The agents' fast path keeps these by body, since a node sends the same
+    bytes every time until its health changes."""
+
+    agent_version: str
+    protocol_version: int
+    health: dict[str, Any]
+    response: HeartbeatResponse
+
+
+def judge_heartbeat(request: HeartbeatRequest, *, settings: Settings) -> JudgedHeartbeat:
+    """Judge the agent's protocol and build the answer (no state, no database).
+
+    Raises `ProtocolIncompatible` for a protocol outside the accepted range; the caller records
+    the refusal (that needs the database).
+    """
+    protocol = judge_protocol(request.protocol_version, component="agent")
+    return JudgedHeartbeat(
+        agent_version=request.agent_version,
+        protocol_version=protocol,
+        health=request.health.model_dump(exclude_none=True),
+        response=HeartbeatResponse(
+            heartbeat_interval_seconds=settings.heartbeat_interval_seconds,
+            telemetry_interval_seconds=settings.telemetry_interval_seconds,
+            inventory_interval_seconds=settings.inventory_max_age_seconds / 4,
+            compatibility=Compatibility(
+                status="compatible", protocol_version=protocol, accepted=accepted()
+            ),
+        ),
+    )
+
+
+def record_heartbeat(
+    judged: JudgedHeartbeat,
+    *,
+    node_id: str,
+    buffer: HeartbeatBuffer,
+    clock: Clock,
+    metrics: Metrics,
+) -> None:
+    """Record an accepted heartbeat of `node_id` in memory (no database round trip)."""
+    buffer.record(
+        node_id,
+        PendingHeartbeat(
+            at=clock.now(),
+            agent_version=judged.agent_version,
+            protocol_version=judged.protocol_version,
+            health=judged.health,
+        ),
+    )
+    metrics.heartbeats_accepted.inc()
+
+
 def accept_heartbeat(
     request: HeartbeatRequest,
     *,
@@ -77,30 +132,14 @@ def accept_heartbeat(
     settings: Settings,
     metrics: Metrics,
 ) -> HeartbeatResponse:
-    """Judge the agent's protocol and record the heartbeat in memory (no database round trip).
+    """Judge the heartbeat and record it in memory: `judge_heartbeat`, then `record_heartbeat`.
 
     Raises `ProtocolIncompatible` for a protocol outside the accepted range; the caller records
     the refusal (that needs the database).
     """
-    protocol = judge_protocol(request.protocol_version, component="agent")
-    buffer.record(
-        node_id,
-        PendingHeartbeat(
-            at=clock.now(),
-            agent_version=request.agent_version,
-            protocol_version=protocol,
-            health=request.health.model_dump(exclude_none=True),
-        ),
-    )
-    metrics.heartbeats_accepted.inc()
-    return HeartbeatResponse(
-        heartbeat_interval_seconds=settings.heartbeat_interval_seconds,
-        telemetry_interval_seconds=settings.telemetry_interval_seconds,
-        inventory_interval_seconds=settings.inventory_max_age_seconds / 4,
-        compatibility=Compatibility(
-            status="compatible", protocol_version=protocol, accepted=accepted()
-        ),
-    )
+    judged = judge_heartbeat(request, settings=settings)
+    record_heartbeat(judged, node_id=node_id, buffer=buffer, clock=clock, metrics=metrics)
+    return judged.response
 
 
 class HeartbeatBuffer:

@@ -1,0 +1,300 @@
+"""What Granian serves: the control plane on Granian's RSGI interface (HB-4).
+
+Heartbeats are most of what a fleet sends, and Granian's ASGI bridge (a scope dict, message
+dicts and two awaitables per request) cost each one more than the answer itself. So the served
+app speaks RSGI: the agents' requests the fast path answers (`AgentFastPath.answer`) are read
+and answered straight through RSGI's protocol object, and everything else — including an agent
+request the fast path hands on — is served by the ASGI app (the edge, the JSON guard, FastAPI)
+through `serve_asgi`, a bridge with ASGI's semantics: the request body streamed as it arrives,
+the response sent whole or streamed, `http.disconnect` once the client has gone. The ASGI
+lifespan (migrations, background loops) runs in `__rsgi_init__` and `__rsgi_del__`.
+
+It never buffers a body beyond the fast path's 16 KiB, never answers anything itself but a 500
+for an app that failed before its response started, and never puts an exception's text in an
+answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from control_plane.api.agent_fast import FAST_BODY_LIMIT, GONE, AgentFastPath, agent_request
+from control_plane.api.asgi import ASGIApp, Message, Scope
+from control_plane.api.edge import SECURITY_HEADERS
+from modelforge_contracts.errors import error_body
+
+log = logging.getLogger(__name__)
+
+_ASGI = {"version": "3.0", "spec_version": "2.3"}
+_SECURITY = [(name.decode(), value.decode()) for name, value in SECURITY_HEADERS]
+_JSON = [("content-type", "application/json"), *_SECURITY]
+_FAILED = json.dumps(
+    error_body(
+        "INTERNAL_ERROR",
+        "The control plane failed to handle this request.",
+        "Retry; if it persists, read the control plane log for the cause.",
+    ),
+    separators=(",", ":"),
+).encode()
+
+
+class LifespanFailed(RuntimeError):
+    """The ASGI app's lifespan reported a failed startup or shutdown, or ended early."""
+
+
+class ServedApp:
+    """The RSGI app Granian runs: the agents' fast path in front of the ASGI app."""
+
+    def __init__(self, fast: AgentFastPath) -> None:
+        self.fast = fast
+        self.lifespan = Lifespan(fast)
+
+    def __rsgi_init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            loop.run_until_complete(self.lifespan.startup())
+        except LifespanFailed as exc:
+            log.error("the control plane did not start: %s", exc)
+            raise SystemExit(1) from None
+
+    def __rsgi_del__(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            loop.run_until_complete(self.lifespan.shutdown())
+        except LifespanFailed as exc:
+            log.error("the control plane did not stop cleanly: %s", exc)
+
+    async def __rsgi__(self, scope: Any, protocol: Any) -> None:
+        request = agent_request(scope.method, scope.path)
+        if request is None:
+            await serve_asgi(self.fast, scope, protocol, self.lifespan.state)
+            return
+        headers = scope.headers
+        length = headers.get("content-length")
+        if length is None or not length.isdigit() or int(length) > FAST_BODY_LIMIT:
+            # Streamed, or larger than the fast path reads: the ASGI seam reads it bounded.
+            await serve_asgi(self.fast, scope, protocol, self.lifespan.state)
+            return
+        body = await protocol()
+        answer = await self.fast.answer(
+            request,
+            headers.get("authorization"),
+            headers.get("content-type"),
+            body,
+            protocol.client_disconnect,
+        )
+        if answer is GONE:
+            return  # the agent closed the connection: nobody to answer
+        if answer is None:
+            await serve_asgi(self.fast.app, scope, protocol, self.lifespan.state, body=body)
+            return
+        status, reply = answer
+        protocol.response_bytes(status, _JSON if reply else _SECURITY, reply)
+
+
+async def serve_asgi(
+    app: ASGIApp,
+    scope: Any,
+    protocol: Any,
+    state: dict[str, Any],
+    *,
+    body: bytes | None = None,
+) -> None:
+    """Serve one RSGI request with the ASGI `app`; `body` when it was read already."""
+    exchange = _Exchange(protocol, body)
+    try:
+        await app(_asgi_scope(scope, state), exchange.receive, exchange.send)
+    except Exception:
+        log.exception("unexpected error while serving %s %s", scope.method, scope.path)
+        if exchange.status is None:
+            protocol.response_bytes(500, _JSON, _FAILED)
+        return
+    finally:
+        exchange.close()
+    exchange.finish()
+
+
+def _asgi_scope(scope: Any, state: dict[str, Any]) -> Scope:
+    # RSGI gives text (a header whose value is not visible ASCII is left out by Granian); the
+    # query string is the raw one, so encoding it again gives the bytes the client sent.
+    return {
+        "type": "http",
+        "asgi": _ASGI,
+        "http_version": scope.http_version,
+        "method": scope.method,
+        "scheme": scope.scheme,
+        "path": scope.path,
+        "query_string": scope.query_string.encode(),
+        "root_path": "",
+        "headers": [(name.encode(), value.encode()) for name, value in scope.headers.items()],
+        "client": _address(scope.client),
+        "server": _address(scope.server),
+        "state": state.copy(),
+    }
+
+
+def _address(text: str) -> tuple[str, int] | None:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+class _Exchange:
+    """ASGI's `receive` and `send` for one RSGI request."""
+
+    def __init__(self, protocol: Any, body: bytes | None) -> None:
+        self._protocol = protocol
+        self._body = body
+        self._chunks: Any = None
+        self._request_done = False
+        self._disconnected: asyncio.Event | None = None
+        self._watch: asyncio.Future[Any] | None = None
+        self.status: int | None = None
+        self._headers: list[tuple[str, str]] = []
+        self._stream: Any = None
+        self._response_done = False
+
+    async def receive(self) -> Message:
+        if not self._request_done:
+            if self._body is not None:
+                body, self._body = self._body, None
+                self._request_done = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            if self._chunks is None:
+                self._chunks = self._protocol.__aiter__()
+            while True:
+                try:
+                    chunk = await self._chunks.__anext__()
+                except StopAsyncIteration:
+                    self._request_done = True
+                    return {"type": "http.request", "body": b"", "more_body": False}
+                if chunk:
+                    return {"type": "http.request", "body": chunk, "more_body": True}
+        # The body is read: what comes next is the client going away (or the response ending).
+        if not self._response_done:
+            await self._disconnect().wait()
+        return {"type": "http.disconnect"}
+
+    def _disconnect(self) -> asyncio.Event:
+        """Set once the client has gone. One watch a request however often `receive` is
+        called (and cancelled, as Starlette's `is_disconnected` does)."""
+        if self._disconnected is None:
+            self._disconnected = asyncio.Event()
+            self._watch = asyncio.ensure_future(self._watch_client())
+        return self._disconnected
+
+    async def _watch_client(self) -> None:
+        await self._protocol.client_disconnect()
+        self._gone()
+
+    def _gone(self) -> None:
+        self._response_done = True
+        if self._disconnected is not None:
+            self._disconnected.set()
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.status = message["status"]
+            self._headers = [
+                (name.decode("latin-1"), value.decode("latin-1"))
+                for name, value in message.get("headers", ())
+            ]
+            return
+        if kind != "http.response.body" or self._response_done or self.status is None:
+            return
+        body = message.get("body", b"")
+        more = bool(message.get("more_body"))
+        if self._stream is None and not more:
+            self._protocol.response_bytes(self.status, self._headers, bytes(body))
+            self._gone()
+            return
+        if self._stream is None:
+            self._stream = self._protocol.response_stream(self.status, self._headers)
+        try:
+            if body:
+                await self._stream.send_bytes(bytes(body))
+        except RuntimeError:  # RSGIProtocolClosed: the client has gone
+            self._gone()
+            return
+        if not more:
+            self._gone()
+
+    def finish(self) -> None:
+        """After the app returned: a response started but not ended is ended (with what was
+        sent), and none at all is a 500."""
+        if self.status is None:
+            log.error("the application returned without answering")
+            self._protocol.response_bytes(500, _JSON, _FAILED)
+        elif self._stream is None and not self._response_done:
+            self._protocol.response_bytes(self.status, self._headers, b"")
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+
+
+class Lifespan:
+    """Runs an ASGI app's lifespan protocol: `startup()` until the app says it started,
+    `shutdown()` until it says it stopped. `state` is the lifespan state every request's scope
+    gets a copy of."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.state: dict[str, Any] = {}
+        self._inbox: asyncio.Queue[Message] | None = None
+        self._started: asyncio.Future[None] | None = None
+        self._stopped: asyncio.Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def startup(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._inbox = asyncio.Queue()
+        self._started = loop.create_future()
+        self._stopped = loop.create_future()
+        self._task = loop.create_task(self._run())
+        await self._inbox.put({"type": "lifespan.startup"})
+        await self._started
+
+    async def shutdown(self) -> None:
+        if self._inbox is None or self._task is None or self._task.done():
+            return
+        await self._inbox.put({"type": "lifespan.shutdown"})
+        try:
+            await self._stopped  # type: ignore[misc]
+        finally:
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        scope = {"type": "lifespan", "asgi": _ASGI, "state": self.state}
+        try:
+            await self.app(scope, self._receive, self._send)
+        except BaseException as exc:
+            ended = LifespanFailed(f"the lifespan raised {type(exc).__name__}")
+            log.error("the control plane's lifespan failed", exc_info=exc)
+            self._settle(ended)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._settle(LifespanFailed("the lifespan ended before it was told to stop"))
+
+    def _settle(self, error: LifespanFailed) -> None:
+        for waiter in (self._started, self._stopped):
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(error)
+
+    async def _receive(self) -> Message:
+        assert self._inbox is not None  # noqa: S101 - set by startup() before the app runs
+        return await self._inbox.get()
+
+    async def _send(self, message: Message) -> None:
+        kind = message["type"]
+        waiter = self._started if kind.startswith("lifespan.startup.") else self._stopped
+        if waiter is None or waiter.done():
+            return
+        if kind.endswith(".complete"):
+            waiter.set_result(None)
+        else:  # the app raises next, and `_run` logs that with its traceback
+            waiter.set_exception(LifespanFailed(kind.replace("lifespan.", "the lifespan's ")))
