@@ -44,7 +44,6 @@ GONE = (0, b"")
 _NOT_CANCELLED = AgentJobControl(cancel=False).model_dump_json().encode()
 #: The most this seam reads before it hands the request on; a real heartbeat is ~150 bytes.
 FAST_BODY_LIMIT = 16 * 1024
-_JSON_TYPES = ("application/json", "")
 #: Heartbeat bodies judged once and answered from memory after: a node sends the same bytes
 #: every time until its health changes, so a fleet has a handful of distinct bodies. Bounded;
 #: only small bodies are kept.
@@ -149,10 +148,10 @@ class AgentFastPath:
         self, authorization: str | None, content_type: str | None
     ) -> NodePrincipal | None:
         """The node, when the credential verified before and is known active, and the body is
-        declared JSON (or not declared); else None (the routes answer)."""
+        declared JSON (as the routes require); else None (the routes answer)."""
         if authorization is None or authorization[:7].lower() != "bearer ":
             return None
-        if content_type is not None and content_type.split(";")[0].strip() not in _JSON_TYPES:
+        if content_type is None or content_type.split(";")[0].strip().lower() != "application/json":
             return None
         return self.ctx.authority.cached_active(authorization[7:].strip())
 

@@ -45,25 +45,38 @@ class LifespanFailed(RuntimeError):
     """The ASGI app's lifespan reported a failed startup or shutdown, or ended early."""
 
 
-class ServedApp:
-    """The RSGI app Granian runs: the agents' fast path in front of the ASGI app."""
+class ASGIOverRSGI:
+    """An ASGI app served on Granian's RSGI interface: its lifespan at start and stop, every
+    request through `serve_asgi`."""
 
-    def __init__(self, fast: AgentFastPath) -> None:
-        self.fast = fast
-        self.lifespan = Lifespan(fast)
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.lifespan = Lifespan(app)
 
     def __rsgi_init__(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
             loop.run_until_complete(self.lifespan.startup())
         except LifespanFailed as exc:
-            log.error("the control plane did not start: %s", exc)
+            log.error("the application did not start: %s", exc)
             raise SystemExit(1) from None
 
     def __rsgi_del__(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
             loop.run_until_complete(self.lifespan.shutdown())
         except LifespanFailed as exc:
-            log.error("the control plane did not stop cleanly: %s", exc)
+            log.error("the application did not stop cleanly: %s", exc)
+
+    async def __rsgi__(self, scope: Any, protocol: Any) -> None:
+        await serve_asgi(self.app, scope, protocol, self.lifespan.state)
+
+
+class ServedApp(ASGIOverRSGI):
+    """The RSGI app Granian runs: the agents' fast path answers its requests itself, in front
+    of the ASGI app."""
+
+    def __init__(self, fast: AgentFastPath) -> None:
+        super().__init__(fast)
+        self.fast = fast
 
     async def __rsgi__(self, scope: Any, protocol: Any) -> None:
         request = agent_request(scope.method, scope.path)
@@ -105,10 +118,9 @@ async def serve_asgi(
     exchange = _Exchange(protocol, body)
     try:
         await app(_asgi_scope(scope, state), exchange.receive, exchange.send)
-    except Exception:
-        log.exception("unexpected error while serving %s %s", scope.method, scope.path)
-        if exchange.status is None:
-            protocol.response_bytes(500, _JSON, _FAILED)
+    except Exception as exc:
+        log.error("unexpected %s while serving a request", type(exc).__name__, exc_info=exc)
+        exchange.failed()
         return
     finally:
         exchange.close()
@@ -149,12 +161,13 @@ class _Exchange:
         self._body = body
         self._chunks: Any = None
         self._request_done = False
-        self._disconnected: asyncio.Event | None = None
+        #: Set once the client has gone or the response has ended: `receive` says disconnect.
+        self._over = asyncio.Event()
+        self._client_left = False
         self._watch: asyncio.Future[Any] | None = None
         self.status: int | None = None
         self._headers: list[tuple[str, str]] = []
         self._stream: Any = None
-        self._response_done = False
 
     async def receive(self) -> Message:
         if not self._request_done:
@@ -173,26 +186,17 @@ class _Exchange:
                 if chunk:
                     return {"type": "http.request", "body": chunk, "more_body": True}
         # The body is read: what comes next is the client going away (or the response ending).
-        if not self._response_done:
-            await self._disconnect().wait()
-        return {"type": "http.disconnect"}
-
-    def _disconnect(self) -> asyncio.Event:
-        """Set once the client has gone. One watch a request however often `receive` is
-        called (and cancelled, as Starlette's `is_disconnected` does)."""
-        if self._disconnected is None:
-            self._disconnected = asyncio.Event()
+        # One watch a request however often `receive` is called and cancelled (as Starlette's
+        # `is_disconnected` does).
+        if self._watch is None and not self._over.is_set():
             self._watch = asyncio.ensure_future(self._watch_client())
-        return self._disconnected
+        await self._over.wait()
+        return {"type": "http.disconnect"}
 
     async def _watch_client(self) -> None:
         await self._protocol.client_disconnect()
-        self._gone()
-
-    def _gone(self) -> None:
-        self._response_done = True
-        if self._disconnected is not None:
-            self._disconnected.set()
+        self._client_left = True
+        self._over.set()
 
     async def send(self, message: Message) -> None:
         kind = message["type"]
@@ -203,13 +207,13 @@ class _Exchange:
                 for name, value in message.get("headers", ())
             ]
             return
-        if kind != "http.response.body" or self._response_done or self.status is None:
+        if kind != "http.response.body" or self._over.is_set() or self.status is None:
             return
         body = message.get("body", b"")
         more = bool(message.get("more_body"))
         if self._stream is None and not more:
             self._protocol.response_bytes(self.status, self._headers, bytes(body))
-            self._gone()
+            self._over.set()
             return
         if self._stream is None:
             self._stream = self._protocol.response_stream(self.status, self._headers)
@@ -217,18 +221,26 @@ class _Exchange:
             if body:
                 await self._stream.send_bytes(bytes(body))
         except RuntimeError:  # RSGIProtocolClosed: the client has gone
-            self._gone()
+            self._client_left = True
+            self._over.set()
             return
         if not more:
-            self._gone()
+            self._over.set()
+
+    def failed(self) -> None:
+        """The app raised: a 500 when nothing was sent yet (and the client is there)."""
+        if self._stream is None and not self._over.is_set() and not self._client_left:
+            self._protocol.response_bytes(500, _JSON, _FAILED)
 
     def finish(self) -> None:
         """After the app returned: a response started but not ended is ended (with what was
-        sent), and none at all is a 500."""
+        sent), and none at all is a 500 — unless the client has gone."""
+        if self._client_left:
+            return
         if self.status is None:
             log.error("the application returned without answering")
             self._protocol.response_bytes(500, _JSON, _FAILED)
-        elif self._stream is None and not self._response_done:
+        elif self._stream is None and not self._over.is_set():
             self._protocol.response_bytes(self.status, self._headers, b"")
 
     def close(self) -> None:

@@ -244,3 +244,32 @@ def test_a_claim_whose_credential_is_revoked_while_it_waits_is_refused(
         assert refused.status_code == 403
         assert refused.json()["error"]["code"] == "CREDENTIAL_REVOKED"
         assert _fast_path(cp).claims == 1
+
+
+def test_heartbeat_bodies_judged_once_are_recorded_per_node(
+    tmp_path: Path, database_url: str
+) -> None:
+    """The fast path answers a body it judged before from memory; each node still gets its own
+    heartbeat recorded, with the health its own body said, and the memory stays bounded."""
+    with control_plane(tmp_path, database_url) as cp:
+        first, second = cp.enroll(), cp.enroll()
+        for enrolled in (first, second):
+            cp.heartbeat(enrolled["credential"])  # first contact: the route
+        fast = _fast_path(cp)
+        degraded = {"status": "degraded", "message": "GPU 1 is hot"}
+        for _ in range(3):
+            assert cp.heartbeat(first["credential"]).status_code == 200
+            assert cp.heartbeat(second["credential"], **degraded).status_code == 200
+        assert fast.answered == 6
+        cp.flush()
+        assert cp.node(first["node_id"])["health"] == {"status": "healthy", "preflight": "passed"}
+        assert cp.node(second["node_id"])["health"] == {"preflight": "passed", **degraded}
+        # Hundreds of distinct bodies: each judged and answered alike, the memory bounded.
+        answers = {
+            cp.heartbeat(first["credential"], message=f"note {index}").text for index in range(300)
+        }
+        assert len(answers) == 1
+        assert fast.answered == 306
+        assert len(fast._judged) <= 256
+        cp.flush()
+        assert cp.node(first["node_id"])["health"]["message"] == "note 299"
