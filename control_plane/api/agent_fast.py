@@ -105,10 +105,10 @@ class AgentFastPath:
         answer: tuple[int, bytes] | None = None
         if not more and size <= FAST_BODY_LIMIT:
             authorization = content_type = None
-            for name, value in scope["headers"]:
-                if name == b"authorization":
+            for name, value in scope["headers"]:  # the first of each, as the routes read them
+                if name == b"authorization" and authorization is None:
                     authorization = value.decode("latin-1")
-                elif name == b"content-type":
+                elif name == b"content-type" and content_type is None:
                     content_type = value.decode("latin-1")
             answer = await self.answer(request, authorization, content_type, body, receive)
             if answer is GONE:

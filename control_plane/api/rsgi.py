@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from typing import Any
 
 from control_plane.api.agent_fast import FAST_BODY_LIMIT, GONE, AgentFastPath, agent_request
@@ -29,6 +30,9 @@ from modelforge_contracts.errors import error_body
 log = logging.getLogger(__name__)
 
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
+# What hyper can send: a header name is a token, a value visible ASCII, spaces and tabs.
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
 _SECURITY = [(name.decode(), value.decode()) for name, value in SECURITY_HEADERS]
 _JSON = [("content-type", "application/json"), *_SECURITY]
 _FAILED = json.dumps(
@@ -89,14 +93,22 @@ class ServedApp(ASGIOverRSGI):
             # Streamed, or larger than the fast path reads: the ASGI seam reads it bounded.
             await serve_asgi(self.fast, scope, protocol, self.lifespan.state)
             return
-        body = await protocol()
-        answer = await self.fast.answer(
-            request,
-            headers.get("authorization"),
-            headers.get("content-type"),
-            body,
-            protocol.client_disconnect,
-        )
+        try:
+            body = await protocol()
+        except RuntimeError:  # RSGIProtocolClosed: the agent went away in the middle of its body
+            return
+        try:
+            answer = await self.fast.answer(
+                request,
+                headers.get("authorization"),
+                headers.get("content-type"),
+                body,
+                protocol.client_disconnect,
+            )
+        except Exception as exc:
+            log.error("unexpected %s while serving an agent", type(exc).__name__, exc_info=exc)
+            protocol.response_bytes(500, _JSON, _FAILED)
+            return
         if answer is GONE:
             return  # the agent closed the connection: nobody to answer
         if answer is None:
@@ -115,7 +127,9 @@ async def serve_asgi(
     body: bytes | None = None,
 ) -> None:
     """Serve one RSGI request with the ASGI `app`; `body` when it was read already."""
-    exchange = _Exchange(protocol, body)
+    length = scope.headers.get("content-length")
+    declared = int(length) if length is not None and length.isdigit() else None
+    exchange = _Exchange(protocol, body, declared)
     try:
         await app(_asgi_scope(scope, state), exchange.receive, exchange.send)
     except Exception as exc:
@@ -143,6 +157,9 @@ def _asgi_scope(scope: Any, state: dict[str, Any]) -> Scope:
         "client": _address(scope.client),
         "server": _address(scope.server),
         "state": state.copy(),
+        # Files (artifact downloads, the console) are sent by Granian from the path, as its ASGI
+        # server does: no Python loop reading a file faster than a slow client takes it.
+        "extensions": {"http.response.pathsend": {}},
     }
 
 
@@ -156,9 +173,11 @@ def _address(text: str) -> tuple[str, int] | None:
 class _Exchange:
     """ASGI's `receive` and `send` for one RSGI request."""
 
-    def __init__(self, protocol: Any, body: bytes | None) -> None:
+    def __init__(self, protocol: Any, body: bytes | None, declared: int | None) -> None:
         self._protocol = protocol
         self._body = body
+        self._declared = declared
+        self._received = 0
         self._chunks: Any = None
         self._request_done = False
         #: Set once the client has gone or the response has ended: `receive` says disconnect.
@@ -175,16 +194,7 @@ class _Exchange:
                 body, self._body = self._body, None
                 self._request_done = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            if self._chunks is None:
-                self._chunks = self._protocol.__aiter__()
-            while True:
-                try:
-                    chunk = await self._chunks.__anext__()
-                except StopAsyncIteration:
-                    self._request_done = True
-                    return {"type": "http.request", "body": b"", "more_body": False}
-                if chunk:
-                    return {"type": "http.request", "body": chunk, "more_body": True}
+            return await self._next_chunk()
         # The body is read: what comes next is the client going away (or the response ending).
         # One watch a request however often `receive` is called and cancelled (as Starlette's
         # `is_disconnected` does).
@@ -192,6 +202,33 @@ class _Exchange:
             self._watch = asyncio.ensure_future(self._watch_client())
         await self._over.wait()
         return {"type": "http.disconnect"}
+
+    async def _next_chunk(self) -> Message:
+        """The next piece of the body as it arrives; a body cut short is a disconnect.
+
+        Granian's stream ends with one empty chunk; a body that broke off (the connection lost
+        in the middle, a malformed chunk) gives one more empty chunk before it ends. Either way,
+        fewer bytes than `Content-Length` declared is a body cut short too.
+        """
+        if self._chunks is None:
+            self._chunks = self._protocol.__aiter__()
+        empty = 0
+        while True:
+            try:
+                chunk = await self._chunks.__anext__()
+            except StopAsyncIteration:
+                self._request_done = True
+                short = self._declared is not None and self._received < self._declared
+                if empty > 1 or short:
+                    self._client_left = True
+                    self._over.set()
+                    return {"type": "http.disconnect"}
+                return {"type": "http.request", "body": b"", "more_body": False}
+            if not chunk:
+                empty += 1
+                continue
+            self._received += len(chunk)
+            return {"type": "http.request", "body": chunk, "more_body": True}
 
     async def _watch_client(self) -> None:
         await self._protocol.client_disconnect()
@@ -201,13 +238,24 @@ class _Exchange:
     async def send(self, message: Message) -> None:
         kind = message["type"]
         if kind == "http.response.start":
-            self.status = message["status"]
-            self._headers = [
+            headers = [
                 (name.decode("latin-1"), value.decode("latin-1"))
                 for name, value in message.get("headers", ())
             ]
+            if not all(_sendable(name, value) for name, value in headers):
+                raise ValueError("a response header the HTTP server cannot send")
+            status = message["status"]
+            if not isinstance(status, int) or not 100 <= status <= 599:
+                raise ValueError("a response status the HTTP server cannot send")
+            self.status, self._headers = status, headers
             return
-        if kind != "http.response.body" or self._over.is_set() or self.status is None:
+        if self._over.is_set() or self.status is None:
+            return
+        if kind == "http.response.pathsend":
+            self._protocol.response_file(self.status, self._headers, message["path"])
+            self._over.set()
+            return
+        if kind != "http.response.body":
             return
         body = message.get("body", b"")
         more = bool(message.get("more_body"))
@@ -225,6 +273,7 @@ class _Exchange:
             self._over.set()
             return
         if not more:
+            self._stream = None  # the response ends when its transport is let go
             self._over.set()
 
     def failed(self) -> None:
@@ -244,8 +293,13 @@ class _Exchange:
             self._protocol.response_bytes(self.status, self._headers, b"")
 
     def close(self) -> None:
+        self._stream = None
         if self._watch is not None:
             self._watch.cancel()
+
+
+def _sendable(name: str, value: str) -> bool:
+    return _HEADER_NAME.fullmatch(name) is not None and _HEADER_VALUE.fullmatch(value) is not None
 
 
 class Lifespan:
@@ -265,17 +319,20 @@ class Lifespan:
         loop = asyncio.get_running_loop()
         self._inbox = asyncio.Queue()
         self._started = loop.create_future()
-        self._stopped = loop.create_future()
         self._task = loop.create_task(self._run())
         await self._inbox.put({"type": "lifespan.startup"})
         await self._started
 
     async def shutdown(self) -> None:
-        if self._inbox is None or self._task is None or self._task.done():
+        if self._inbox is None or self._task is None:
+            return  # never started
+        if self._task.done():
+            log.error("the lifespan had ended before the stop: nothing ran at shutdown")
             return
+        self._stopped = asyncio.get_running_loop().create_future()
         await self._inbox.put({"type": "lifespan.shutdown"})
         try:
-            await self._stopped  # type: ignore[misc]
+            await self._stopped
         finally:
             await asyncio.gather(self._task, return_exceptions=True)
 

@@ -72,7 +72,8 @@ class PendingHeartbeat:
 class JudgedHeartbeat:
     """What a heartbeat's body decides, whichever node sent it and whenever: what is recorded,
     and the answer. The agents' fast path keeps these by body, since a node sends the same
-    bytes every time until its health changes."""
+    bytes every time until its health changes; so `health` is shared by every node that sent
+    those bytes, and nothing may change it in place."""
 
     agent_version: str
     protocol_version: int

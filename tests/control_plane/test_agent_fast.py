@@ -273,3 +273,26 @@ def test_heartbeat_bodies_judged_once_are_recorded_per_node(
         assert len(fast._judged) <= 256
         cp.flush()
         assert cp.node(first["node_id"])["health"]["message"] == "note 299"
+
+
+def test_the_first_of_repeated_headers_counts_as_on_the_route(
+    tmp_path: Path, database_url: str
+) -> None:
+    """Two Authorization headers: the fast path reads the first, as the route does."""
+    with control_plane(tmp_path, database_url) as cp:
+        credential = cp.enroll()["credential"]
+        cp.heartbeat(credential)
+        fast = _fast_path(cp)
+        body = json.dumps(heartbeat_body()).encode()
+        for first, second, status in (
+            (credential, "not-a-credential", 200),
+            ("not-a-credential", credential, 401),
+        ):
+            headers = [
+                ("authorization", f"Bearer {first}"),
+                ("authorization", f"Bearer {second}"),
+                ("content-type", "application/json"),
+            ]
+            response = cp.client.post("/api/v1/agent/heartbeat", headers=headers, content=body)
+            assert response.status_code == status, response.text
+        assert fast.answered == 1  # the second went to the route, which refused it

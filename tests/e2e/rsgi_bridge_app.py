@@ -2,7 +2,8 @@
 process (`tests/e2e/test_rsgi_bridge.py`): each path shows one thing the bridge must carry.
 
 Set `BRIDGE_TEST_FAIL_STARTUP=1` to make its lifespan fail, `BRIDGE_TEST_RECORD` to a file the
-app appends what it saw after answering (disconnects, shutdown) to.
+app appends what it saw after answering (disconnects, shutdown) to, `BRIDGE_TEST_FILE` to the
+file `/file` sends.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         digest, size, messages = hashlib.sha256(), 0, 0
         while True:
             message = await receive()
+            if message["type"] == "http.disconnect":
+                _record(f"echo: disconnect after {size} bytes")
+                return
             messages += 1
             digest.update(message.get("body", b""))
             size += len(message.get("body", b""))
@@ -97,6 +101,16 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await receive()  # the (empty) body
         message = await receive()  # nothing is answered: the next message is the disconnect
         _record(f"wait: {message['type']}")
+    elif path == "/file":
+        # Sent by the server from the path (the extension Granian's ASGI server offers too).
+        assert "http.response.pathsend" in scope["extensions"]  # noqa: S101 - else a 500
+        headers = [(b"content-type", b"application/octet-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.pathsend", "path": os.environ["BRIDGE_TEST_FILE"]})
+    elif path == "/bad-header":
+        headers = [(b"x-note", b"line\r\nbreak")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"never"})
     elif path == "/raise":
         raise RuntimeError(f"failed ({SECRET})")
     elif path == "/silent":

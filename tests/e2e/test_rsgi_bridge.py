@@ -28,7 +28,13 @@ pytestmark = pytest.mark.e2e
 _ROOT = Path(__file__).resolve().parents[2]
 
 
+#: What `/file` sends: larger than one read, not a multiple of any buffer.
+_FILE = bytes(range(256)) * 4099
+
+
 def _granian(port: int, record: Path, **env: str) -> subprocess.Popen[bytes]:
+    sent = record.with_name("sent.bin")
+    sent.write_bytes(_FILE)
     granian = Path(sys.executable).parent / "granian"
     return subprocess.Popen(
         [
@@ -42,7 +48,12 @@ def _granian(port: int, record: Path, **env: str) -> subprocess.Popen[bytes]:
             "tests.e2e.rsgi_bridge_app:served",
         ],
         cwd=_ROOT,
-        env={**os.environ, "BRIDGE_TEST_RECORD": str(record), **env},
+        env={
+            **os.environ,
+            "BRIDGE_TEST_RECORD": str(record),
+            "BRIDGE_TEST_FILE": str(sent),
+            **env,
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
@@ -111,12 +122,32 @@ def test_the_app_sees_the_request_as_sent(bridge: tuple[str, Path]) -> None:
     assert (small.json()["size"], small.headers["content-length"]) == (3, str(len(small.content)))
 
 
+def test_a_body_cut_short_is_a_disconnect(bridge: tuple[str, Path]) -> None:
+    """A client that goes away in the middle of its body is not taken to have sent less."""
+    url, record = bridge
+    port = int(url.rsplit(":", 1)[1])
+    declared = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n" + b"a" * 4000
+    chunked = b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunked += b"fa0\r\n" + b"b" * 4000 + b"\r\n"  # and never the last chunk
+    for request in (declared, chunked):
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.sendall(request)
+            time.sleep(0.3)
+        _wait_for(record, "echo: disconnect after 4000 bytes")
+        record.write_text("")
+    complete = httpx.post(url + "/echo", content=iter([b"c" * 4000]))  # chunked, and whole
+    assert complete.json()["size"] == 4000
+
+
 def test_a_streamed_response_arrives_whole(bridge: tuple[str, Path]) -> None:
     url, _ = bridge
     with httpx.stream("GET", url + "/stream", timeout=30) as response:
         assert response.status_code == 200
         received = b"".join(response.iter_bytes())
     assert received == b"".join(bytes([index]) * 16384 for index in range(64))
+    sent = httpx.get(url + "/file", timeout=30)  # a file, sent by the server from its path
+    assert (sent.status_code, sent.content) == (200, _FILE)
+    assert sent.headers["content-type"] == "application/octet-stream"
 
 
 def test_the_app_is_told_when_the_client_goes_away(bridge: tuple[str, Path]) -> None:
@@ -139,11 +170,12 @@ def test_the_app_is_told_when_the_client_goes_away(bridge: tuple[str, Path]) -> 
 
 def test_a_failure_is_a_500_that_quotes_nothing(bridge: tuple[str, Path]) -> None:
     url, _ = bridge
-    for path in ("/raise", "/silent"):
+    for path in ("/raise", "/silent", "/bad-header"):
         response = httpx.get(url + path)
         assert response.status_code == 500, path
         assert response.json()["error"]["code"] == "INTERNAL_ERROR"
         assert SECRET not in response.text
+    assert "x-note" not in httpx.get(url + "/bad-header").headers  # never sent half
     started = httpx.get(url + "/started-only")  # a response started and never ended: ended
     assert (started.status_code, started.content) == (202, b"")
 
@@ -181,6 +213,22 @@ def test_the_served_control_plane_answers_agents_alike_on_every_path(tmp_path: P
                 assert answer.json() == answers[0].json()
                 for header in ("content-type", "content-security-policy", "referrer-policy"):
                     assert answer.headers[header] == answers[0].headers[header], header
+            # A Content-Length beside chunked encoding: the body is read as chunked, so it
+            # is not the fast path's to read whole; the edge counts it and stops at its limit.
+            raw = (
+                f"POST /api/v1/agent/heartbeat HTTP/1.1\r\nHost: x\r\n"
+                f"Authorization: {node['Authorization']}\r\nContent-Type: application/json\r\n"
+                "Content-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n"
+            ).encode()
+            with socket.create_connection(("127.0.0.1", server.port)) as smuggler:
+                smuggler.sendall(raw)
+                smuggler.settimeout(10)
+                try:
+                    for _ in range(64):  # 4 MiB, past the 1 MiB limit
+                        smuggler.sendall(b"10000\r\n" + b" " * 65536 + b"\r\n")
+                except OSError:
+                    pass  # refused and closed before it was all sent
+                assert smuggler.recv(4096).startswith(b"HTTP/1.1 413"), "not refused"
             # Handed on, body intact: the route refuses what the model refuses, and a body
             # not declared JSON (as FastAPI requires), which the fast path never answers.
             extra = json.dumps({**heartbeat_body(), "extra": 1}).encode()
