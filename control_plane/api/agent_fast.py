@@ -13,9 +13,9 @@ body passes the same JSON check as every other body (`edge.check_json`: depth, f
 numbers). Anything else (an unknown or revoked credential, another protocol, a body the model
 refuses, a body larger than it reads) goes on towards the FastAPI app — through the edge and the
 JSON guard — with the original, complete body, so every other answer still comes from the
-routes and the one error hierarchy. Refusals that can only
-come up here (a completion the job does not take, a claim whose credential was revoked while it
-waited) are rendered from the same errors the routes raise.
+routes and the one error hierarchy. Refusals that can only come up here (a completion the job
+does not take, a claim whose credential was revoked while it waited) are rendered from the same
+errors the routes raise.
 """
 
 from __future__ import annotations

@@ -89,8 +89,10 @@ class ServedApp(ASGIOverRSGI):
             return
         headers = scope.headers
         length = headers.get("content-length")
+        # hyper reads exactly Content-Length bytes, and drops the header when the body comes
+        # chunked (even beside one), so `await protocol()` below reads at most the limit.
         if length is None or not length.isdigit() or int(length) > FAST_BODY_LIMIT:
-            # Streamed, or larger than the fast path reads: the ASGI seam reads it bounded.
+            # Chunked, or larger than the fast path reads: the ASGI seam reads it bounded.
             await serve_asgi(self.fast, scope, protocol, self.lifespan.state)
             return
         try:
