@@ -65,7 +65,7 @@ def main() -> int:
 def run(url: str, jobs: int) -> int:
     admin = {"X-ModelForge-Admin-Token": ADMIN}
     client = httpx.Client(base_url=url, timeout=30)
-    for _ in range(100):
+    for _ in range(300):  # a cold start (nothing in the page cache) takes over 10 s here
         try:
             if client.get("/api/v1/health").status_code == 200:
                 break
