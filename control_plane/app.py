@@ -50,7 +50,7 @@ from control_plane.db import (
     migrate,
     prepare_data_dir,
 )
-from control_plane.errors import DatabaseUnavailable, ModelForgeError
+from control_plane.errors import DatabaseUnavailable, InternalError, ModelForgeError
 from control_plane.models import Node
 from control_plane.provisioning.metrics import ProvisioningCollector
 from control_plane.schemas import schema_words
@@ -266,9 +266,5 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
         log.error("unexpected %s while serving a request", type(exc).__name__, exc_info=exc)
-        return _error(
-            500,
-            "INTERNAL_ERROR",
-            "The control plane failed to handle this request.",
-            "Retry; if it persists, read the control plane log for the cause.",
-        )
+        refusal = InternalError()
+        return JSONResponse(status_code=refusal.http_status, content=refusal.to_body())

@@ -138,6 +138,19 @@ class TooManyRequests(ModelForgeError):
     code = "TOO_MANY_REQUESTS"
 
 
+class InternalError(ModelForgeError):
+    """The control plane failed in a way the caller cannot fix: the log has the cause."""
+
+    http_status = 500
+    code = "INTERNAL_ERROR"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The control plane failed to handle this request.",
+            "Retry; if it persists, read the control plane log for the cause.",
+        )
+
+
 class ServiceUnavailable(ModelForgeError):
     http_status = 503
     code = "SERVICE_UNAVAILABLE"

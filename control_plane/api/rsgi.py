@@ -25,7 +25,7 @@ from typing import Any
 from control_plane.api.agent_fast import FAST_BODY_LIMIT, GONE, AgentFastPath, agent_request
 from control_plane.api.asgi import ASGIApp, Message, Scope
 from control_plane.api.edge import SECURITY_HEADERS
-from modelforge_contracts.errors import error_body
+from control_plane.errors import InternalError
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +35,8 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
 _SECURITY = [(name.decode(), value.decode()) for name, value in SECURITY_HEADERS]
 _JSON = [("content-type", "application/json"), *_SECURITY]
-_FAILED = json.dumps(
-    error_body(
-        "INTERNAL_ERROR",
-        "The control plane failed to handle this request.",
-        "Retry; if it persists, read the control plane log for the cause.",
-    ),
-    separators=(",", ":"),
-).encode()
+#: The app's own 500 (`errors.InternalError`), rendered as its routes render it.
+_FAILED = json.dumps(InternalError().to_body(), separators=(",", ":")).encode()
 
 
 class LifespanFailed(RuntimeError):
@@ -88,10 +82,10 @@ class ServedApp(ASGIOverRSGI):
             await serve_asgi(self.fast, scope, protocol, self.lifespan.state)
             return
         headers = scope.headers
-        length = headers.get("content-length")
+        declared = _declared_length(headers)
         # hyper reads exactly Content-Length bytes, and drops the header when the body comes
         # chunked (even beside one), so `await protocol()` below reads at most the limit.
-        if length is None or not length.isdigit() or int(length) > FAST_BODY_LIMIT:
+        if declared is None or declared > FAST_BODY_LIMIT:
             # Chunked, or larger than the fast path reads: the ASGI seam reads it bounded.
             await serve_asgi(self.fast, scope, protocol, self.lifespan.state)
             return
@@ -129,9 +123,7 @@ async def serve_asgi(
     body: bytes | None = None,
 ) -> None:
     """Serve one RSGI request with the ASGI `app`; `body` when it was read already."""
-    length = scope.headers.get("content-length")
-    declared = int(length) if length is not None and length.isdigit() else None
-    exchange = _Exchange(protocol, body, declared)
+    exchange = _Exchange(protocol, body, _declared_length(scope.headers))
     try:
         await app(_asgi_scope(scope, state), exchange.receive, exchange.send)
     except Exception as exc:
@@ -163,6 +155,12 @@ def _asgi_scope(scope: Any, state: dict[str, Any]) -> Scope:
         # server does: no Python loop reading a file faster than a slow client takes it.
         "extensions": {"http.response.pathsend": {}},
     }
+
+
+def _declared_length(headers: Any) -> int | None:
+    """The request's Content-Length; None for a chunked body (hyper drops the header then)."""
+    length = headers.get("content-length")
+    return int(length) if length is not None and length.isdigit() else None
 
 
 def _address(text: str) -> tuple[str, int] | None:
