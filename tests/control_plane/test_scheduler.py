@@ -218,18 +218,20 @@ def test_a_claim_whose_hold_ends_during_its_batch_still_gets_the_job(
             result = original(waiting)
             if result.placed:
                 placed.set()
-                time.sleep(3.0)  # longer than the claim's hold
+                time.sleep(5.0)  # longer than the claim's hold
             return result
 
         scheduler._place = slow_place  # type: ignore[method-assign]  # noqa: SLF001
         try:
             with ThreadPoolExecutor(max_workers=1) as pool:
-                claim = pool.submit(_long_claim, cp, node, 1.5)
+                # A hold long enough that the submission lands inside it on a loaded machine
+                # (1.5 s ran out before the placement once in CI), shorter than the batch.
+                claim = pool.submit(_long_claim, cp, node, 3.0)
                 while scheduler.waiting == 0:
                     time.sleep(0.01)
                 job = _submit(cp)
                 assert placed.wait(5)
-                got = claim.result(timeout=10)
+                got = claim.result(timeout=15)
         finally:
             scheduler._place = original  # type: ignore[method-assign]  # noqa: SLF001
         assert got is not None and got["job_id"] == job["job_id"]
