@@ -1,10 +1,10 @@
 """The Open Inference Protocol (KServe v2 / Triton HTTP/REST) as the built-in `onnx` runner
 speaks it (runtime_worker.onnx_server): its datatypes and how onnxruntime's and numpy's types map
 to them, infer requests (JSON and the binary tensor data extension) decoded into numpy arrays and
-checked against the model's tensors, responses encoded, and `ProtocolError` for what it refuses.
+checked against the model's tensors, responses encoded, and `ServingError` for what it refuses.
 
 It serves nothing and runs no model: the server hands it bodies, header values and the session's
-inputs and outputs, and answers its `ProtocolError`s (each with the HTTP status the protocol
+inputs and outputs, and answers its `ServingError`s (each with the HTTP status the protocol
 gives it). It must never log request data.
 """
 
@@ -41,12 +41,33 @@ _DATATYPE_OF = {dtype: datatype for datatype, dtype in _NUMPY.items()}
 _JSON_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}  # JSON value kinds each dtype takes
 
 
-class ProtocolError(Exception):
-    """A request the protocol answers with `{"error": message}` and this HTTP status."""
+#: The gRPC status code (grpc.StatusCode's name) of each HTTP status the server answers with.
+_GRPC_CODES = {
+    400: "INVALID_ARGUMENT",
+    404: "NOT_FOUND",
+    411: "INVALID_ARGUMENT",
+    413: "RESOURCE_EXHAUSTED",
+    500: "INTERNAL",
+    503: "UNAVAILABLE",
+}
 
-    def __init__(self, status: int, message: str) -> None:
+
+class ServingError(Exception):
+    """A request refused or failed: answered over HTTP as `{"error": message}` with
+    `http_status`, over gRPC with the status code named `grpc_code` (grpc.StatusCode's name).
+    The message explains what was wrong and what to do; it never quotes request data."""
+
+    def __init__(self, http_status: int, message: str, grpc_code: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.http_status, self.message = http_status, message
+        self.grpc_code = grpc_code or _GRPC_CODES.get(http_status, "UNKNOWN")
+
+    @property
+    def status(self) -> int:
+        return self.http_status
+
+
+ProtocolError = ServingError  # the older name, until the server's front is rewritten
 
 
 @dataclass(frozen=True)
@@ -70,7 +91,7 @@ def _object(value: Any, what: str) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise ProtocolError(400, f"{what} must be a JSON object")
+        raise ServingError(400, f"{what} must be a JSON object")
     return value
 
 
@@ -83,14 +104,14 @@ def split_request(body: bytes, header_length: str | None) -> tuple[dict[str, Any
     size = len(body)
     if header_length is not None:
         if not header_length.isdigit() or int(header_length) > len(body):
-            raise ProtocolError(400, f"Inference-Header-Content-Length must be 0..{len(body)}")
+            raise ServingError(400, f"Inference-Header-Content-Length must be 0..{len(body)}")
         size = int(header_length)
     try:
         header = json.loads(body[:size])
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ProtocolError(400, f"the inference request is not valid JSON: {exc}") from None
+        raise ServingError(400, f"the inference request is not valid JSON: {exc}") from None
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
-        raise ProtocolError(400, 'the inference request must be a JSON object with "inputs"')
+        raise ServingError(400, 'the inference request must be a JSON object with "inputs"')
     return header, memoryview(body)[size:]
 
 
@@ -106,14 +127,12 @@ def decode_infer_request(
         name = entry.get("name") if isinstance(entry, dict) else None
         if not isinstance(name, str) or name not in by_name or name in feeds:
             what = "a duplicate" if name in feeds else "an unknown"
-            raise ProtocolError(
-                400, f"{what} input {name!r}; the model expects {_expected(inputs)}"
-            )
+            raise ServingError(400, f"{what} input {name!r}; the model expects {_expected(inputs)}")
         feeds[name], offset = _decode_input(entry, by_name[name], binary, offset)
     if missing := [spec for spec in inputs if spec.name not in feeds]:
-        raise ProtocolError(400, f"missing inputs {_expected(missing)}")
+        raise ServingError(400, f"missing inputs {_expected(missing)}")
     if offset != len(binary):
-        raise ProtocolError(400, f"{len(binary) - offset} bytes of binary data no input claims")
+        raise ServingError(400, f"{len(binary) - offset} bytes of binary data no input claims")
     request_id = header.get("id")
     return InferRequest(
         None if request_id is None else str(request_id), feeds, _selected_outputs(header, outputs)
@@ -130,15 +149,15 @@ def _selected_outputs(
     if (wanted := header.get("outputs")) is None:
         return [(spec.name, binary_default) for spec in outputs]
     if not isinstance(wanted, list):
-        raise ProtocolError(400, '"outputs" must be a list of {"name": ...} objects')
+        raise ServingError(400, '"outputs" must be a list of {"name": ...} objects')
     known, selected = {spec.name for spec in outputs}, []
     for entry in wanted:
         name = entry.get("name") if isinstance(entry, dict) else None
         if not isinstance(name, str) or name not in known:
-            raise ProtocolError(400, f"unknown output {name!r}; the model has {_expected(outputs)}")
+            raise ServingError(400, f"unknown output {name!r}; the model has {_expected(outputs)}")
         options = _object(entry.get("parameters"), f"output {name!r} parameters")
         if options.get("classification"):
-            raise ProtocolError(400, "the classification extension is not supported")
+            raise ServingError(400, "the classification extension is not supported")
         selected.append((name, bool(options.get("binary_data", binary_default))))
     return selected
 
@@ -146,9 +165,9 @@ def _selected_outputs(
 def _decode_input(
     entry: dict[str, Any], spec: TensorSpec, binary: memoryview, offset: int
 ) -> tuple[np.ndarray, int]:
-    def refused(problem: str) -> ProtocolError:
+    def refused(problem: str) -> ServingError:
         expected = f"the model expects {spec.describe()}, -1 meaning any size"
-        return ProtocolError(400, f"input {spec.name!r}: {problem}; {expected}")
+        return ServingError(400, f"input {spec.name!r}: {problem}; {expected}")
 
     shape, datatype = entry.get("shape"), entry.get("datatype")
     if datatype != spec.datatype:
@@ -193,7 +212,7 @@ def encode_infer_response(
     outputs, chunks = [], []
     for (name, binary), array in zip(request.outputs, arrays, strict=True):
         if (datatype := _DATATYPE_OF.get(array.dtype)) is None:
-            raise ProtocolError(500, f"output {name!r} of type {array.dtype} is not supported")
+            raise ServingError(500, f"output {name!r} of type {array.dtype} is not supported")
         output: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if binary:
             chunks.append(np.ascontiguousarray(array, dtype=_NUMPY[datatype]).tobytes())

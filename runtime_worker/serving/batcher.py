@@ -1,0 +1,228 @@
+"""The scheduler between the data plane and the model: a bounded queue of requests, handed to
+the model's instances as they come free, merged into batches when dynamic batching is on.
+
+Dynamic batching has Triton's semantics, per model (`BatchingPolicy`):
+
+- `max_batch_size`: the most rows one execution takes (0: batching off);
+- `preferred_batch_size`: batch sizes sent at once as soon as the queue holds one;
+- `max_queue_delay_microseconds`: how long the oldest request may wait for a batch to fill
+  (0, the default: never wait, run whatever is queued as soon as an instance is free);
+- `max_queue_size`: the most requests waiting; one more is refused at once (`ServingError`
+  503 / UNAVAILABLE), never after a timeout (0: bounded only by the server's byte budget).
+
+Requests are merged along the first dimension (only requests whose other dimensions and types
+agree) and the outputs are split back by rows, so a request is answered with exactly its own
+rows. Batching stays off unless every input and output of the model has a dynamic first
+dimension. The scheduler runs on the event loop; the merge, the run and the split run on an
+instance's thread, each timed as Triton times it (queue, compute input, infer, output).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from runtime_worker._oip import ServingError
+from runtime_worker.serving.metrics import ModelMetrics, RequestTimes
+from runtime_worker.serving.model import OnnxModel
+
+
+@dataclass(frozen=True)
+class BatchingPolicy:
+    max_batch_size: int = 0
+    preferred_batch_size: tuple[int, ...] = ()
+    max_queue_delay_microseconds: int = 0
+    max_queue_size: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "max_batch_size": self.max_batch_size,
+            "preferred_batch_size": list(self.preferred_batch_size),
+            "max_queue_delay_microseconds": self.max_queue_delay_microseconds,
+            "max_queue_size": self.max_queue_size,
+        }
+
+
+@dataclass
+class _Pending:
+    feeds: dict[str, np.ndarray]
+    names: list[str]  # the outputs this request asked for, in its order
+    rows: int
+    key: Any  # requests with equal keys may share a batch
+    enqueued: int  # time.perf_counter_ns()
+    future: asyncio.Future[tuple[list[np.ndarray], RequestTimes]]
+
+
+_Result = tuple[list[list[np.ndarray]], tuple[int, int, int]]
+
+
+class Scheduler:
+    """Queues requests for `model` and runs them on its instances (see the module)."""
+
+    def __init__(self, model: OnnxModel, policy: BatchingPolicy, metrics: ModelMetrics) -> None:
+        self.model, self.policy, self.metrics = model, policy, metrics
+        self.batching = policy.max_batch_size > 0 and model.batch_dimension_dynamic
+        self._queue: deque[_Pending] = deque()
+        self._free = model.plan.count
+        self._timer: asyncio.TimerHandle | None = None
+        self._preferred = sorted(set(policy.preferred_batch_size), reverse=True)
+        self._all_outputs = [spec.name for spec in model.outputs]
+
+    async def submit(
+        self, feeds: dict[str, np.ndarray], names: list[str]
+    ) -> tuple[list[np.ndarray], RequestTimes]:
+        """The request's outputs (those named, in that order) and its timings; a
+        `ServingError` when the queue is full, the batch too large or the model fails."""
+        rows, key = 1, None
+        if self.batching:
+            rows = _rows(feeds)
+            if rows > self.policy.max_batch_size:
+                raise ServingError(
+                    400,
+                    f"the request has {rows} rows and this model takes at most "
+                    f"{self.policy.max_batch_size} (batching.max_batch_size); split it",
+                )
+            key = tuple((name, array.shape[1:], array.dtype.str) for name, array in feeds.items())
+        if self.policy.max_queue_size and len(self._queue) >= self.policy.max_queue_size:
+            raise ServingError(
+                503,
+                f"{len(self._queue)} requests are waiting, the most this model queues "
+                "(batching.max_queue_size); retry later or deploy more instances",
+            )
+        future: asyncio.Future[tuple[list[np.ndarray], RequestTimes]]
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append(_Pending(feeds, names, rows, key, time.perf_counter_ns(), future))
+        self.metrics.pending(1)
+        self._schedule()
+        return await future
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def _schedule(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self._free and self._queue:
+            while self._queue and self._queue[0].future.done():  # its caller has gone
+                self._queue.popleft()
+                self.metrics.pending(-1)
+            if not self._queue:
+                return
+            count = self._batch_size() if self.batching else 1
+            if count == 0:
+                return  # waiting for the batch to fill; a timer wakes us
+            batch = [self._queue.popleft() for _ in range(count)]
+            self.metrics.pending(-count)
+            self._free -= 1
+            self._dispatch(batch)
+
+    def _batch_size(self) -> int:
+        """How many requests from the head of the queue to run now; 0 to wait for more."""
+        queue, most = self._queue, self.policy.max_batch_size
+        head, total, count, preferred_count, full = queue[0], 0, 0, 0, False
+        for pending in queue:
+            if pending.future.done():
+                break  # a cancelled request ends the run of joinable ones (rare)
+            if pending.key != head.key or total + pending.rows > most:
+                full = True
+                break
+            total += pending.rows
+            count += 1
+            if total in self._preferred:
+                preferred_count = count
+        if full or total == most:
+            return count
+        if preferred_count:
+            return preferred_count
+        delay_ns = self.policy.max_queue_delay_microseconds * 1000
+        waited = time.perf_counter_ns() - head.enqueued
+        if waited >= delay_ns:
+            return count
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later((delay_ns - waited) / 1e9, self._schedule)
+        return 0
+
+    def _dispatch(self, batch: list[_Pending]) -> None:
+        started = time.perf_counter_ns()
+        loop = asyncio.get_running_loop()
+        running = loop.run_in_executor(self.model.executor, self._execute, batch)
+        running.add_done_callback(lambda done: self._finished(batch, started, done))
+
+    def _execute(self, batch: list[_Pending]) -> _Result:
+        """On an instance's thread: merge, run, split; the three stages' nanoseconds."""
+        t0 = time.perf_counter_ns()
+        if len(batch) == 1:
+            feeds, names = batch[0].feeds, batch[0].names
+        else:
+            feeds = {
+                name: np.concatenate([pending.feeds[name] for pending in batch])
+                for name in batch[0].feeds
+            }
+            names = self._all_outputs
+        t1 = time.perf_counter_ns()
+        arrays = self.model.run(feeds, names)
+        t2 = time.perf_counter_ns()
+        if len(batch) == 1:
+            results = [arrays]
+        else:
+            results = _split(batch, names, arrays)
+        t3 = time.perf_counter_ns()
+        return results, (t1 - t0, t2 - t1, t3 - t2)
+
+    def _finished(self, batch: list[_Pending], started: int, done: asyncio.Future[_Result]) -> None:
+        self._free += 1
+        self.metrics.executed()
+        try:
+            results, (merge, infer, split) = done.result()
+        except BaseException as exc:
+            error = exc
+            if not isinstance(exc, ServingError):
+                error = ServingError(500, f"the model failed ({type(exc).__name__})")
+            for pending in batch:
+                if not pending.future.done():
+                    pending.future.set_exception(error)
+        else:
+            for pending, arrays in zip(batch, results, strict=True):
+                if not pending.future.done():
+                    times = RequestTimes(started - pending.enqueued, merge, infer, split)
+                    pending.future.set_result((arrays, times))
+        self._schedule()
+
+
+def _rows(feeds: dict[str, np.ndarray]) -> int:
+    sizes = {array.shape[0] if array.ndim else -1 for array in feeds.values()}
+    if len(sizes) != 1 or -1 in sizes:
+        raise ServingError(
+            400,
+            "every input must have the same first (batch) dimension when batching is on; "
+            "give each input the same number of rows",
+        )
+    return sizes.pop()
+
+
+def _split(
+    batch: list[_Pending], names: list[str], arrays: list[np.ndarray]
+) -> list[list[np.ndarray]]:
+    """Each request's rows of each output it asked for (views of the batch's outputs)."""
+    total = sum(pending.rows for pending in batch)
+    for name, array in zip(names, arrays, strict=True):
+        if array.ndim == 0 or array.shape[0] != total:
+            raise ServingError(
+                500,
+                f"output {name!r} does not have the batch's {total} rows first, so the batch "
+                "cannot be split; deploy this model with batching off",
+            )
+    index = {name: position for position, name in enumerate(names)}
+    results, offset = [], 0
+    for pending in batch:
+        end = offset + pending.rows
+        results.append([arrays[index[name]][offset:end] for name in pending.names])
+        offset = end
+    return results
