@@ -49,6 +49,9 @@ Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=32)]
 Hostname = Annotated[Line, StringConstraints(min_length=1, max_length=255, pattern=r"^[^\s]+$")]
 Version = Annotated[Line, StringConstraints(min_length=1, max_length=64)]
 NonNegative = Annotated[float, Field(ge=0)]
+#: The largest value an INTEGER column holds on PostgreSQL (int4; SQLite holds up to 2**63 - 1):
+#: an integer sent to be stored in one, or compared with one, is refused above it.
+DB_INT_MAX = 2**31 - 1
 #: Path parameters naming a resource (`node_…`, `enr_…`).
 ResourceId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 ShortText = Annotated[Line, StringConstraints(max_length=96)]
@@ -409,6 +412,9 @@ Entrypoint = Annotated[PythonEntrypoint | OnnxEntrypoint, Field(discriminator="k
 
 
 class JobResources(StrictModel):
+    #: Strict: `"1"` or `true` for a number is refused, not read as 1.
+    model_config = ConfigDict(strict=True)
+
     cpus: Annotated[float, Field(ge=0, le=4096)] = 1.0
     gpus: Annotated[int, Field(ge=0, le=64)] = 0
     memory_mb: Annotated[int, Field(ge=0, le=16_000_000)] = 0
@@ -438,8 +444,8 @@ class JobCreate(StrictModel):
     resources: JobResources = Field(default_factory=JobResources)
     labels: Labels = Field(default_factory=dict)
     worker_policy: Literal["require", "prefer"] = "require"
-    timeout_seconds: Annotated[float, Field(gt=0, le=7 * 86400)] = 3600.0
-    silence_timeout_seconds: Annotated[float, Field(gt=0, le=86400)] = 600.0
+    timeout_seconds: Annotated[float, Field(strict=True, gt=0, le=7 * 86400)] = 3600.0
+    silence_timeout_seconds: Annotated[float, Field(strict=True, gt=0, le=86400)] = 600.0
 
     @model_validator(mode="after")
     def _entrypoint_or_model(self) -> JobCreate:

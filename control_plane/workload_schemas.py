@@ -6,9 +6,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from control_plane.schemas import (
+    DB_INT_MAX,
     AssignedGpu,
     Digest,
     JobResources,
@@ -70,7 +71,11 @@ class SecretPublic(BaseModel):
 
 
 class ServiceHealth(StrictModel):
-    path: Annotated[str, StringConstraints(pattern=r"^/[\x21-\x7e]{0,500}$")] = "/"
+    #: Strict: `"5"` or `true` for a number is refused, not read as 5.
+    model_config = ConfigDict(strict=True)
+
+    #: None: the runner's own (`/v2/health/ready` for onnx, `/` for a command).
+    path: Annotated[str, StringConstraints(pattern=r"^/[\x21-\x7e]{0,500}$")] | None = None
     interval_seconds: Annotated[float, Field(ge=0.2, le=3600)] = 5.0
     timeout_seconds: Annotated[float, Field(gt=0, le=600)] = 2.0
     failure_threshold: Annotated[int, Field(ge=1, le=100)] = 3
@@ -78,6 +83,8 @@ class ServiceHealth(StrictModel):
 
 
 class ServiceRestart(StrictModel):
+    model_config = ConfigDict(strict=True)
+
     initial_backoff_seconds: Annotated[float, Field(gt=0, le=3600)] = 1.0
     max_backoff_seconds: Annotated[float, Field(gt=0, le=86400)] = 60.0
 
@@ -175,10 +182,10 @@ class AgentServiceEvent(StrictModel):
 
 class AgentServiceStatus(StrictModel):
     service_id: Annotated[str, StringConstraints(max_length=64)]
-    generation: int
+    generation: Annotated[int, Field(ge=0, le=DB_INT_MAX)]
     state: Literal["starting", "healthy", "unhealthy", "restarting", "failed", "stopped"]
     port: Annotated[int, Field(ge=1, le=65535)] | None = None
-    restarts: Annotated[int, Field(ge=0)] = 0
+    restarts: Annotated[int, Field(ge=0, le=DB_INT_MAX)] = 0
     last_exit: dict[str, Any] | None = None
     events: Annotated[list[AgentServiceEvent], Field(max_length=500)] = Field(default_factory=list)
     log_tail: Annotated[

@@ -16,6 +16,7 @@ from control_plane.context import AppContext
 from control_plane.dispatch import job_key
 from control_plane.models import Job
 from control_plane.schemas import (
+    DB_INT_MAX,
     ArtifactPublic,
     Digest,
     JobBatchCreate,
@@ -30,6 +31,8 @@ from control_plane.services.audit import ADMIN_TOKEN_ACTOR, Audit
 
 #: `key=value`: a job list keeps the jobs that carry it.
 LabelFilter = Annotated[str, StringConstraints(pattern=r"^[^=]{1,100}=.{0,200}$")]
+#: Each filter is one more condition in the query (SQLite refuses a deep expression tree).
+MAX_LABEL_FILTERS = 32
 
 router = APIRouter(prefix="/api/v1", tags=["jobs"], dependencies=[AdminDep])
 
@@ -72,7 +75,10 @@ def list_jobs(
         str | None, Query(pattern="^(queued|running|succeeded|failed|cancelled)$")
     ] = None,
     node_id: Annotated[str | None, Query(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")] = None,
-    label: Annotated[list[LabelFilter] | None, Query(description="key=value")] = None,
+    label: Annotated[
+        list[LabelFilter] | None,
+        Query(description="key=value", max_length=MAX_LABEL_FILTERS),
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> list[JobPublic]:
     """Newest first. Each `label=key=value` (repeatable) keeps the jobs that carry it."""
@@ -114,7 +120,7 @@ def _events(ctx: AppContext, job_id: str, after: int, limit: int) -> list[JobEve
 async def job_events(
     job_id: ResourceId,
     ctx: ContextDep,
-    after: Annotated[int, Query(ge=0)] = 0,
+    after: Annotated[int, Query(ge=0, le=DB_INT_MAX)] = 0,
     wait: Annotated[float, Query(ge=0, le=60)] = 0,
     limit: Annotated[int, Query(ge=1, le=5000)] = 1000,
 ) -> list[JobEventPublic]:

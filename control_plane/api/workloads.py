@@ -20,7 +20,7 @@ from control_plane.api.deps import (
 )
 from control_plane.context import AppContext
 from control_plane.models import Service
-from control_plane.schemas import ResourceId
+from control_plane.schemas import DB_INT_MAX, ResourceId
 from control_plane.services import audit as audit_log
 from control_plane.services import deployments, models_catalog, secrets_vault
 from control_plane.services.waiting import explain
@@ -163,7 +163,7 @@ def get_service(service_id: ResourceId, ctx: ContextDep, session: SessionDep) ->
 def service_events(
     service_id: ResourceId,
     session: SessionDep,
-    after: Annotated[int, Query(ge=0)] = 0,
+    after: Annotated[int, Query(ge=0, le=DB_INT_MAX)] = 0,
     limit: Annotated[int, Query(ge=1, le=5000)] = 1000,
 ) -> list[ServiceEventPublic]:
     rows = deployments.list_events(session=session, service_id=service_id, after=after, limit=limit)
@@ -200,7 +200,7 @@ def list_audit(
     actor: Annotated[str | None, Query(max_length=64)] = None,
     target: Annotated[str | None, Query(max_length=300)] = None,
     since: datetime | None = None,
-    before: Annotated[int | None, Query(ge=1)] = None,
+    before: Annotated[int | None, Query(ge=1, le=DB_INT_MAX)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> list[AuditEntryPublic]:
     """Admin actions, newest first; `before` (an entry's id) pages back."""

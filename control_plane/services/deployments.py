@@ -50,6 +50,9 @@ from control_plane.workload_schemas import (
 DEPLOYED = ("starting", "healthy", "unhealthy", "restarting", "failed")
 _REPORTED = {"starting", "healthy", "unhealthy", "restarting", "failed"}
 _LOG_TAIL = 50
+#: The built-in onnx runner's readiness path (Open Inference Protocol), its health check's
+#: path when none is given; the runtime worker defaults to the same.
+ONNX_HEALTH_PATH = "/v2/health/ready"
 
 
 def _event(session: Session, service: Service, now: datetime, kind: str, data: Any) -> None:
@@ -80,13 +83,9 @@ def deploy(*, session: Session, clock: Clock, request: ServiceCreate) -> Service
     elif weights is not None:
         reference_artifacts(session, [weights], required=True, named_by="The service")
     secrets_vault.required_labels(session, list(request.secrets), named_by="The service")
-    health = (
-        request.health.model_dump()
-        if request.health is not None
-        else {"path": "/v2/health/ready" if runner == "onnx" else "/"}
-    )
-    if request.health is None:
-        health = {**ServiceHealth().model_dump(), **health}
+    health = (request.health or ServiceHealth()).model_dump()
+    if health["path"] is None:  # the runner's own: the onnx model server answers 404 on `/`
+        health["path"] = ONNX_HEALTH_PATH if runner == "onnx" else "/"
     now = clock.now()
     service = Service(
         id=new_id("svc"),

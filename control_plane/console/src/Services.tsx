@@ -88,7 +88,8 @@ function DeployForm({ onClose }: { onClose: () => void }) {
   const [labelText, setLabelText] = useState("");
   const [cpus, setCpus] = useState("1");
   const [gpus, setGpus] = useState("0");
-  const [healthPath, setHealthPath] = useState("/");
+  // Empty: the runner's own (`/v2/health/ready` for ONNX, `/` for a command).
+  const [healthPath, setHealthPath] = useState("");
   const [chosen, setChosen] = useState<string[]>([]);
   const [error, setError] = useState<ApiError | null>(null);
   const [busy, setBusy] = useState(false);
@@ -104,9 +105,9 @@ function DeployForm({ onClose }: { onClose: () => void }) {
       name,
       labels,
       resources: { cpus: Number(cpus), gpus: Number(gpus) },
-      health: { path: healthPath },
       secrets: chosen,
     };
+    if (healthPath.trim()) body.health = { path: healthPath.trim() };
     if (kind === "command") body.command = command.split("\n").filter((line) => line.length > 0);
     else body.runner = "onnx";
     if (source === "weights") body.weights = weights.trim();
@@ -209,7 +210,12 @@ function DeployForm({ onClose }: { onClose: () => void }) {
         </div>
         <div>
           <label htmlFor="service-health">Health path</label>
-          <input id="service-health" value={healthPath} onChange={(event) => setHealthPath(event.target.value)} />
+          <input
+            id="service-health"
+            value={healthPath}
+            placeholder={kind === "onnx" ? "/v2/health/ready" : "/"}
+            onChange={(event) => setHealthPath(event.target.value)}
+          />
         </div>
       </div>
       <fieldset>
