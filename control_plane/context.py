@@ -21,7 +21,7 @@ from control_plane.services.artifacts import ArtifactStore
 from control_plane.services.console_sessions import SignInThrottle
 from control_plane.services.credentials import CredentialAuthority
 from control_plane.services.heartbeats import HeartbeatBuffer
-from control_plane.services.liveness import Liveness, LivenessThresholds
+from control_plane.services.liveness import ContactGrace, Liveness, LivenessThresholds
 from control_plane.services.secrets_vault import Vault
 from control_plane.settings import Settings
 
@@ -49,8 +49,11 @@ class AppContext:
     vault: Vault = field(init=False)
     #: Starts node agents on Slurm clusters when work waits (PV-1); idle without provisioners.
     provisioner: Provisioner = field(init=False)
+    #: Since when the nodes could reach this process: no contact deadline counts before it.
+    contact_grace: ContactGrace = field(init=False)
 
     def __post_init__(self) -> None:
+        self.contact_grace = ContactGrace(clock=self.clock, database=self.database)
         self.vault = Vault(self.settings.data_dir)
         self.completions = Completions(session_factory=self.session_factory, clock=self.clock)
         self.scheduler = Scheduler(
@@ -84,6 +87,7 @@ class AppContext:
         return LivenessThresholds(
             stale_after=timedelta(seconds=self.settings.node_stale_after_seconds),
             offline_after=timedelta(seconds=self.settings.node_offline_after_seconds),
+            grace=self.contact_grace,
         )
 
     @property

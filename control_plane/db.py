@@ -218,10 +218,17 @@ class DatabaseAvailability:
         self._last_failure = 0.0
         self._clear_since: float | None = None
         self._refused = 0
+        self._outages = 0
 
     @property
     def available(self) -> bool:
         return self._down_since is None
+
+    @property
+    def outages(self) -> int:
+        """How many outages have begun: a reader that saw another number before knows one
+        happened in between (liveness.ContactGrace)."""
+        return self._outages
 
     def watch(self, engine: Engine) -> None:
         """Count every statement `engine` completes as proof that the database works."""
@@ -236,6 +243,7 @@ class DatabaseAvailability:
             if self._down_since is not None:
                 return
             self._down_since, self._refused = now, 1
+            self._outages += 1
         log.warning(
             "database unavailable (%s): requests that need it get 503 DATABASE_UNAVAILABLE and "
             "background work waits; known agents' heartbeats are kept in memory. Check that "

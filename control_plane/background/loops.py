@@ -85,6 +85,7 @@ def sweep_jobs(ctx: AppContext) -> int:
             session=session,
             clock=ctx.clock,
             contact_timeout=timedelta(seconds=ctx.settings.job_contact_timeout_seconds),
+            grace=ctx.contact_grace,
         )
 
 
@@ -109,6 +110,8 @@ def sweep_artifacts(ctx: AppContext) -> artifact_sweep.SweepReport:
 
 
 def start_loops(ctx: AppContext) -> list[asyncio.Task[None]]:
+    # From now on the nodes can reach this process: their silence until now was its downtime.
+    ctx.contact_grace.serving()
     s = ctx.settings
     specs: list[tuple[str, float, Callable[[], object]]] = [
         ("heartbeat flush", s.heartbeat_flush_interval_seconds, lambda: flush_heartbeats(ctx)),

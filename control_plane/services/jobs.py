@@ -24,6 +24,7 @@ from control_plane.schemas import AssignedGpu, JobCreate, JobError, JobPublic, W
 from control_plane.security import new_id
 from control_plane.services import models_catalog, secrets_vault
 from control_plane.services.artifacts import reference_artifacts
+from control_plane.services.liveness import ContactGrace, counted_from
 
 FINISHED = ("succeeded", "failed", "cancelled")
 
@@ -557,12 +558,22 @@ def cancellations(*, session: Session, node_id: str, job_ids: list[str]) -> list
     return [job_id for job_id in job_ids if job_id not in keep]
 
 
-def sweep_jobs(*, session: Session, clock: Clock, contact_timeout: timedelta) -> int:
-    """Fail running jobs whose agent went silent or that outlived their timeout."""
+def sweep_jobs(
+    *,
+    session: Session,
+    clock: Clock,
+    contact_timeout: timedelta,
+    grace: ContactGrace | None = None,
+) -> int:
+    """Fail running jobs whose agent went silent or that outlived their timeout.
+
+    The silence is counted from the job's last contact, or from the end of the control plane's
+    own downtime (`grace`: its start, the end of a database outage) when that came later: an
+    agent that could not reach it has one full contact timeout after it returns."""
     now = clock.now()
     failed = 0
     for job in session.scalars(select(Job).where(Job.state == "running")):
-        contact = job.last_contact_at or job.started_at or now
+        contact = counted_from(job.last_contact_at or job.started_at or now, now, grace)
         if now - contact >= contact_timeout:
             error = (
                 "JOB_CONTACT_LOST",

@@ -20,7 +20,7 @@ from control_plane.db import rowcount
 from control_plane.errors import NotFound
 from control_plane.models import Node, NodeCredential, NodeEvent
 from control_plane.schemas import DuplicateIdentity, NeedsUpgrade, NodePublic
-from control_plane.services.liveness import Liveness, liveness_state
+from control_plane.services.liveness import Liveness, counted_from, liveness_state
 
 
 def fingerprint_hash(fingerprint: dict[str, Any] | None) -> str | None:
@@ -194,8 +194,10 @@ def sweep_liveness(*, session: Session, clock: Clock, liveness: Liveness) -> int
         )
         if rowcount(result) != 1:
             continue
-        silence = (now - last).total_seconds()
+        counted = counted_from(last, now, thresholds.grace)
+        silence = (now - counted).total_seconds()
         limit = thresholds.offline_after if to_state == "offline" else thresholds.stale_after
+        since = " since the control plane was back" if counted > last else ""
         record_event(
             session,
             node_id=node_id,
@@ -203,7 +205,7 @@ def sweep_liveness(*, session: Session, clock: Clock, liveness: Liveness) -> int
             kind="state_changed",
             from_state=recorded,
             to_state=to_state,
-            reason=f"no heartbeat for {silence:.0f} s ({to_state} after "
+            reason=f"no heartbeat for {silence:.0f} s{since} ({to_state} after "
             f"{limit.total_seconds():g} s)",
         )
         changed += 1
