@@ -67,9 +67,6 @@ class ServingError(Exception):
         return self.http_status
 
 
-ProtocolError = ServingError  # the older name, until the server's front is rewritten
-
-
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
@@ -103,13 +100,21 @@ def split_request(body: bytes, header_length: str | None) -> tuple[dict[str, Any
     """The JSON inference header and the binary tensor data after it (binary extension)."""
     size = len(body)
     if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(body):
+        if not (header_length.isascii() and header_length.isdigit()) or int(header_length) > len(
+            body
+        ):
             raise ServingError(400, f"Inference-Header-Content-Length must be 0..{len(body)}")
         size = int(header_length)
     try:
         header = json.loads(body[:size])
     except (ValueError, UnicodeDecodeError) as exc:
         raise ServingError(400, f"the inference request is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ServingError(
+            400,
+            "the inference request's JSON is nested too deeply; a tensor's data may be "
+            "nested as deep as its shape, or flat",
+        ) from None
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
         raise ServingError(400, 'the inference request must be a JSON object with "inputs"')
     return header, memoryview(body)[size:]
@@ -182,6 +187,8 @@ def _decode_input(
         raise refused(f"this server does not carry {datatype} tensors")
     count = math.prod(shape)
     if (size := _object(entry.get("parameters"), "parameters").get("binary_data_size")) is not None:
+        if type(size) is not int:
+            raise refused(f"binary_data_size must be a whole number of bytes, got {size!r}"[:200])
         if size != count * dtype.itemsize or offset + size > len(binary):
             left = len(binary) - offset
             raise refused(
@@ -197,7 +204,10 @@ def _decode_input(
             dtype.kind
         ]:
             raise TypeError(f"values that are not {datatype}")
-        array = np.asarray(entry["data"], dtype=dtype)
+        if dtype.kind == "f" or parsed.dtype == dtype:  # no integer may overflow: convert
+            array = parsed.astype(dtype, copy=False)
+        else:  # integers: numpy checks each fits while converting
+            array = np.asarray(entry["data"], dtype=dtype)
     except (ValueError, TypeError, OverflowError) as exc:
         raise refused(f"data is not a {datatype} tensor ({exc})") from None
     if array.size != count:

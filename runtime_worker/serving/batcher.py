@@ -30,22 +30,7 @@ import numpy as np
 from runtime_worker._oip import ServingError
 from runtime_worker.serving.metrics import ModelMetrics, RequestTimes
 from runtime_worker.serving.model import OnnxModel
-
-
-@dataclass(frozen=True)
-class BatchingPolicy:
-    max_batch_size: int = 0
-    preferred_batch_size: tuple[int, ...] = ()
-    max_queue_delay_microseconds: int = 0
-    max_queue_size: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "max_batch_size": self.max_batch_size,
-            "preferred_batch_size": list(self.preferred_batch_size),
-            "max_queue_delay_microseconds": self.max_queue_delay_microseconds,
-            "max_queue_size": self.max_queue_size,
-        }
+from runtime_worker.serving.policy import BatchingPolicy
 
 
 @dataclass

@@ -19,9 +19,10 @@ import numpy as np
 
 from runtime_worker import WORKER_VERSION
 from runtime_worker._oip import _NUMPY, MODEL_VERSION, InferRequest, ServingError, TensorSpec
-from runtime_worker.serving.batcher import BatchingPolicy, Scheduler
+from runtime_worker.serving.batcher import Scheduler
 from runtime_worker.serving.metrics import ModelMetrics, render
 from runtime_worker.serving.model import OnnxModel
+from runtime_worker.serving.policy import BatchingPolicy
 
 log = logging.getLogger("modelforge.onnx_server")
 

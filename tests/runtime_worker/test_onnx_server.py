@@ -22,7 +22,7 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from runtime_worker import onnx_server
+from runtime_worker.serving import model as serving_model
 from tests.onnx_models import relu_matmul
 
 WEIGHTS = np.array([[1.0, -2.0], [0.5, 1.0], [-1.0, 3.0]], dtype=np.float32)  # 3 rows, 2 columns
@@ -313,23 +313,6 @@ def test_an_unreadable_model_exits_1_with_the_reason(tmp_path: Path) -> None:
     assert "cannot load the ONNX model" in result.stderr and str(broken) in result.stderr
 
 
-def test_inferences_beyond_max_concurrency_wait_then_get_503(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(onnx_server, "QUEUE_WAIT_SECONDS", 0.01)
-    settings = onnx_server.Settings(Path("unused.onnx"), 0, NAME, "127.0.0.1", 1, 1024)
-    server = onnx_server.ModelServer(settings)
-    try:
-        with server.inference_slot():
-            with pytest.raises(onnx_server.ProtocolError) as busy, server.inference_slot():
-                pass
-        assert busy.value.status == 503 and "retry later" in busy.value.message
-        with server.inference_slot():  # the slot was given back
-            pass
-    finally:
-        server.server_close()
-
-
 @pytest.mark.parametrize(
     ("available", "environ", "expected"),
     [
@@ -358,4 +341,4 @@ def test_inferences_beyond_max_concurrency_wait_then_get_503(
 def test_cuda_is_chosen_only_with_a_visible_gpu_and_a_cuda_build(
     available: list[str], environ: dict[str, str], expected: list[str]
 ) -> None:
-    assert onnx_server.choose_providers(available, environ) == expected
+    assert serving_model.choose_providers(available, environ) == expected

@@ -1,0 +1,263 @@
+"""The HTTP/REST front: the Open Inference Protocol on Granian's RSGI interface (`ModelApp`),
+with the binary tensor data extension and Triton's metrics at `/metrics`.
+
+It only decodes and encodes: bodies into `_oip.InferRequest`s, the data plane's arrays and
+`ServingError`s into answers (`{"error": "..."}` with the error's HTTP status), each sent in
+one write (`response_bytes`; hyper sets TCP_NODELAY), on kept-alive HTTP/1.1 connections.
+
+Memory is bounded before anything is read (`Limits`): a body over `max_request_bytes` and a
+JSON part over `max_json_bytes` are refused from their declared lengths (413, never read), and
+every body being read, decoded, queued or run holds its size — its JSON part counted
+`JSON_EXPANSION` times, what parsing it into Python objects may take — against one budget,
+`max_inflight_bytes`; a request that does not fit is refused at once (503). Nesting too deep
+for the parser is a 400. It logs nothing about a request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import zlib
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+from runtime_worker._oip import ServingError, decode_infer_request, encode_infer_response
+from runtime_worker._oip import split_request as split_body
+from runtime_worker.serving import metrics
+from runtime_worker.serving.dataplane import DataPlane
+
+log = logging.getLogger("modelforge.onnx_server")
+
+#: What parsing JSON into Python objects may take, per byte of JSON (a nested list of one-digit
+#: numbers is about 16 bytes of objects per byte).
+JSON_EXPANSION = 16
+
+_JSON = [("content-type", "application/json")]
+_CLOSE = [("content-type", "application/json"), ("connection", "close")]
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_request_bytes: int = 64 * 1024 * 1024
+    max_json_bytes: int = 8 * 1024 * 1024
+    max_inflight_bytes: int = 512 * 1024 * 1024
+
+
+class ByteBudget:
+    """Bytes held by the requests in flight (on the event loop: no lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+
+    def reserve(self, size: int) -> bool:
+        if self.used + size > self.limit:
+            return False
+        self.used += size
+        return True
+
+    def release(self, size: int) -> None:
+        self.used -= size
+
+
+def _error(status: int, message: str) -> bytes:
+    return json.dumps({"error": message}, separators=(",", ":")).encode()
+
+
+class ModelApp:
+    """The RSGI application Granian runs: routes, limits, and the answers of one `DataPlane`.
+
+    `on_start` and `on_stop` are coroutines run on Granian's event loop at start and stop (the
+    entry point loads the model and starts the gRPC front there)."""
+
+    def __init__(self, dataplane: DataPlane, limits: Limits) -> None:
+        self.dataplane, self.limits = dataplane, limits
+        self.budget = ByteBudget(limits.max_inflight_bytes)
+        self.name = dataplane.model.name
+        self._infer_paths = {
+            f"/v2/models/{self.name}/infer": None,
+            f"/v2/models/{self.name}/versions/1/infer": "1",
+        }
+
+    # -- RSGI ------------------------------------------------------------------------------
+
+    async def __rsgi__(self, scope: Any, protocol: Any) -> None:
+        if scope.proto != "http":
+            return
+        path, method = scope.path, scope.method
+        try:
+            if method == "POST" and path in self._infer_paths:  # the hot path
+                await self._infer(scope, protocol, self.name, self._infer_paths[path])
+                return
+            status, body, content_type = self._route(method, path, protocol)
+        except ServingError as exc:
+            protocol.response_bytes(exc.http_status, _JSON, _error(exc.http_status, exc.message))
+            return
+        except Exception as exc:  # a bug: answered, and logged without the request's data
+            log.error("internal error on %s: %s", method, type(exc).__name__)
+            body = _error(500, f"internal server error ({type(exc).__name__})")
+            protocol.response_bytes(500, _JSON, body)
+            return
+        protocol.response_bytes(status, [("content-type", content_type)], body)
+
+    def _route(self, method: str, path: str, protocol: Any) -> tuple[int, bytes, str]:
+        parts = [unquote(part) for part in path.split("/") if part]
+        dataplane = self.dataplane
+        if method == "GET" and parts == ["metrics"]:
+            return 200, dataplane.metrics_text(), metrics.CONTENT_TYPE
+        if method in ("GET", "HEAD"):
+            if parts == ["v2"]:
+                return _ok(dataplane.server_metadata())
+            if parts == ["v2", "health", "live"]:
+                return _ok({"live": dataplane.live()})
+            if parts == ["v2", "health", "ready"]:
+                ready = dataplane.ready()
+                return _ok({"ready": ready}, 200 if ready else 503)
+        target = _model_target(parts)
+        if target is None:
+            raise self._no_route(method, path)
+        name, version, action = target
+        if method in ("GET", "HEAD") and action == "ready":
+            ready = dataplane.model_ready(name, version)
+            return _ok({"name": name, "ready": ready}, 200 if ready else 503)
+        if method in ("GET", "HEAD") and action == "":
+            return _ok(dataplane.model_metadata(name, version))
+        if method == "POST" and action == "infer":
+            dataplane.check_model(name, version)  # the hot path took this model's own paths
+        raise self._no_route(method, path)
+
+    def _no_route(self, method: str, path: str) -> ServingError:
+        name = self.name
+        return ServingError(
+            404,
+            f"no route {method} {path[:200]}; this server answers /v2, /v2/health/live|ready, "
+            f"/v2/models/{name}, /v2/models/{name}/ready, POST /v2/models/{name}/infer "
+            "and /metrics",
+        )
+
+    # -- inference -------------------------------------------------------------------------
+
+    async def _infer(self, scope: Any, protocol: Any, name: str, version: str | None) -> None:
+        headers, limits = scope.headers, self.limits
+        declared = _declared(headers.get("content-length"))
+        if declared is None:
+            message = "send the body with a Content-Length (no chunked encoding)"
+            protocol.response_bytes(411, _CLOSE, _error(411, message))
+            return
+        if declared > limits.max_request_bytes:
+            message = (
+                f"the request body is {declared} bytes; this server accepts at most "
+                f"{limits.max_request_bytes} (--max-request-bytes)"
+            )
+            protocol.response_bytes(413, _CLOSE, _error(413, message))
+            return
+        encoding = headers.get("content-encoding", "identity").lower()
+        if encoding not in ("identity", "gzip", "deflate"):
+            message = f"Content-Encoding {encoding[:40]} is not supported: gzip, deflate or none"
+            protocol.response_bytes(400, _CLOSE, _error(400, message))
+            return
+        header_length = headers.get("inference-header-content-length")
+        if encoding == "identity":
+            json_length = _declared(header_length) if header_length is not None else declared
+            cost = declared + JSON_EXPANSION * min(json_length or 0, declared)
+        else:  # the inflated size is known only once inflated: count the most it may be
+            json_length = None
+            cost = declared + limits.max_request_bytes + JSON_EXPANSION * limits.max_json_bytes
+        if json_length is not None and json_length > limits.max_json_bytes:
+            protocol.response_bytes(413, _CLOSE, _error(413, self._json_too_large(json_length)))
+            return
+        if not self.budget.reserve(cost):
+            message = (
+                f"{self.budget.used} of {self.budget.limit} bytes (--max-inflight-bytes) are "
+                "held by requests in flight; retry later or send tensors as binary data"
+            )
+            protocol.response_bytes(503, _CLOSE, _error(503, message))
+            return
+        try:
+            try:
+                body = await protocol()
+            except RuntimeError:  # RSGIProtocolClosed: the client went away mid-body
+                return
+            if len(body) != declared:
+                return  # the body was cut short: the client has gone
+            status, answer, reply_headers = await self._answer(
+                body, encoding, header_length, name, version
+            )
+        finally:
+            self.budget.release(cost)
+        protocol.response_bytes(status, reply_headers, answer)
+
+    async def _answer(
+        self,
+        body: bytes,
+        encoding: str,
+        header_length: str | None,
+        name: str,
+        version: str | None,
+    ) -> tuple[int, bytes, list[tuple[str, str]]]:
+        dataplane = self.dataplane
+        try:
+            if encoding != "identity":
+                body = self._inflated(body, encoding)
+                size = len(body) if header_length is None else (_declared(header_length) or 0)
+                if size > self.limits.max_json_bytes:
+                    raise ServingError(413, self._json_too_large(size))
+            header, binary = split_body(body, header_length)
+            request = decode_infer_request(
+                header, binary, dataplane.inputs(name, version), dataplane.outputs(name, version)
+            )
+            arrays = await dataplane.infer(name, version, request)
+            answer, json_size = encode_infer_response(name, request, arrays)
+        except ServingError as exc:
+            return exc.http_status, _error(exc.http_status, exc.message), _JSON
+        if json_size is None:
+            return 200, answer, _JSON
+        return (
+            200,
+            answer,
+            [
+                ("content-type", "application/octet-stream"),
+                ("inference-header-content-length", str(json_size)),
+            ],
+        )
+
+    def _json_too_large(self, size: int) -> str:
+        return (
+            f"the JSON part of the request is {size} bytes; this server parses at most "
+            f"{self.limits.max_json_bytes} (--max-json-bytes): send tensors as binary data "
+            "(the binary tensor data extension, tritonclient's default)"
+        )
+
+    def _inflated(self, body: bytes, encoding: str) -> bytes:
+        limit = self.limits.max_request_bytes
+        inflater = zlib.decompressobj(31 if encoding == "gzip" else 15)
+        try:
+            body = inflater.decompress(body, limit + 1)
+        except zlib.error as exc:
+            raise ServingError(400, f"the {encoding} body cannot be decoded: {exc}") from None
+        if len(body) > limit:
+            raise ServingError(413, f"the decoded body is over the limit of {limit} bytes")
+        return body
+
+
+def _ok(payload: Any, status: int = 200) -> tuple[int, bytes, str]:
+    return status, json.dumps(payload, separators=(",", ":")).encode(), "application/json"
+
+
+def _declared(text: str | None) -> int | None:
+    """A header's decimal length; None when absent or not plain ASCII digits."""
+    if text is None or not text.isascii() or not text.isdigit():
+        return None
+    return int(text)
+
+
+def _model_target(parts: list[str]) -> tuple[str, str | None, str] | None:
+    """(name, version or None, what follows) for a path under /v2/models/{name}."""
+    if parts[:2] != ["v2", "models"] or len(parts) < 3:
+        return None
+    name, rest, version = parts[2], parts[3:], None
+    if rest[:1] == ["versions"]:
+        if len(rest) < 2:
+            return None
+        version, rest = rest[1], rest[2:]
+    return name, version, "/".join(rest)
