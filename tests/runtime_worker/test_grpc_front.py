@@ -1,0 +1,301 @@
+"""The model server's gRPC front (runtime_worker.serving.grpc_front) served on a real port from
+its own event loop (uvloop, as under Granian) and called by the unchanged standard client,
+`tritonclient.grpc`, and by Triton's own generated stub for what that client does not send
+(typed contents, bad messages): answers equal onnxruntime's, and each refusal carries its gRPC
+status code."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+import pytest
+import tritonclient.grpc as triton
+import uvloop
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from runtime_worker.serving import grpc_front
+from runtime_worker.serving.batcher import BatchingPolicy
+from runtime_worker.serving.dataplane import DataPlane
+from runtime_worker.serving.http import ByteBudget
+from runtime_worker.serving.model import InstancePlan, OnnxModel
+from tests.onnx_models import relu_matmul
+
+T = TypeVar("T")
+WEIGHTS = np.arange(12, dtype=np.float32).reshape(3, 4) - 5.0
+LIMIT = 1024 * 1024
+
+
+class Loop:
+    """An event loop on a thread of its own, as the model server's process runs one."""
+
+    def __init__(self) -> None:
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=60)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def _dataplane(path: Path) -> DataPlane:
+    plan = InstancePlan.of(instances=1, cpus=1, available=["CPUExecutionProvider"], environ={})
+    dataplane = DataPlane(OnnxModel("relu", path, plan), BatchingPolicy())
+    dataplane.load()
+    return dataplane
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("grpc") / "relu.onnx"
+    path.write_bytes(relu_matmul(WEIGHTS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[Loop]:
+    running = Loop()
+    yield running
+    running.close()
+
+
+def _serve(loop: Loop, dataplane: DataPlane, **options: Any) -> grpc_front.GrpcFront:
+    async def started() -> grpc_front.GrpcFront:
+        return await grpc_front.start(dataplane, "127.0.0.1", 0, max_message_bytes=LIMIT, **options)
+
+    return loop.run(started())
+
+
+@pytest.fixture(scope="module")
+def address(loop: Loop, model_path: Path) -> Iterator[str]:
+    dataplane = _dataplane(model_path)
+    loop.run(_start(dataplane))
+    front = _serve(loop, dataplane, budget=ByteBudget(64 * LIMIT))
+    yield f"127.0.0.1:{front.port}"
+    loop.run(front.stop(None))
+
+
+async def _start(dataplane: DataPlane) -> None:
+    dataplane.start()  # on the loop: the scheduler belongs to it
+
+
+def _expected(x: np.ndarray, path: Path) -> np.ndarray:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return np.asarray(session.run(["y"], {"x": x})[0])
+
+
+def _stub(address: str) -> tuple[grpc.Channel, Any]:
+    channel = grpc.insecure_channel(address)
+    return channel, service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+
+def test_tritonclient_grpc_gets_health_metadata_and_onnxruntimes_answer(
+    address: str, model_path: Path
+) -> None:
+    client = triton.InferenceServerClient(url=address)
+    try:
+        assert client.is_server_live() and client.is_server_ready()
+        assert client.is_model_ready("relu") and client.is_model_ready("relu", "1")
+        server = client.get_server_metadata(as_json=True)
+        assert server["name"] == "modelforge-onnx-server"
+        assert "binary_tensor_data" in server["extensions"]
+        metadata = client.get_model_metadata("relu", as_json=True)
+        assert metadata["name"] == "relu" and metadata["versions"] == ["1"]
+        assert metadata["platform"] == "onnxruntime_onnx"
+        assert metadata["inputs"] == [{"name": "x", "datatype": "FP32", "shape": ["-1", "3"]}]
+        assert metadata["outputs"] == [{"name": "y", "datatype": "FP32", "shape": ["-1", "4"]}]
+
+        for rows in (1, 5):
+            x = np.random.default_rng(rows).standard_normal((rows, 3)).astype(np.float32)
+            inputs = [triton.InferInput("x", list(x.shape), "FP32")]
+            inputs[0].set_data_from_numpy(x)
+            result = client.infer(
+                "relu", inputs, request_id=f"r{rows}", outputs=[triton.InferRequestedOutput("y")]
+            )
+            y = result.as_numpy("y")
+            assert y.dtype == np.float32 and y.shape == (rows, 4)
+            np.testing.assert_array_equal(y, _expected(x, model_path))
+            response = result.get_response()
+            assert (response.id, response.model_name, response.model_version) == (
+                f"r{rows}",
+                "relu",
+                "1",
+            )
+    finally:
+        client.close()
+
+
+def test_typed_contents_are_answered_as_raw_contents(address: str, model_path: Path) -> None:
+    x = np.array([[1.5, -2.0, 3.0], [0.25, 0.5, -0.75]], dtype=np.float32)
+    request = service_pb2.ModelInferRequest(model_name="relu")
+    tensor = request.inputs.add(name="x", datatype="FP32", shape=[2, 3])
+    tensor.contents.fp32_contents.extend(x.reshape(-1).tolist())
+    channel, stub = _stub(address)
+    with channel:
+        response = stub.ModelInfer(request, timeout=30)
+    assert [(o.name, o.datatype, list(o.shape)) for o in response.outputs] == [
+        ("y", "FP32", [2, 4])
+    ]
+    y = np.frombuffer(response.raw_output_contents[0], dtype="<f4").reshape(2, 4)
+    np.testing.assert_array_equal(y, _expected(x, model_path))
+
+
+def _code(call: Any) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    return caught.value.code(), caught.value.details()
+
+
+def test_each_refusal_carries_its_status_code(address: str) -> None:
+    channel, stub = _stub(address)
+    good = np.zeros((1, 3), dtype=np.float32).tobytes()
+
+    def infer(request: Any) -> Any:
+        return lambda: stub.ModelInfer(request, timeout=30)
+
+    def request(**fields: Any) -> Any:
+        message = service_pb2.ModelInferRequest(model_name=fields.pop("model", "relu"), **fields)
+        return message
+
+    with channel:
+        code, details = _code(infer(request(model="nope")))
+        assert code == grpc.StatusCode.NOT_FOUND and "'relu'" in details
+        code, _ = _code(
+            lambda: stub.ModelMetadata(service_pb2.ModelMetadataRequest(name="nope"), timeout=30)
+        )
+        assert code == grpc.StatusCode.NOT_FOUND
+        code, _ = _code(
+            lambda: stub.ModelReady(
+                service_pb2.ModelReadyRequest(name="relu", version="7"), timeout=30
+            )
+        )
+        assert code == grpc.StatusCode.NOT_FOUND
+
+        x = service_pb2.ModelInferRequest.InferInputTensor
+        refused = {
+            "a shape the model does not take": request(
+                inputs=[x(name="x", datatype="FP32", shape=[1, 4])],
+                raw_input_contents=[np.zeros(4, dtype=np.float32).tobytes()],
+            ),
+            "a wrong datatype": request(
+                inputs=[x(name="x", datatype="FP64", shape=[1, 3])],
+                raw_input_contents=[np.zeros(3).tobytes()],
+            ),
+            "raw bytes short of the shape": request(
+                inputs=[x(name="x", datatype="FP32", shape=[2, 3])], raw_input_contents=[good]
+            ),
+            "raw contents for some inputs only": request(
+                inputs=[x(name="x", datatype="FP32", shape=[1, 3])],
+                raw_input_contents=[good, good],
+            ),
+            "an unknown input": request(
+                inputs=[x(name="z", datatype="FP32", shape=[1, 3])], raw_input_contents=[good]
+            ),
+            "no inputs": request(),
+            "an unknown output": request(
+                inputs=[x(name="x", datatype="FP32", shape=[1, 3])],
+                raw_input_contents=[good],
+                outputs=[service_pb2.ModelInferRequest.InferRequestedOutputTensor(name="q")],
+            ),
+            "typed values short of the shape": request(
+                inputs=[
+                    x(
+                        name="x",
+                        datatype="FP32",
+                        shape=[1, 3],
+                        contents=service_pb2.InferTensorContents(fp32_contents=[1.0]),
+                    )
+                ]
+            ),
+            "a negative size": request(
+                inputs=[x(name="x", datatype="FP32", shape=[-1, 3])], raw_input_contents=[good]
+            ),
+        }
+        for what, message in refused.items():
+            code, details = _code(infer(message))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, what
+            assert details, what
+
+        # Still serving: the refusals changed nothing.
+        fine = request(
+            inputs=[x(name="x", datatype="FP32", shape=[1, 3])], raw_input_contents=[good]
+        )
+        assert stub.ModelInfer(fine, timeout=30).outputs[0].name == "y"
+
+
+def test_a_message_over_the_limit_is_resource_exhausted(address: str) -> None:
+    rows = LIMIT // 12 + 1  # one row of 3 FP32 values is 12 bytes: just over the limit
+    x = np.zeros((rows, 3), dtype=np.float32)
+    client = triton.InferenceServerClient(url=address)
+    try:
+        inputs = [triton.InferInput("x", list(x.shape), "FP32")]
+        inputs[0].set_data_from_numpy(x)
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("relu", inputs)
+        assert caught.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        # Under the limit, the same client on the same channel is answered.
+        small = [triton.InferInput("x", [2, 3], "FP32")]
+        small[0].set_data_from_numpy(x[:2])
+        assert client.infer("relu", small).as_numpy("y").shape == (2, 4)
+    finally:
+        client.close()
+
+
+def test_unavailable_while_loading_and_when_the_byte_budget_is_spent(
+    loop: Loop, model_path: Path
+) -> None:
+    loading = _dataplane(model_path)  # loaded but not started: not ready yet
+    front = _serve(loop, loading)
+    try:
+        channel, stub = _stub(f"127.0.0.1:{front.port}")
+        with channel:
+            assert not stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=30).ready
+            code, details = _code(
+                lambda: stub.ModelMetadata(
+                    service_pb2.ModelMetadataRequest(name="relu"), timeout=30
+                )
+            )
+            assert code == grpc.StatusCode.UNAVAILABLE and "loading" in details
+    finally:
+        loop.run(front.stop(None))
+
+    ready = _dataplane(model_path)
+    loop.run(_start(ready))
+    budget = ByteBudget(100)  # less than any infer request takes
+    front = _serve(loop, ready, budget=budget)
+    try:
+        client = triton.InferenceServerClient(url=f"127.0.0.1:{front.port}")
+        inputs = [triton.InferInput("x", [1, 3], "FP32")]
+        inputs[0].set_data_from_numpy(np.ones((1, 3), dtype=np.float32))
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("relu", inputs)
+        assert caught.value.status() == "StatusCode.UNAVAILABLE"
+        assert budget.used == 0  # nothing held after the refusal
+        budget.limit = 64 * LIMIT
+        assert client.infer("relu", inputs).as_numpy("y").shape == (1, 4)
+        assert budget.used == 0  # and nothing after an answer
+        client.close()
+    finally:
+        loop.run(front.stop(None))
+
+
+def test_a_taken_port_is_an_oserror(loop: Loop, address: str, model_path: Path) -> None:
+    dataplane = _dataplane(model_path)
+    port = int(address.rsplit(":", 1)[1])
+
+    async def second() -> grpc_front.GrpcFront:
+        return await grpc_front.start(dataplane, "127.0.0.1", port, max_message_bytes=LIMIT)
+
+    with pytest.raises(OSError, match="cannot listen"):
+        loop.run(second())
