@@ -302,6 +302,8 @@ class Service(Base):
     node_id: Mapped[str | None] = mapped_column(String(40), index=True)
     assigned_gpus: Mapped[list[Any] | None] = mapped_column(JSON)
     url: Mapped[str | None] = mapped_column(String(300))
+    #: `host:port` of its gRPC front (the `onnx` runner), as gRPC clients take it.
+    grpc_url: Mapped[str | None] = mapped_column(String(300))
     restarts: Mapped[int] = mapped_column(Integer, default=0)
     last_exit: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     generation: Mapped[int] = mapped_column(Integer, default=1)

@@ -140,6 +140,8 @@ class ServicePublic(BaseModel):
     state: ServiceState
     node_id: str | None
     url: str | None
+    #: `host:port` of the service's gRPC front (the `onnx` runner), as gRPC clients take it.
+    grpc_url: str | None = None
     restarts: int
     last_exit: dict[str, Any] | None
     gpus: list[AssignedGpu]
@@ -185,6 +187,7 @@ class AgentServiceStatus(StrictModel):
     generation: Annotated[int, Field(ge=0, le=DB_INT_MAX)]
     state: Literal["starting", "healthy", "unhealthy", "restarting", "failed", "stopped"]
     port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    grpc_port: Annotated[int, Field(ge=1, le=65535)] | None = None
     restarts: Annotated[int, Field(ge=0, le=DB_INT_MAX)] = 0
     last_exit: dict[str, Any] | None = None
     events: Annotated[list[AgentServiceEvent], Field(max_length=500)] = Field(default_factory=list)

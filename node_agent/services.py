@@ -2,7 +2,7 @@
 
 Every poll interval (the control plane's answer sets it; 2 s until it does) the `ServiceKeeper`
 asks the runtime worker what it runs (`GET /v1/services`), reports that to the control plane
-(`POST /api/v1/agent/services/sync`: each service's state, port, restarts, last exit, the events
+(`POST /api/v1/agent/services/sync`: each service's state, ports, restarts, last exit, the events
 not reported before and the tail of its output) and gets back the services this node must run.
 Then it reconciles: a wanted service the worker does not run, or runs at another generation, has
 its weights fetched through the node's artifact cache and is handed to the worker (`PUT
@@ -188,6 +188,9 @@ class ServiceKeeper:
             entry = {key: status.get(key) for key in _REPORTED}
             entry["restarts"] = entry["restarts"] or 0
             entry["log_tail"] = entry["log_tail"] or []
+            # Only when there is one: a control plane older than gRPC ports refuses the field.
+            if isinstance(grpc_port := status.get("grpc_port"), int):
+                entry["grpc_port"] = grpc_port
             entry["events"] = [
                 {"at": event.get("at"), "kind": event.get("kind"), "data": event.get("data")}
                 for event in fresh

@@ -46,7 +46,8 @@ class RestartPolicy:
 
 @dataclass(frozen=True)
 class ServiceSpec:
-    """What to run, checked; `argv` has `{weights}` filled in and `{port}` still to fill."""
+    """What to run, checked; `argv` has `{weights}` filled in, `{port}` and `{grpc_port}` still
+    to fill."""
 
     service_id: str
     generation: int
@@ -129,6 +130,8 @@ def onnx_argv(name: str) -> list[str]:
         "{weights}",
         "--port",
         "{port}",
+        "--grpc-port",
+        "{grpc_port}",
         "--name",
         name,
     ]

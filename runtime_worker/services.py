@@ -7,7 +7,8 @@ Each start runs under a supervisor of its own (runtime_worker.supervisor, argv m
 service's process in a process group of its own, in a fresh work directory, ended with everything
 it started when the service is stopped, restarted, or the worker stops or dies — exactly as for a
 job. `{port}` in the command becomes a free TCP port chosen at each start (also in `PORT`),
-`{weights}` the local path of its weights. Its environment is the worker's, filtered as a job's,
+`{grpc_port}` a second one (also in `GRPC_PORT`; the `onnx` runner's gRPC front), `{weights}` the
+local path of its weights. Its environment is the worker's, filtered as a job's,
 then its `env`, its `secrets`, `PORT` and the variables naming exactly its GPUs.
 
 A thread per service keeps it running: it probes `http://127.0.0.1:{port}{health.path}` every
@@ -68,11 +69,14 @@ class WorkerStopping(Exception):
     """The worker is stopping its services: it starts none."""
 
 
-def free_port() -> int:
-    """A TCP port free on this node right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("0.0.0.0", 0))  # noqa: S104 - the port the service will listen on, any address
-        return int(probe.getsockname()[1])
+def free_port(*, besides: int | None = None) -> int:
+    """A TCP port free on this node right now (other than `besides`)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("0.0.0.0", 0))  # noqa: S104 - the port the service will listen on
+            port = int(probe.getsockname()[1])
+        if port != besides:
+            return port
 
 
 def probe(port: int, check: HealthCheck) -> str | None:
@@ -89,7 +93,9 @@ def probe(port: int, check: HealthCheck) -> str | None:
     return None if 200 <= status < 400 else f"HTTP {status}"
 
 
-def service_environment(spec: ServiceSpec, port: int) -> dict[str, str]:
+def service_environment(
+    spec: ServiceSpec, port: int, grpc_port: int | None = None
+) -> dict[str, str]:
     """The environment a start of `spec` gets (see the module)."""
     env = job_environment(dict(os.environ), {})
     env.update(spec.env)
@@ -99,6 +105,8 @@ def service_environment(spec: ServiceSpec, port: int) -> dict[str, str]:
     if spec.agent_socket is not None:
         env["MODELFORGE_AGENT_SOCKET"] = spec.agent_socket
     env["PORT"] = str(port)
+    if grpc_port is not None:
+        env["GRPC_PORT"] = str(grpc_port)
     env.update(spec.gpu_env)
     return env
 
@@ -127,6 +135,7 @@ class _Run:
 
     process: subprocess.Popen[bytes]
     port: int
+    grpc_port: int | None
     workdir: Path
     reader: threading.Thread
     pid: int | None = None
@@ -148,6 +157,7 @@ class Service:
         self._failures = 0
         self.state = "starting"
         self.port: int | None = None
+        self.grpc_port: int | None = None
         self.pid: int | None = None
         self.restarts = 0
         self.last_exit: dict[str, Any] | None = None
@@ -197,6 +207,7 @@ class Service:
                 "generation": (self._pending or self._spec).generation,
                 "state": self.state,
                 "port": self.port,
+                "grpc_port": self.grpc_port,
                 "pid": self.pid,
                 "restarts": self.restarts,
                 "last_exit": dict(self.last_exit) if self.last_exit else None,
@@ -286,14 +297,19 @@ class Service:
                 f"weights_path {self._redact(spec.weights_path)} does not exist on this node",
             )
         port = free_port()
-        env = service_environment(spec, port)
+        wants_grpc = any("{grpc_port}" in arg for arg in spec.argv)
+        grpc_port = free_port(besides=port) if wants_grpc else None
+        env = service_environment(spec, port, grpc_port)
         executable = spec.argv[0]
         if not _executable(executable, env):
             raise _StartFailed(
                 "SERVICE_COMMAND_NOT_EXECUTABLE",
                 f"{self._redact(executable)!r} is not an executable file on the service's PATH",
             )
-        argv = [arg.replace("{port}", str(port)) for arg in spec.argv]
+        argv = [
+            arg.replace("{port}", str(port)).replace("{grpc_port}", str(grpc_port))
+            for arg in spec.argv
+        ]
         self._jobs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         workdir = Path(tempfile.mkdtemp(prefix=f"{spec.service_id}-", dir=self._jobs_dir))
         read_fd, write_fd = os.pipe()
@@ -320,7 +336,7 @@ class Service:
             target=self._read_output, args=(process.stdout,), daemon=True, name="service-output"
         )
         reader.start()
-        run = _Run(process=process, port=port, workdir=workdir, reader=reader)
+        run = _Run(process=process, port=port, grpc_port=grpc_port, workdir=workdir, reader=reader)
         envelope = {
             "worker_pid": os.getpid(),
             "hide": [path for path in spec.private_paths if readable(path)],
@@ -345,7 +361,7 @@ class Service:
             )
         run.pid = int(report["pid"])
         with self._lock:
-            self.port, self.pid = port, run.pid
+            self.port, self.grpc_port, self.pid = port, grpc_port, run.pid
         self._set_state("starting")
         log.info(
             "service %s generation %d started: pid %d, port %d",

@@ -21,3 +21,37 @@ def relu_matmul(weights: np.ndarray) -> bytes:
     model.ir_version = 9
     onnx.checker.check_model(model)
     return model.SerializeToString()
+
+
+def mlp(sizes: tuple[int, ...] = (256, 256, 10), seed: int = 0) -> bytes:
+    """The serialised MLP x -> relu(x @ w1 + b1) -> ... -> x @ wn + bn (no relu after the last
+    layer), x of shape (batch, sizes[0]); FP32 weights drawn from `seed`."""
+    rng = np.random.default_rng(seed)
+    nodes, initializers, current = [], [], "x"
+    layers = list(zip(sizes, sizes[1:], strict=False))
+    for index, (rows, columns) in enumerate(layers):
+        weights = (rng.standard_normal((rows, columns)) / np.sqrt(rows)).astype(np.float32)
+        bias = (rng.standard_normal(columns) * 0.1).astype(np.float32)
+        initializers += [
+            helper.make_tensor(f"w{index}", TensorProto.FLOAT, [rows, columns], weights.flatten()),
+            helper.make_tensor(f"b{index}", TensorProto.FLOAT, [columns], bias),
+        ]
+        last = index == len(layers) - 1
+        output = "y" if last else f"h{index}"
+        gemm = f"g{index}" if not last else output
+        nodes.append(helper.make_node("MatMul", [current, f"w{index}"], [f"m{index}"]))
+        nodes.append(helper.make_node("Add", [f"m{index}", f"b{index}"], [gemm]))
+        if not last:
+            nodes.append(helper.make_node("Relu", [gemm], [output]))
+        current = output
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, sizes[0]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, sizes[-1]])],
+        initializers,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    return model.SerializeToString()

@@ -167,7 +167,7 @@ def undeploy(*, session: Session, clock: Clock, service_id: str) -> Service:
     now = clock.now()
     service.state = "stopped"
     service.stopped_at = service.updated_at = now
-    service.url = None
+    service.url = service.grpc_url = None
     _event(session, service, now, "state", {"state": "stopped", "reason": "undeployed"})
     return service
 
@@ -179,6 +179,7 @@ def service_public(service: Service, waiting_reason: dict[str, str] | None = Non
         state=service.state,
         node_id=service.node_id if service.state != "stopped" else None,
         url=service.url,
+        grpc_url=service.grpc_url,
         restarts=service.restarts,
         last_exit=service.last_exit,
         gpus=[AssignedGpu.model_validate(gpu) for gpu in service.assigned_gpus or []],
@@ -259,6 +260,7 @@ def _replace_lost(session: Session, clock: Clock, liveness: Liveness) -> None:
             None,
             None,
         )
+        service.grpc_url = None
         service.updated_at = now
         why = "its node was deleted" if gone else "its node went offline"
         data = {"state": "pending", "reason": why, "node_id": node_id}
@@ -358,6 +360,7 @@ def sync(
         service.last_exit = status.last_exit
         service.log_tail = status.log_tail[-_LOG_TAIL:]
         service.url = _url(host, status.port) if status.port else None
+        service.grpc_url = _address(host, status.grpc_port) if status.grpc_port else None
         service.updated_at = now
     desired = []
     for service in session.scalars(
@@ -403,9 +406,14 @@ def sync(
 
 
 def _url(host: str, port: int) -> str:
+    return f"http://{_address(host, port)}"
+
+
+def _address(host: str, port: int) -> str:
+    """`host:port`, as HTTP URLs and gRPC clients take it."""
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"  # an IPv6 address
-    return f"http://{host}:{port}"
+    return f"{host}:{port}"
 
 
 def deployed_counts(session: Session) -> dict[str, int]:

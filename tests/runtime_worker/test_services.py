@@ -403,6 +403,8 @@ def test_the_onnx_runner_command_and_malformed_specifications() -> None:
         "/c/w.onnx",
         "--port",
         "{port}",
+        "--grpc-port",
+        "{grpc_port}",
         "--name",
         "relu",
     )
