@@ -1,4 +1,4 @@
-"""Entry names and types of an images tar, resolved the way `docker image load` resolves them.
+"""Entry names of an images tar, resolved the way `docker image load` resolves them.
 
 The engine unpacks the tar after cleaning each name with Go's `filepath.Clean` (`./x` → `x`,
 `x/../y` → `y`, `a//b` → `a/b`, a trailing `/` dropped) and joining it under its scratch
@@ -6,31 +6,15 @@ directory, where a later entry of the same cleaned name replaces an earlier one.
 cleaned here by the same rules, and the verifier refuses what could make the engine load
 something other than what was checked: a name that is absolute or climbs out of the root, two
 entries that clean to the same name (a shadow `manifest.json` under `./manifest.json` or
-`x/../manifest.json`), an entry below a file, and any entry that is neither a regular file nor a
-directory (hard or symbolic links, devices, fifos, sparse or contiguous files).
-
-The end of the archive is checked as well: everything after the last entry must be zero bytes,
-so no header that this reader stopped at (and the engine's reader might not) hides more entries.
+`x/../manifest.json`), and an entry below a file. The headers themselves (only regular files
+and directories, in plain ustar) are `release._ustar`'s.
 """
 
 from __future__ import annotations
 
-import tarfile
 from collections.abc import Iterable
-from pathlib import Path
 
-from release._tar import CHUNK
-
-_FILE_TYPES = (tarfile.REGTYPE, tarfile.AREGTYPE)
-_KINDS = {
-    tarfile.SYMTYPE: "a symbolic link",
-    tarfile.LNKTYPE: "a hard link",
-    tarfile.CHRTYPE: "a character device",
-    tarfile.BLKTYPE: "a block device",
-    tarfile.FIFOTYPE: "a fifo",
-    tarfile.CONTTYPE: "a contiguous file",
-    tarfile.GNUTYPE_SPARSE: "a sparse file",
-}
+from release._ustar import UstarEntry
 
 
 class EntryError(Exception):
@@ -78,44 +62,37 @@ class EntryIndex:
 
     def __init__(self, archive: str) -> None:
         self.archive = archive
-        self.files: dict[str, tarfile.TarInfo] = {}
-        self.directories: dict[str, tarfile.TarInfo] = {}
+        self.files: dict[str, UstarEntry] = {}
+        self.directories: dict[str, UstarEntry] = {}
         self._raw: dict[str, str] = {}
 
-    def add(self, member: tarfile.TarInfo) -> str:
+    def add(self, entry: UstarEntry) -> str:
         """Index one entry; return its cleaned name. Raises `EntryError` for a refused one."""
         where = f"{self.archive}: entry"
-        name = resolve(member.name, what=where)
-        if member.sparse is not None or (
-            member.type not in _FILE_TYPES and member.type != tarfile.DIRTYPE
-        ):
-            kind = _KINDS.get(member.type, f"of tar type {member.type!r}")
-            if member.sparse is not None:
-                kind = "a sparse file"
-            target = f" to {member.linkname!r}" if member.issym() or member.islnk() else ""
-            raise EntryError(
-                f"{where} {member.name!r} is {kind}{target}; an images tar holds only regular "
-                "files and directories"
-            )
-        if name == "." and member.type != tarfile.DIRTYPE:
-            raise EntryError(f"{where} {member.name!r}: a file cannot be the archive's root")
+        name = resolve(entry.name, what=where)
+        if name == "." and not entry.is_directory:
+            raise EntryError(f"{where} {entry.name!r}: a file cannot be the archive's root")
         if name in self._raw:
             raise EntryError(
-                f"{where} {member.name!r} is a second entry named {name!r} (the first is "
+                f"{where} {entry.name!r} is a second entry named {name!r} (the first is "
                 f"{self._raw[name]!r}); docker image load would use the last one, so the tar "
                 "is refused"
             )
-        self._raw[name] = member.name
-        if member.type == tarfile.DIRTYPE:
-            self.directories[name] = member
+        self._raw[name] = entry.name
+        if entry.is_directory:
+            self.directories[name] = entry
         else:
-            self.files[name] = member
+            self.files[name] = entry
         return name
 
-    def add_all(self, members: Iterable[tarfile.TarInfo]) -> None:
-        for member in members:
-            self.add(member)
-        for name in self.files:
+    def add_all(self, entries: Iterable[UstarEntry]) -> None:
+        for entry in entries:
+            self.add(entry)
+        self.check_nesting()
+
+    def check_nesting(self) -> None:
+        """No entry lies below a file (the engine could not unpack it as checked)."""
+        for name in (*self.files, *self.directories):
             parent = name.rpartition("/")[0]
             while parent:
                 if parent in self.files:
@@ -139,19 +116,3 @@ class EntryIndex:
 def _parents(name: str) -> list[str]:
     parts = name.split("/")
     return ["/".join(parts[:index]) for index in range(1, len(parts))]
-
-
-def check_end(path: Path, offset: int, archive: str) -> None:
-    """Everything from `offset` (just after the last entry) to the end of the file is zeros."""
-    with path.open("rb") as handle:
-        handle.seek(offset)
-        position = offset
-        while chunk := handle.read(CHUNK):
-            stripped = chunk.lstrip(b"\x00")
-            if stripped:
-                at = position + len(chunk) - len(stripped)
-                raise EntryError(
-                    f"{archive}: data after the end of the archive at byte {at} (expected only "
-                    "zero padding); an entry there would be invisible to the verifier"
-                )
-            position += len(chunk)

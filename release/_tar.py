@@ -13,7 +13,6 @@ path.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import stat
@@ -21,13 +20,9 @@ import tarfile
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO
 
 CHUNK = 1 << 20
-
-
-class Readable(Protocol):
-    def read(self, size: int = ..., /) -> bytes: ...
 
 
 def canonical_json(value: object) -> bytes:
@@ -67,18 +62,6 @@ def _info(name: str, *, mtime: int, mode: int, uid: int = 0, gid: int = 0) -> ta
     info.uid, info.gid = uid, gid
     info.uname = info.gname = ""
     return info
-
-
-def add_bytes(tar: tarfile.TarFile, name: str, data: bytes, *, mtime: int) -> None:
-    info = _info(name, mtime=mtime, mode=0o644)
-    info.size = len(data)
-    tar.addfile(info, io.BytesIO(data))
-
-
-def add_stream(tar: tarfile.TarFile, name: str, stream: Readable, size: int, *, mtime: int) -> None:
-    info = _info(name, mtime=mtime, mode=0o644)
-    info.size = size
-    tar.addfile(info, stream)
 
 
 def write_tree(

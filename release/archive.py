@@ -4,28 +4,34 @@ Layout: `manifest.json` ([{"Config", "RepoTags", "Layers"}]), one `<sha256 hex>.
 image, and one `<diff_id hex>/layer.tar` per distinct layer, so a layer shared by several images
 is stored once. The bytes are deterministic: fixed entry order, mtime and owners.
 
-Reading never needs Docker and never trusts a name: names are resolved as the engine resolves
-them (`release._entries`), every referenced layer entry is hashed again (streaming, constant
-memory) and compared with the config's rootfs.diff_ids, and an entry manifest.json does not
-reference refuses the tar. This module must never extract an entry to disk or load a layer or
-an oversized JSON entry into memory.
+Reading never needs Docker and never trusts a name: every header must be plain ustar
+(`release._ustar`: nothing Python's and Go's tar readers could read differently), names are
+resolved as the engine resolves them (`release._entries`), every referenced layer entry is hashed
+again (streaming, constant memory) and compared with the config's rootfs.diff_ids, and an entry
+manifest.json does not reference refuses the tar.
+
+`load` never hands Docker the bundle's tar: `write_verified_images_tar` writes a new one, in the
+layout `write_images_tar` writes, from the entries verify checked, each compared again with the
+digest verify found while it is copied; for a bundle this tool wrote, the bytes are the same.
+This module must never extract an entry to disk or load a layer or an oversized JSON entry into
+memory.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import tarfile
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from modelforge_contracts.release_manifest import ManifestError, parse_json
-from release._entries import EntryError, EntryIndex, check_end, clean, resolve
-from release._tar import CHUNK, add_bytes, add_stream, canonical_json, open_writer, sha256_stream
+from release._entries import EntryError, EntryIndex, clean, resolve
+from release._tar import CHUNK, canonical_json
+from release._ustar import UstarEntry, UstarError, UstarReader, UstarWriter, Writable, read_index
 
 if TYPE_CHECKING:
     from release.images import BuiltImage
@@ -46,6 +52,9 @@ class ArchivedImage:
     architecture: str
     os: str
     labels: dict[str, str]
+    #: The cleaned names of the entries holding the config and each layer, as verify found them.
+    config_entry: str
+    layer_entries: tuple[str, ...]
 
     @property
     def tag(self) -> str:
@@ -62,44 +71,140 @@ def write_images_tar(images: Sequence[BuiltImage], path: Path) -> None:
     tags = Counter(image.tag for image in images)
     if duplicated := sorted(tag for tag, count in tags.items() if count > 1):
         raise ArchiveError(f"the same tag is given for several images: {duplicated}")
-    mtime = max((_created(image.config_bytes) for image in images), default=0)
     layers: dict[str, Path] = {}
-    configs: dict[str, bytes] = {}
-    manifest = []
     for image in images:
         if len(image.layers) != len(image.diff_ids):
             raise ArchiveError(
                 f"{image.tag}: {len(image.layers)} layer files for {len(image.diff_ids)} diff_ids"
             )
-        config_name = image.config_digest.removeprefix("sha256:") + ".json"
-        configs[config_name] = image.config_bytes
         for diff_id, layer in zip(image.diff_ids, image.layers, strict=True):
             layers.setdefault(diff_id, layer)
-        manifest.append(
-            {
-                "Config": config_name,
-                "RepoTags": [image.tag],
-                "Layers": [_layer_name(diff_id) for diff_id in image.diff_ids],
-            }
+
+    def copy(diff_id: str) -> tuple[int, Iterator[bytes]]:
+        layer = layers[diff_id]
+
+        def pieces() -> Iterator[bytes]:
+            with layer.open("rb") as stream:
+                while piece := stream.read(CHUNK):
+                    yield piece
+
+        return layer.stat().st_size, pieces()
+
+    def changed(diff_id: str, found: str) -> ArchiveError:
+        return ArchiveError(
+            f"layer file {layers[diff_id]}: expected {diff_id}, found {found} (changed since "
+            "the build; build the images again)"
         )
+
     partial = path.with_name(path.name + ".partial")
     try:
-        with open_writer(partial) as tar:
-            add_bytes(tar, MANIFEST, canonical_json(manifest), mtime=mtime)
-            for name, data in sorted(configs.items()):
-                add_bytes(tar, name, data, mtime=mtime)
-            for diff_id, layer in layers.items():
-                with layer.open("rb") as stream:
-                    reader = _HashingReader(stream)
-                    add_stream(tar, _layer_name(diff_id), reader, layer.stat().st_size, mtime=mtime)
-                if (found := "sha256:" + reader.digest.hexdigest()) != diff_id:
-                    raise ArchiveError(
-                        f"layer file {layer}: expected {diff_id}, found {found} (changed since "
-                        "the build; build the images again)"
-                    )
+        with partial.open("wb") as out:
+            facts = [(i.tag, i.config_digest, i.config_bytes, i.diff_ids) for i in images]
+            _write_archive(out, facts, copy, changed)
         partial.replace(path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def write_verified_images_tar(path: Path, images: Sequence[ArchivedImage], out: Writable) -> None:
+    """Write to `out` the images tar `load` hands Docker: `images` (as `read_images_tar` found
+    them in `path` and verify checked them) in `write_images_tar`'s layout, every config and
+    layer read again from `path` and compared with the digest verify found. A config that
+    differs stops the stream before it is written; a layer is hashed while it is copied and its
+    last bytes are held back until the hash matches, so a tar changed since verify leaves
+    `out` ending inside an entry, which Docker refuses."""
+    try:
+        with path.open("rb") as handle:
+            index = EntryIndex(path.name)
+            index.add_all(read_index(handle, path.name))
+            reader = _EntryReader(handle, index, {})
+            configs = []
+            for image in images:
+                raw = reader.read(image.config_entry, what=f"image {image.tag}: config")
+                if (found := "sha256:" + hashlib.sha256(raw).hexdigest()) != image.config_digest:
+                    raise ArchiveError(
+                        f"image {image.tag}: config {image.config_entry}: expected "
+                        f"{image.config_digest} (as verified), found {found}; the images tar "
+                        "changed since it was verified"
+                    )
+                configs.append((image.tag, image.config_digest, raw, image.diff_ids))
+            sources = {
+                diff_id: entry
+                for image in images
+                for diff_id, entry in zip(image.diff_ids, image.layer_entries, strict=True)
+            }
+
+            def copy(diff_id: str) -> tuple[int, Iterator[bytes]]:
+                member = reader.member(sources[diff_id], what=f"layer {diff_id}")
+                return member.size, reader.pieces(member)
+
+            def changed(diff_id: str, found: str) -> ArchiveError:
+                return ArchiveError(
+                    f"layer {sources[diff_id]}: expected {diff_id} (as verified), found "
+                    f"{found}; the images tar changed since it was verified"
+                )
+
+            _write_archive(out, configs, copy, changed)
+    except (EntryError, UstarError) as exc:
+        raise ArchiveError(f"{exc}; the images tar changed since it was verified") from None
+
+
+def _write_archive(
+    out: Writable,
+    images: Sequence[tuple[str, str, bytes, Sequence[str]]],
+    copy: Callable[[str], tuple[int, Iterator[bytes]]],
+    changed: Callable[[str, str], ArchiveError],
+) -> None:
+    """manifest.json, the configs by name, then each layer once (in order of first use); each
+    image is (tag, config_digest, config bytes, diff_ids), `copy(diff_id)` gives a layer's size
+    and bytes, and `changed(diff_id, found)` the error for a layer whose bytes hash otherwise."""
+    mtime = max((_created(config) for _, _, config, _ in images), default=0)
+    configs: dict[str, bytes] = {}
+    layers: list[str] = []
+    manifest = []
+    for tag, config_digest, config_bytes, diff_ids in images:
+        config_name = config_digest.removeprefix("sha256:") + ".json"
+        configs[config_name] = config_bytes
+        layers.extend(diff_id for diff_id in diff_ids if diff_id not in layers)
+        manifest.append(
+            {
+                "Config": config_name,
+                "RepoTags": [tag],
+                "Layers": [_layer_name(diff_id) for diff_id in diff_ids],
+            }
+        )
+    writer = UstarWriter(out, mtime=mtime)
+    try:
+        writer.add(MANIFEST, canonical_json(manifest))
+        for name, data in sorted(configs.items()):
+            writer.add(name, data)
+        for diff_id in layers:
+            _copy_layer(writer, diff_id, copy, changed)
+        writer.close()
+    except UstarError as exc:
+        raise ArchiveError(str(exc)) from None
+
+
+def _copy_layer(
+    writer: UstarWriter,
+    diff_id: str,
+    copy: Callable[[str], tuple[int, Iterator[bytes]]],
+    changed: Callable[[str, str], ArchiveError],
+) -> None:
+    """One layer, hashed while it is copied; its last bytes only once the hash is its diff_id."""
+    size, pieces = copy(diff_id)
+    digest = hashlib.sha256()
+
+    def hashed() -> Iterator[bytes]:
+        for piece in pieces:
+            digest.update(piece)
+            yield piece
+
+    def check() -> None:
+        if (found := "sha256:" + digest.hexdigest()) != diff_id:
+            raise changed(diff_id, found)
+
+    writer.add_stream(_layer_name(diff_id), size, hashed(), check=check)
 
 
 def read_images_tar(
@@ -110,32 +215,29 @@ def read_images_tar(
 ) -> list[ArchivedImage]:
     """Parse and check a docker-archive without Docker; every referenced layer is re-hashed.
 
-    Names are resolved as `docker image load` resolves them (`release._entries`); an entry the
-    engine could read but this check would not (a duplicate after cleaning, a link, a device,
-    anything manifest.json does not reference, data after the end) refuses the whole tar.
-    `entry_digests` (cleaned entry name -> digest, from `scan_tar`) saves the second read of the
-    layers when the caller already streamed the whole file once.
+    Headers must be plain ustar (`release._ustar`) and names are resolved as `docker image load`
+    resolves them (`release._entries`); an entry the engine could read but this check would not
+    (another header form, a duplicate after cleaning, a link, a device, anything manifest.json
+    does not reference, data after the end) refuses the whole tar. `entry_digests` (cleaned
+    entry name -> digest, from `scan_tar`) saves the second read of the layers when the caller
+    already streamed the whole file once.
     """
     try:
-        with tarfile.open(path, mode="r:") as tar:
+        with path.open("rb") as handle:
             index = EntryIndex(path.name)
-            index.add_all(tar.getmembers())  # headers only: the data stays in the file
-            check_end(path, tar.offset, path.name)
-            return _check_archive(tar, index, progress, entry_digests or {})
-    except EntryError as exc:
+            index.add_all(read_index(handle, path.name))  # headers only: the data stays put
+            return _check_archive(_EntryReader(handle, index, entry_digests or {}), progress)
+    except (EntryError, UstarError) as exc:
         raise ArchiveError(str(exc)) from None
-    except (OSError, EOFError, tarfile.TarError) as exc:
-        raise ArchiveError(f"{path.name}: not a readable tar archive ({exc})") from None
+    except OSError as exc:
+        raise ArchiveError(f"{path.name}: cannot be read ({exc.strerror or exc})") from None
 
 
 def _check_archive(
-    tar: tarfile.TarFile,
-    index: EntryIndex,
-    progress: Callable[[str], None] | None,
-    entry_digests: Mapping[str, str],
+    reader: _EntryReader, progress: Callable[[str], None] | None
 ) -> list[ArchivedImage]:
+    index = reader.index
     archive = index.archive
-    reader = _EntryReader(tar, index, entry_digests)
     manifest = reader.json(MANIFEST, what="manifest.json")
     if not isinstance(manifest, list) or not manifest:
         raise ArchiveError(f"{archive}: manifest.json is not a non-empty list of images")
@@ -173,6 +275,7 @@ def _check_image(
         raise ArchiveError(f"image {tag}: Config expected an entry name, found {config_name!r}")
     if not isinstance(layer_names, list) or not all(isinstance(n, str) for n in layer_names):
         raise ArchiveError(f"image {tag}: Layers expected a list of entries, found {layer_names!r}")
+    config_entry = reader.resolve(config_name, what=f"image {tag}: config")
     raw = reader.read(config_name, what=f"image {tag}: config")
     config_digest = "sha256:" + hashlib.sha256(raw).hexdigest()
     named = clean(config_name).removeprefix("blobs/sha256/").removesuffix(".json")
@@ -190,9 +293,11 @@ def _check_image(
             f"image {tag}: number of layers: config rootfs.diff_ids has {len(diff_ids)}, "
             f"manifest.json Layers lists {len(layer_names)}"
         )
+    layer_entries = []
     for number, (name, expected) in enumerate(zip(layer_names, diff_ids, strict=True), start=1):
         what = f"image {tag}: layer {number}"
         resolved = reader.resolve(name, what=what)
+        layer_entries.append(resolved)
         if resolved not in layer_digests:
             if progress is not None:
                 progress(f"{tag}: hashing layer {number}/{len(diff_ids)} ({name})")
@@ -217,6 +322,8 @@ def _check_image(
         architecture=str(fields["architecture"]),
         os=str(fields["os"]),
         labels=dict(labels),
+        config_entry=config_entry,
+        layer_entries=tuple(layer_entries),
     )
 
 
@@ -224,9 +331,9 @@ class _EntryReader:
     """Reads the entries manifest.json names, by cleaned name, and remembers which it named."""
 
     def __init__(
-        self, tar: tarfile.TarFile, index: EntryIndex, known_digests: Mapping[str, str]
+        self, handle: IO[bytes], index: EntryIndex, known_digests: Mapping[str, str]
     ) -> None:
-        self.tar, self.index, self.known_digests = tar, index, known_digests
+        self.handle, self.index, self.known_digests = handle, index, known_digests
         self.referenced: set[str] = set()
 
     def resolve(self, name: str, *, what: str) -> str:
@@ -237,38 +344,47 @@ class _EntryReader:
         self.referenced.add(resolved)
         return resolved
 
-    def _member(self, name: str, what: str) -> tarfile.TarInfo:
+    def member(self, name: str, *, what: str) -> UstarEntry:
         member = self.index.files.get(self.resolve(name, what=what))
         if member is None:
             raise ArchiveError(f"{what}: entry {name} is missing from {self.index.archive}")
         return member
 
-    def _open(self, member: tarfile.TarInfo, name: str, what: str) -> IO[bytes]:
-        stream = self.tar.extractfile(member)
-        if stream is None:
-            raise ArchiveError(f"{what}: entry {name} cannot be read from {self.index.archive}")
-        return stream
+    def pieces(self, member: UstarEntry) -> Iterator[bytes]:
+        """The entry's data, read from its place in the file, in pieces of at most CHUNK."""
+        position, left = member.data_offset, member.size
+        while left:
+            self.handle.seek(position)
+            piece = self.handle.read(min(CHUNK, left))
+            if not piece:
+                raise ArchiveError(
+                    f"{self.index.archive}: the file ends inside the data of {member.name!r}"
+                )
+            position += len(piece)
+            left -= len(piece)
+            yield piece
 
     def read(self, name: str, *, what: str) -> bytes:
-        member = self._member(name, what)
+        member = self.member(name, what=what)
         if member.size > _MAX_JSON_BYTES:
             raise ArchiveError(
                 f"{what}: entry {name} is {member.size} bytes; a JSON entry of an images tar "
                 f"is at most {_MAX_JSON_BYTES} bytes"
             )
-        with self._open(member, name, what) as stream:
-            return stream.read()
+        return b"".join(self.pieces(member))
 
     def json(self, name: str, *, what: str) -> Any:
         return _parse(self.read(name, what=what), f"{self.index.archive}: {what}")
 
     def digest(self, name: str, *, what: str) -> str:
-        member = self._member(name, what)
+        member = self.member(name, what=what)
         known = self.known_digests.get(clean(name))
         if known is not None:
             return known
-        with self._open(member, name, what) as stream:
-            return "sha256:" + sha256_stream(stream)
+        digest = hashlib.sha256()
+        for piece in self.pieces(member):
+            digest.update(piece)
+        return "sha256:" + digest.hexdigest()
 
 
 def scan_tar(
@@ -277,8 +393,9 @@ def scan_tar(
     """One streaming pass, constant memory: the SHA-256 of the whole file and of every entry.
 
     This is what lets `verify` check the bundle's checksum and every layer's diff_id while
-    reading the (large) images tar only once. Entries are keyed by their cleaned names; an entry
-    `release._entries` refuses stops the pass with ArchiveError before its data is read.
+    reading the (large) images tar only once. Entries are keyed by their cleaned names; a header
+    `release._ustar` or `release._entries` refuses stops the pass with ArchiveError before its
+    data is read, and the reader reads to the end of the file (which must be zeros).
     """
     total = path.stat().st_size
     whole = hashlib.sha256()
@@ -297,35 +414,21 @@ def scan_tar(
     entries: dict[str, str] = {}
     index = EntryIndex(path.name)
     with path.open("rb") as handle:
+        reader = UstarReader(_Tee(), path.name)  # no seek: every byte passes through the tee
         try:
-            with tarfile.open(fileobj=_Tee(), mode="r|", bufsize=CHUNK) as tar:  # type: ignore[call-overload]
-                for member in tar:
-                    name = index.add(member)
-                    stream = tar.extractfile(member) if member.isfile() else None
-                    if stream is not None:
-                        entries[name] = "sha256:" + sha256_stream(stream)
-        except EntryError as exc:
+            for entry in reader.entries():
+                name = index.add(entry)
+                if not entry.is_directory:
+                    digest = hashlib.sha256()
+                    for piece in reader.data(CHUNK):
+                        digest.update(piece)
+                    entries[name] = "sha256:" + digest.hexdigest()
+            index.check_nesting()
+        except (EntryError, UstarError) as exc:
             raise ArchiveError(str(exc)) from None
-        except (EOFError, tarfile.TarError) as exc:
-            raise ArchiveError(f"{path.name}: not a readable tar archive ({exc})") from None
-        tee = _Tee()
-        while tee.read(CHUNK):  # end-of-archive padding counts for the file's checksum
-            pass
     if progress is not None:
         progress(total, total)
     return "sha256:" + whole.hexdigest(), entries
-
-
-class _HashingReader:
-    """Passes reads through and hashes them, so a layer is hashed while it is copied."""
-
-    def __init__(self, stream: IO[bytes]) -> None:
-        self.stream, self.digest = stream, hashlib.sha256()
-
-    def read(self, size: int = CHUNK) -> bytes:
-        data = self.stream.read(size)
-        self.digest.update(data)
-        return data
 
 
 def _parse(raw: bytes, what: str) -> Any:

@@ -235,12 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         OSError,
     )
     try:
+        from release.archive import ArchiveError
         from release.cosign_key import CosignKeyError
         from release.docker import DockerError
         from release.state import StateError
         from release.verify import VerificationError
 
-        known += (CosignKeyError, DockerError, StateError, VerificationError)
+        known += (ArchiveError, CosignKeyError, DockerError, StateError, VerificationError)
         args.run(args)
     except known as exc:
         _say(f"modelforge-release {args.command}: {exc}")

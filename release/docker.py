@@ -1,9 +1,13 @@
 """`load` against a Docker engine, after `verify`, and the engine calls `up` shares.
 
-`load` runs `docker image load`, compares each loaded image's tag, RootFS layers, architecture
-and labels with the manifest (the engine's image ID is not compared: it may change on load) and
-records the local image IDs under the state directory (`release.state`), never in the bundle,
-which may be read-only. Nothing here passes a secret on a command line.
+`load` never hands Docker the bundle's images tar: it pipes into `docker image load` a tar it
+writes itself from the entries verify checked (`archive.write_verified_images_tar`), so no
+second reader ever parses the bundle's bytes. Then it compares each loaded image's ID with the
+manifest's `config_digest` where the engine's ID is the config's digest (the classic image
+store; the containerd image store's ID is a manifest's digest), and its tag, RootFS layers,
+architecture and labels with the manifest, and records the local image IDs under the state
+directory (`release.state`), never in the bundle, which may be read-only. Nothing here passes a
+secret on a command line.
 """
 
 from __future__ import annotations
@@ -11,12 +15,13 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any, cast
 
-from modelforge_contracts.release_manifest import check_images
-from release import state
+from modelforge_contracts.release_manifest import Manifest, check_images
+from release import archive, state
 from release.verify import VerifiedBundle
 
 #: The Compose variable that selects each image (compose/*.yml).
@@ -99,14 +104,21 @@ def inspect_image(tag: str) -> InspectedImage | None:
 
 
 def load(bundle: VerifiedBundle, *, say: Callable[[str], None] = print) -> dict[str, str]:
-    say(f"loading {bundle.images_tar.name} into the Docker engine")
-    run(["docker", "image", "load", "-i", str(bundle.images_tar)], capture=False)
+    say(f"loading the verified images of {bundle.images_tar.name} into the Docker engine")
+    _pipe_verified_images(bundle)
     found = []
     for entry in bundle.manifest.images.values():
         image = inspect_image(entry.tag)
         if image is None:
             raise DockerError(f"{entry.name}: {entry.tag} is not in the engine after the load")
         found.append(image)
+    if image_ids_are_config_digests():
+        check_image_ids(bundle.manifest, found)
+    else:
+        say(
+            "the engine's containerd image store names images by manifest digest: image IDs "
+            "are recorded, not compared with config_digest"
+        )
     check_images(bundle.manifest, found)
     recorded = {image.tag: image.image_id for image in found}
     path = state.write_record(
@@ -120,6 +132,71 @@ def load(bundle: VerifiedBundle, *, say: Callable[[str], None] = print) -> dict[
         say(f"loaded {tag} as {image_id}")
     say(f"recorded the local image IDs in {path}")
     return recorded
+
+
+def _pipe_verified_images(bundle: VerifiedBundle) -> None:
+    """`docker image load` reading, on its stdin, the tar written from the verified entries.
+
+    A config or layer that no longer matches what verify found stops the stream inside an entry
+    and the load is killed: Docker unpacks the whole tar before it loads anything, so it loads
+    nothing from a stream that ends early."""
+    with tempfile.TemporaryFile() as errors:
+        try:
+            process = subprocess.Popen(
+                ["docker", "image", "load"], stdin=subprocess.PIPE, stderr=errors
+            )
+        except FileNotFoundError:
+            raise DockerError("docker is not installed") from None
+        stdin = cast(IO[bytes], process.stdin)  # stdin=PIPE: never None
+        try:
+            archive.write_verified_images_tar(bundle.images_tar, bundle.images, stdin)
+            stdin.close()
+        except archive.ArchiveError as exc:
+            process.kill()
+            process.wait()
+            raise DockerError(f"{exc}; the load was stopped, verify the bundle again") from None
+        except BrokenPipeError:
+            pass  # docker stopped reading: its exit status and message say why
+        finally:
+            if not stdin.closed:
+                try:
+                    stdin.close()
+                except BrokenPipeError:
+                    pass
+        if (code := process.wait()) != 0:
+            errors.seek(0)
+            detail = errors.read(64 << 10).decode(errors="replace").strip().splitlines()[-3:]
+            raise DockerError(f"`docker image load` failed (exit {code}): " + " | ".join(detail))
+
+
+def image_ids_are_config_digests() -> bool:
+    """Whether the engine's image ID is the SHA-256 of the image's config: true for the classic
+    image store (every storage driver but the containerd snapshotters)."""
+    status = run(["docker", "info", "--format", "{{json .DriverStatus}}"]).stdout
+    try:
+        pairs = json.loads(status) or []
+    except ValueError:
+        raise DockerError("`docker info` did not print the storage driver's status") from None
+    return not any(
+        isinstance(pair, list) and pair[:1] == ["driver-type"] and "containerd" in str(pair[1:])
+        for pair in pairs
+    )
+
+
+def check_image_ids(manifest: Manifest, found: Sequence[InspectedImage]) -> None:
+    """Each release image's engine ID is the `config_digest` the manifest names: the engine
+    loaded exactly the config verify checked under that tag."""
+    by_tag = {image.tag: image for image in found}
+    problems = []
+    for entry in manifest.images.values():
+        image = by_tag.get(entry.tag)
+        if image is not None and image.image_id != entry.config_digest:
+            problems.append(
+                f"{entry.name}: image ID expected {entry.config_digest} (config_digest), found "
+                f"{image.image_id}; the engine holds another config under {entry.tag}"
+            )
+    if problems:
+        raise DockerError("\n".join(problems))
 
 
 def compose_command() -> list[str]:

@@ -1,10 +1,11 @@
 """`modelforge-release verify` (RL-3): offline, without Docker, in this order —
 the signatures of SHA256SUMS with the pinned public key, the bundle's files against SHA256SUMS
 (nothing listed missing, nothing unlisted present), every checksum (streaming, constant memory,
-with progress), then the images tar read the way `docker image load` reads it: entry names,
-the images it holds, their tags, configs, layers, architecture and labels against the release
-manifest. The first failure stops it with a message naming file/image/field, expected and
-found; nothing is loaded or started.
+with progress), then the images tar: plain ustar headers only (nothing two tar readers could
+read differently), entry names resolved as `docker image load` resolves them, the images it
+holds, their tags, configs, layers, architecture and labels against the release manifest. The
+first failure stops it with a message naming file/image/field, expected and found; nothing is
+loaded or started.
 
 Every file read into memory has a size limit and every JSON document a nesting limit.
 """
@@ -53,6 +54,9 @@ class VerifiedBundle:
     manifest: Manifest
     images_tar: Path
     manifest_sha256: str
+    #: The images as verify found them in the images tar (entries, config digests, layers):
+    #: what `load` writes again for Docker.
+    images: tuple[archive.ArchivedImage, ...]
 
 
 @dataclass(frozen=True)
@@ -278,4 +282,5 @@ def _verify(
         manifest=manifest,
         images_tar=images_tar,
         manifest_sha256=manifest_sha256,
+        images=tuple(archived),
     )

@@ -1,4 +1,5 @@
-"""Small synthetic images (a few tiny layers each) for fast bundle tests without mmdebstrap.
+"""Small synthetic images (a few tiny layers each) for fast bundle tests without mmdebstrap,
+and the signed bundle made of them.
 
 They go through the same `write_images_tar` / manifest / SHA256SUMS / signing code as real ones.
 """
@@ -11,7 +12,12 @@ import json
 import tarfile
 from pathlib import Path
 
+from modelforge_contracts.release_manifest import MANIFEST_FILE, manifest_for
+from release.archive import write_images_tar
+from release.checksums import render_sha256sums
+from release.cli import main
 from release.images import BuiltImage
+from release.verify import TEMPLATE, images_tar_name
 
 VERSION = "0.1.0"
 NAMES = ("modelforge-control-plane", "modelforge-node-agent", "modelforge-runtime-worker")
@@ -68,3 +74,26 @@ def synthetic_images(directory: Path) -> list[BuiltImage]:
             )
         )
     return images
+
+
+def signed_bundle(root: Path, private_key: Path) -> Path:
+    """A complete release bundle of the synthetic images under `root`, signed with the key."""
+    images = synthetic_images(root / "layers")
+    bundle = root / "bundle"
+    bundle.mkdir()
+    write_images_tar(images, bundle / images_tar_name(VERSION))
+    (bundle / MANIFEST_FILE).write_text(manifest_for(images, version=VERSION, protocol=1).dumps())
+    (bundle / "sbom").mkdir()
+    for image in images:
+        (bundle / "sbom" / f"{image.name}.cdx.json").write_text(json.dumps(image.sbom))
+    assert main(["bundle", str(bundle)]) == 0
+    assert main(["sign", str(bundle), "--key", str(private_key)]) == 0
+    return bundle
+
+
+def resign(bundle: Path, private_key: Path) -> None:
+    """SHA256SUMS rendered afresh and signed with the real key, without `bundle`'s own checks of
+    the manifest: a tampered bundle whose signature and checksums are all good, so only the
+    check under test can refuse it."""
+    (bundle / "SHA256SUMS").write_text(render_sha256sums(TEMPLATE, bundle, VERSION))
+    assert main(["sign", str(bundle), "--key", str(private_key)]) == 0

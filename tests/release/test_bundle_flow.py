@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import shutil
 import tarfile
 from collections.abc import Callable
@@ -14,52 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from modelforge_contracts.release_manifest import MANIFEST_FILE, manifest_for
-from release.archive import write_images_tar
-from release.checksums import render_sha256sums
+from modelforge_contracts.release_manifest import MANIFEST_FILE
 from release.cli import main
-from release.verify import TEMPLATE, images_tar_name
-from tests.release.synthetic import VERSION, synthetic_images
+from release.verify import images_tar_name
+from tests.release import crafted
+from tests.release.synthetic import VERSION, resign
 
 TAR = images_tar_name(VERSION)
-
-
-def _release(cli: Callable[..., int], bundle: Path, private_key: Path) -> None:
-    assert cli(["bundle", str(bundle)]) == 0
-    assert cli(["sign", str(bundle), "--key", str(private_key)]) == 0
-
-
-def _resign(bundle: Path, private_key: Path) -> None:
-    """SHA256SUMS rendered afresh and signed with the real key, without `bundle`'s own checks of
-    the manifest: a tampered bundle whose signature and checksums are all good, so only the
-    check under test can refuse it."""
-    (bundle / "SHA256SUMS").write_text(render_sha256sums(TEMPLATE, bundle, VERSION))
-    assert main(["sign", str(bundle), "--key", str(private_key)]) == 0
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
-    directory = tmp_path_factory.mktemp("keys")
-    private, public = directory / "cosign.key", directory / "cosign.pub"
-    assert main(["keygen", "--private", str(private), "--public", str(public)]) == 0
-    other_private, other_public = directory / "other.key", directory / "other.pub"
-    assert main(["keygen", "--private", str(other_private), "--public", str(other_public)]) == 0
-    return private, public, other_public
-
-
-@pytest.fixture(scope="module")
-def signed_bundle(tmp_path_factory: pytest.TempPathFactory, keys: tuple[Path, Path, Path]) -> Path:
-    root = tmp_path_factory.mktemp("bundle")
-    images = synthetic_images(root / "layers")
-    bundle = root / "bundle"
-    bundle.mkdir()
-    write_images_tar(images, bundle / TAR)
-    (bundle / MANIFEST_FILE).write_text(manifest_for(images, version=VERSION, protocol=1).dumps())
-    (bundle / "sbom").mkdir()
-    for image in images:
-        (bundle / "sbom" / f"{image.name}.cdx.json").write_text(json.dumps(image.sbom))
-    _release(main, bundle, keys[0])
-    return bundle
 
 
 def _copy(bundle: Path, tmp_path: Path) -> Path:
@@ -380,24 +342,72 @@ TAMPERS: dict[str, tuple[Callable[[Path], None], bool, list[str]]] = {
 }
 
 
+for _name, (_alter, _words) in crafted.VARIANTS.items():
+    TAMPERS[f"crafted tar: {_name}"] = (_alter, True, [TAR, *_words])
+
+
+@pytest.fixture
+def docker_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A `docker` first on PATH that only writes down how it was called: the record stays
+    empty as long as nothing reaches Docker."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    record = tmp_path / "docker-calls"
+    record.touch()
+    script = folder / "docker"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {record}\nexit 1\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    return record
+
+
 @pytest.mark.parametrize("case", list(TAMPERS))
-def test_tampered_bundle_is_refused(
+def test_tampered_bundle_is_refused_by_verify_and_load(
     case: str,
     signed_bundle: Path,
     keys: tuple[Path, Path, Path],
     tmp_path: Path,
+    docker_calls: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    alter, resign, words = TAMPERS[case]
+    alter, sign_again, words = TAMPERS[case]
     bundle = _copy(signed_bundle, tmp_path)
     alter(bundle)
-    if resign:
-        _resign(bundle, keys[0])
+    if sign_again:
+        resign(bundle, keys[0])
     capsys.readouterr()
     code, err = _verify(bundle, keys[1], capsys)
     assert code == 1
     for word in words:
         assert word in err, (case, err)
+
+    code = main(["load", str(bundle), "--key", str(keys[1])])
+    loaded = capsys.readouterr().err
+    assert code == 1
+    assert err.splitlines()[-1].removeprefix("modelforge-release verify: ") in loaded
+    assert docker_calls.read_text() == ""
+
+
+@pytest.mark.parametrize("case", crafted.HIDDEN_PAYLOAD)
+def test_hidden_payload_is_a_plain_layer_to_pythons_tarfile(
+    case: str, signed_bundle: Path, tmp_path: Path
+) -> None:
+    """The corpus holds the bypass: Python's tarfile (what verify read with before) sees one
+    manifest.json and a regular file under a layer's name, whose bytes are tar headers — a
+    second manifest.json first — for a reader that takes that entry for a directory."""
+    bundle = _copy(signed_bundle, tmp_path)
+    crafted.VARIANTS[case][0](bundle)
+    hidden = json.loads((bundle / MANIFEST_FILE).read_text())["images"]["modelforge-node-agent"]
+    layer = hidden["rootfs_layers"][-1].removeprefix("sha256:") + "/layer.tar"
+
+    with tarfile.open(bundle / TAR) as tar:
+        names = tar.getnames()
+        (member,) = [m for m in tar.getmembers() if m.name.rstrip("/") == layer]
+        data = tar.extractfile(member).read()  # type: ignore[union-attr]
+
+    assert names.count("manifest.json") == 1
+    assert member.isfile()
+    assert data[:100].rstrip(b"\x00") == b"manifest.json" and data[257:263] == b"ustar\x00"
 
 
 def test_wrong_public_key_is_refused(
