@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime_worker.serving.dataplane import ModelLoadFailed
 from runtime_worker.serving.http import Limits, ModelApp
 from runtime_worker.serving.policy import (
     BatchingPolicy,
@@ -128,8 +129,8 @@ class ServedModel(ModelApp):
         settings, model = self.settings, self.dataplane.model
         try:
             await asyncio.get_running_loop().run_in_executor(None, self.dataplane.load)
-        except Exception as exc:  # onnxruntime reports unusable models with plain exceptions
-            log.error("cannot load the ONNX model %s: %s", settings.model, exc)
+        except ModelLoadFailed as exc:
+            log.error("%s", exc)
             # Granian's main process ends with status 1 when its only worker dies.
             os._exit(1)
         self.dataplane.start()

@@ -30,6 +30,10 @@ SERVER_NAME = "modelforge-onnx-server"
 EXTENSIONS = ["binary_tensor_data"]
 
 
+class ModelLoadFailed(Exception):
+    """The model could not be loaded or warmed up; the message says which and why."""
+
+
 class DataPlane:
     """One model, its scheduler and its metrics. `load()` (slow: run it off the event loop),
     then everything else on the event loop."""
@@ -40,9 +44,18 @@ class DataPlane:
         self.scheduler: Scheduler | None = None
 
     def load(self) -> None:
-        """Create the sessions and warm each up; raises what onnxruntime raised."""
-        self.model.load()
-        self.model.warm_up()
+        """Create the sessions (`ModelLoadFailed`), then warm each up (`WarmUpFailed`)."""
+        try:
+            self.model.load()
+        except Exception as exc:  # onnxruntime's errors share no base class but Exception
+            raise ModelLoadFailed(f"cannot load the ONNX model {self.model.path}: {exc}") from None
+        try:
+            self.model.warm_up()
+        except Exception as exc:
+            raise ModelLoadFailed(
+                f"the ONNX model {self.model.path} failed its warm-up (one inference on zeros "
+                f"of each input's shape), so it is never ready: {exc}"
+            ) from None
 
     def start(self) -> None:
         """After `load`, on the event loop: ready from now on."""
@@ -107,6 +120,12 @@ class DataPlane:
 
     # -- inference -------------------------------------------------------------------------
 
+    def request_failed(self, started_ns: int) -> None:
+        """Count a request to this model that a front refused before `infer` (one it could
+        not decode), as Triton counts every failed request; `started_ns` from
+        time.perf_counter_ns() when it arrived."""
+        self.metrics.failed(time.perf_counter_ns() - started_ns)
+
     async def infer(
         self, name: str, version: str | None, request: InferRequest
     ) -> list[np.ndarray]:
@@ -121,7 +140,7 @@ class DataPlane:
         except BaseException:
             self.metrics.failed(time.perf_counter_ns() - started)
             raise
-        rows = _batch_rows(request.feeds) if scheduler.batching else 1
+        rows = _batch_rows(request.feeds) if self.model.batch_dimension_dynamic else 1
         self.metrics.succeeded(rows, time.perf_counter_ns() - started, times)
         return arrays
 

@@ -9,14 +9,18 @@ Memory is bounded before anything is read (`Limits`): a body over `max_request_b
 JSON part over `max_json_bytes` are refused from their declared lengths (413, never read), and
 every body being read, decoded, queued or run holds its size — its JSON part counted
 `JSON_EXPANSION` times, what parsing it into Python objects may take — against one budget,
-`max_inflight_bytes`; a request that does not fit is refused at once (503). Nesting too deep
-for the parser is a 400. It logs nothing about a request.
+`max_inflight_bytes`; a request that does not fit waits for room (up to
+`BUDGET_WAIT_SECONDS`, its body unread), then is refused (503). A body refused for its JSON part
+is read and dropped first, so that the client hears why. Nesting too deep for the parser is a
+400. It logs nothing about a request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +36,8 @@ log = logging.getLogger("modelforge.onnx_server")
 #: What parsing JSON into Python objects may take, per byte of JSON (a nested list of one-digit
 #: numbers is about 16 bytes of objects per byte).
 JSON_EXPANSION = 16
+#: How long a request waits for room in the byte budget before a 503.
+BUDGET_WAIT_SECONDS = 30.0
 
 _JSON = [("content-type", "application/json")]
 _CLOSE = [("content-type", "application/json"), ("connection", "close")]
@@ -49,15 +55,36 @@ class ByteBudget:
 
     def __init__(self, limit: int) -> None:
         self.limit, self.used = limit, 0
+        self._released: asyncio.Event | None = None
 
     def reserve(self, size: int) -> bool:
+        """Hold `size` bytes now, or say no."""
         if self.used + size > self.limit:
             return False
         self.used += size
         return True
 
+    async def wait_to_reserve(self, size: int, timeout: float) -> bool:
+        """Hold `size` bytes once others have released enough, waiting at most `timeout`
+        seconds; False at once for more than the whole budget."""
+        deadline = time.monotonic() + timeout
+        while not self.reserve(size):
+            left = deadline - time.monotonic()
+            if size > self.limit or left <= 0:
+                return False
+            if self._released is None:
+                self._released = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._released.wait(), left)
+            except TimeoutError:
+                return False
+        return True
+
     def release(self, size: int) -> None:
         self.used -= size
+        if self._released is not None:  # wake the waiters; each checks again
+            self._released.set()
+            self._released = None
 
 
 def _error(status: int, message: str) -> bytes:
@@ -164,14 +191,18 @@ class ModelApp:
             json_length = None
             cost = declared + limits.max_request_bytes + JSON_EXPANSION * limits.max_json_bytes
         if json_length is not None and json_length > limits.max_json_bytes:
-            protocol.response_bytes(413, _CLOSE, _error(413, self._json_too_large(json_length)))
+            # Read and dropped (never kept), so that the client, still sending, hears why.
+            await _discard(protocol)
+            protocol.response_bytes(413, _JSON, _error(413, self._json_too_large(json_length)))
             return
-        if not self.budget.reserve(cost):
+        if not await self.budget.wait_to_reserve(cost, BUDGET_WAIT_SECONDS):
             message = (
-                f"{self.budget.used} of {self.budget.limit} bytes (--max-inflight-bytes) are "
-                "held by requests in flight; retry later or send tensors as binary data"
+                f"the request would hold {cost} bytes and {self.budget.used} of "
+                f"{self.budget.limit} (--max-inflight-bytes) stayed held by requests in flight "
+                f"for {BUDGET_WAIT_SECONDS:.0f} s; retry later or send tensors as binary data"
             )
-            protocol.response_bytes(503, _CLOSE, _error(503, message))
+            await _discard(protocol)
+            protocol.response_bytes(503, _JSON, _error(503, message))
             return
         try:
             try:
@@ -195,7 +226,7 @@ class ModelApp:
         name: str,
         version: str | None,
     ) -> tuple[int, bytes, list[tuple[str, str]]]:
-        dataplane = self.dataplane
+        dataplane, started = self.dataplane, time.perf_counter_ns()
         try:
             if encoding != "identity":
                 body = self._inflated(body, encoding)
@@ -206,6 +237,11 @@ class ModelApp:
             request = decode_infer_request(
                 header, binary, dataplane.inputs(name, version), dataplane.outputs(name, version)
             )
+        except ServingError as exc:
+            if exc.http_status != 503:  # a model still loading has no requests to count
+                dataplane.request_failed(started)
+            return exc.http_status, _error(exc.http_status, exc.message), _JSON
+        try:
             arrays = await dataplane.infer(name, version, request)
             answer, json_size = encode_infer_response(name, request, arrays)
         except ServingError as exc:
@@ -238,6 +274,15 @@ class ModelApp:
         if len(body) > limit:
             raise ServingError(413, f"the decoded body is over the limit of {limit} bytes")
         return body
+
+
+async def _discard(protocol: Any) -> None:
+    """Read the request's body to its end, keeping none of it."""
+    try:
+        async for _ in protocol:
+            pass
+    except RuntimeError:  # RSGIProtocolClosed: the client has gone
+        pass
 
 
 def _ok(payload: Any, status: int = 200) -> tuple[int, bytes, str]:

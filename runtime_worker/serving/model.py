@@ -82,6 +82,9 @@ class OnnxModel:
         self.outputs: list[TensorSpec] = []
         self.provider = plan.providers[0]
         self.ready = False
+        #: Whether every input's and output's first dimension is dynamic (set by `load`):
+        #: batching may merge requests along it, and a request's rows are its inferences.
+        self.batch_dimension_dynamic = False
         self._idle: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.executor = ThreadPoolExecutor(max_workers=plan.count, thread_name_prefix="instance")
 
@@ -103,6 +106,8 @@ class OnnxModel:
                 self.inputs = [tensor_spec(arg) for arg in session.get_inputs()]
                 self.outputs = [tensor_spec(arg) for arg in session.get_outputs()]
             self._idle.put(session)
+        tensors = [*self.inputs, *self.outputs]
+        self.batch_dimension_dynamic = all(spec.shape[:1] == (-1,) for spec in tensors)
 
     def warm_up(self) -> None:
         """One inference on zeros of each input's shape (a dynamic dimension as 1) on every
@@ -123,13 +128,6 @@ class OnnxModel:
             for session in sessions:
                 self._idle.put(session)
         self.ready = True
-
-    @property
-    def batch_dimension_dynamic(self) -> bool:
-        """Whether every input's and output's first dimension is dynamic (batching may merge
-        requests along it)."""
-        tensors = [*self.inputs, *self.outputs]
-        return bool(tensors) and all(spec.shape[:1] == (-1,) for spec in tensors)
 
     def run(self, feeds: dict[str, np.ndarray], names: Sequence[str]) -> list[np.ndarray]:
         """Run on an idle session (from one of `executor`'s threads); a `ServingError` when

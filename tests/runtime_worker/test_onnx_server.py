@@ -4,14 +4,9 @@ Open Inference Protocol client (`tritonclient.http`) and by plain HTTP."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,67 +19,15 @@ from tritonclient.utils import InferenceServerException
 
 from runtime_worker.serving import model as serving_model
 from tests.onnx_models import relu_matmul
+from tests.runtime_worker.served import NAME, Served, start_server, stop_server
 
 WEIGHTS = np.array([[1.0, -2.0], [0.5, 1.0], [-1.0, 3.0]], dtype=np.float32)  # 3 rows, 2 columns
-NAME = "relu"
-
-
-@dataclass
-class Served:
-    process: subprocess.Popen[str]
-    address: str  # host:port, as tritonclient takes it
-    model: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.address}"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _model_file(directory: Path) -> Path:
     path = directory / "relu.onnx"
     path.write_bytes(relu_matmul(WEIGHTS))
     return path
-
-
-def start_server(model: Path, *flags: str, env: dict[str, str] | None = None) -> Served:
-    port = _free_port()
-    command = [sys.executable, "-m", "runtime_worker.onnx_server", "--model", str(model)]
-    command += ["--port", str(port), "--name", NAME, "--host", "127.0.0.1", *flags]
-    process = subprocess.Popen(
-        command, env={**os.environ, **(env or {})}, stderr=subprocess.PIPE, text=True
-    )
-    served = Served(process, f"127.0.0.1:{port}", model)
-    deadline = time.monotonic() + 60
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"the server exited with {process.returncode}: {process.communicate()[1]}")
-        try:
-            if httpx.get(f"{served.url}/v2/health/ready", timeout=1).status_code == 200:
-                return served
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            stop_server(served)
-            pytest.fail("the server did not become ready within 60 s")
-        time.sleep(0.05)
-
-
-def stop_server(served: Served) -> tuple[int, str]:
-    """SIGTERM, then the exit status and what the server logged."""
-    if served.process.poll() is None:
-        served.process.send_signal(signal.SIGTERM)
-    try:
-        _, stderr = served.process.communicate(timeout=15)
-    except subprocess.TimeoutExpired:
-        served.process.kill()
-        _, stderr = served.process.communicate()
-    return served.process.returncode, stderr
 
 
 @pytest.fixture(scope="module")
