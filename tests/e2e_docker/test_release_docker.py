@@ -24,6 +24,8 @@ from release.cli import main as release
 from release.docker import compose_command
 from release.state import STATE_DIR_VARIABLE, record_path
 from tests.e2e.server import free_port
+from tests.release import crafted
+from tests.release.synthetic import resign
 
 pytestmark = pytest.mark.e2e
 
@@ -36,6 +38,10 @@ NODE_FILES = [
     Path(__file__).with_name("compose.node-host-network.yml"),
 ]
 VERSION = "0.1.0"
+RELEASE_TAGS = [
+    f"{name}:{VERSION}"
+    for name in ("modelforge-control-plane", "modelforge-node-agent", "modelforge-runtime-worker")
+]
 #: The rest of the control plane's compose files, as options after a service name.
 CP_FILES_ARGS = [arg for path in CP_FILES[1:] for arg in ("-f", str(path))]
 
@@ -132,6 +138,47 @@ def test_tampered_bundle_loads_nothing(release_bundle: tuple[Path, Path], tmp_pa
     assert not record_path(VERSION).exists()
 
 
+def _engine_images() -> set[str]:
+    return set(docker("image", "ls", "-a", "-q", "--no-trunc").stdout.split())
+
+
+def test_crafted_tars_load_nothing(release_bundle: tuple[Path, Path], tmp_path: Path) -> None:
+    """The three bypasses of issue 24, on the real bundle, re-signed with its key: the engine
+    itself would load the hidden config under the node agent's tag, but `load` refuses each
+    one before Docker reads a byte, and the engine's images stay as they were."""
+    bundle, public = release_bundle
+    private = public.with_name("cosign.key")
+    for tag in RELEASE_TAGS:
+        docker("image", "rm", "-f", tag, check=False)
+    before = _engine_images()
+    first = None
+    for name in crafted.HIDDEN_PAYLOAD:
+        tampered = tmp_path / name.replace(" ", "-").replace("/", "slash")
+        subprocess.run(["cp", "-r", str(bundle), str(tampered)], check=True)
+        crafted.VARIANTS[name][0](tampered)
+        resign(tampered, private)
+        assert release(["verify", str(tampered), "--key", str(public)]) == 1, name
+        assert release(["load", str(tampered), "--key", str(public)]) == 1, name
+        assert _engine_images() == before, name
+        assert not record_path(VERSION).exists()
+        first = first or tampered
+    assert first is not None
+
+    # What the verifier guards against: the engine, given the crafted tar itself, loads the
+    # hidden config (uid 0) under the node agent's tag.
+    tar = first / f"modelforge-{VERSION}-images.tar"
+    try:
+        docker("image", "load", "-i", str(tar))
+        user = docker("image", "inspect", "--format", "{{.Config.User}}", RELEASE_TAGS[1])
+        assert user.stdout.strip() == "0:0"
+    finally:
+        for tag in RELEASE_TAGS:
+            docker("image", "rm", "-f", tag, check=False)
+        for image in _engine_images() - before:
+            docker("image", "rm", "-f", image, check=False)
+    assert _engine_images() == before
+
+
 def _up(bundle: Path, public: Path, project: str, files: list[Path], *extra: str) -> int:
     return release(
         ["up", str(bundle), "-p", project, *sum((["-f", str(f)] for f in files), []), *extra]
@@ -176,11 +223,10 @@ def test_release_end_to_end(
     assert release(["verify", str(bundle), "--key", str(public)]) == 0
     assert release(["load", str(bundle), "--key", str(public)]) == 0
     recorded = json.loads(record_path(VERSION).read_text())["images"]
-    assert sorted(recorded) == [
-        f"modelforge-control-plane:{VERSION}",
-        f"modelforge-node-agent:{VERSION}",
-        f"modelforge-runtime-worker:{VERSION}",
-    ]
+    assert sorted(recorded) == RELEASE_TAGS
+    # The classic image store (vfs): each image ID is its config's digest, as `load` checked.
+    manifest = json.loads((bundle / "release-manifest.json").read_text())["images"]
+    assert {entry["tag"]: entry["config_digest"] for entry in manifest.values()} == recorded
 
     # Shell-less: the image runs its default command, and `sh` does not exist in it.
     no_shell = docker(
@@ -219,6 +265,7 @@ def test_release_end_to_end(
         MODELFORGE_RELEASE_MANIFEST_SOURCE=str(bundle / "release-manifest.json"),
     )
     wizard_dir = tmp_path / "wizard-compose"
+    worker_tag = f"modelforge-runtime-worker:{VERSION}"
     try:
         capfd.readouterr()
         _refusals_before_compose(bundle, public, tmp_path, cp_project)
@@ -300,7 +347,6 @@ def test_release_end_to_end(
         _wizard_start_command(bundle, url, admin, wizard_dir)
 
         # A container from a different image under the same tag: `up` fails and stops the stack.
-        worker_tag = f"modelforge-runtime-worker:{VERSION}"
         docker("tag", f"modelforge-control-plane:{VERSION}", worker_tag)
         os.environ["MODELFORGE_RUNTIME_WORKER_IMAGE"] = worker_tag
         subprocess.run(
@@ -325,6 +371,8 @@ def test_release_end_to_end(
         assert _up(bundle, public, node_project, NODE_FILES) == 1
         assert _project_containers(node_project) == []
     finally:
+        # The worker's tag back on the worker's image: no control-plane image under its name.
+        docker("tag", recorded[worker_tag], worker_tag, check=False)
         wizard_files = [wizard_dir / name for name in WIZARD_FILES]
         for project, files in (
             ("modelforge-node", wizard_files),
@@ -359,6 +407,9 @@ def test_release_end_to_end(
             "MODELFORGE_RELEASE_MANIFEST_SOURCE",
         ):
             os.environ.pop(key, None)
+    for tag in RELEASE_TAGS:
+        found = docker("image", "inspect", "--format", "{{.Id}}", tag).stdout.strip()
+        assert found == recorded[tag], f"{tag} is left tagged to {found}"
 
 
 WIZARD_FILES = ("docker-compose.node-agent.yml", "docker-compose.runtime-worker.yml")
