@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import update
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from control_plane import RELEASE_VERSION
 from control_plane.admin_token import resolve_admin_token
@@ -44,13 +45,17 @@ from control_plane.background.service_placement import start_service_placement
 from control_plane.clock import Clock, SystemClock
 from control_plane.context import AppContext
 from control_plane.db import (
-    is_database_unavailable,
     make_engine,
     make_session_factory,
     migrate,
     prepare_data_dir,
 )
-from control_plane.errors import DatabaseUnavailable, InternalError, ModelForgeError
+from control_plane.errors import (
+    DatabaseUnavailable,
+    ModelForgeError,
+    StorageFull,
+    refusal_for,
+)
 from control_plane.models import Node
 from control_plane.provisioning.metrics import ProvisioningCollector
 from control_plane.schemas import schema_words
@@ -251,20 +256,37 @@ def _install_error_handlers(app: FastAPI) -> None:
             phrase = "Refused"
         return _error(status, code, f"{phrase}.", "Check the method and path against /docs.")
 
+    @app.exception_handler(ClientDisconnect)
+    async def _disconnected(request: Request, _exc: ClientDisconnect) -> JSONResponse:
+        # The client's doing, not a fault here: one line, no traceback (nothing was stored; an
+        # upload's partial file is removed). Nobody reads the answer.
+        log.info(
+            "client disconnected before sending all of %s %s", request.method, request.url.path
+        )
+        return _error(
+            400,
+            "REQUEST_INCOMPLETE",
+            "The client disconnected before the request body was complete.",
+            "Send the request again.",
+        )
+
     @app.exception_handler(SQLAlchemyError)
     @app.exception_handler(psycopg.Error)
     async def _database(request: Request, exc: Exception) -> JSONResponse:
-        # An outage is logged once by `ctx.database`, not once per request with a traceback.
-        if not is_database_unavailable(exc):
+        refusal = refusal_for(exc)
+        if not isinstance(refusal, DatabaseUnavailable):  # a bug, or no room for a write
             return await _unexpected(request, exc)
+        # An outage is logged once by `ctx.database`, not once per request with a traceback.
         request.app.state.ctx.database.failed(exc)
-        refusal = DatabaseUnavailable()
         return JSONResponse(
             status_code=refusal.http_status, content=refusal.to_body(), headers={"Retry-After": "5"}
         )
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
-        log.error("unexpected %s while serving a request", type(exc).__name__, exc_info=exc)
-        refusal = InternalError()
+        refusal = refusal_for(exc)
+        if isinstance(refusal, StorageFull):  # reads still work: one line, no traceback
+            log.warning("a write was refused: the storage is full (%s)", type(exc).__name__)
+        else:
+            log.error("unexpected %s while serving a request", type(exc).__name__, exc_info=exc)
         return JSONResponse(status_code=refusal.http_status, content=refusal.to_body())

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from control_plane.db import is_database_unavailable
+from control_plane.storage import is_storage_full
 from modelforge_contracts.errors import error_body
 
 
@@ -151,6 +153,22 @@ class InternalError(ModelForgeError):
         )
 
 
+class StorageFull(ModelForgeError):
+    """A write found no room (the data dir's file system, a quota, or the database server's
+    storage): nothing was stored, and reads still work."""
+
+    http_status = 507
+    code = "STORAGE_FULL"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The control plane's storage is full: nothing was stored.",
+            "Retry once there is room. Operators: GET /api/v1/health shows the free space; free "
+            "some (POST /api/v1/admin/artifacts/sweep removes artifacts nothing names) or grow "
+            "the volume of the data dir (or of the database).",
+        )
+
+
 class ServiceUnavailable(ModelForgeError):
     http_status = 503
     code = "SERVICE_UNAVAILABLE"
@@ -167,3 +185,16 @@ class DatabaseUnavailable(ServiceUnavailable):
             "Retry in a few seconds. Operators: check that the database server is running and "
             "reachable; the control plane reconnects by itself, without a restart.",
         )
+
+
+def refusal_for(error: BaseException) -> ModelForgeError:
+    """What a request that raised `error` is answered with, decided once for the app's handlers
+    and the audit log: a refusal itself; `STORAGE_FULL` for a write that found no room;
+    `DATABASE_UNAVAILABLE` for a database outage; `INTERNAL_ERROR` for anything else."""
+    if isinstance(error, ModelForgeError):
+        return error
+    if is_storage_full(error):
+        return StorageFull()
+    if is_database_unavailable(error):
+        return DatabaseUnavailable()
+    return InternalError()

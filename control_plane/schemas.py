@@ -360,9 +360,21 @@ class KeyRotation(BaseModel):
     revoked_credentials: int
 
 
+class StorageHealth(BaseModel):
+    """The room left in the data dir (the least of its file systems, the artifacts' included)."""
+
+    status: Literal["ok", "low"]
+    free_bytes: int
+    total_bytes: int
+    #: `MODELFORGE_STORAGE_LOW_FREE_BYTES`: below this much free room the status is `low`.
+    low_below_bytes: int
+
+
 class Health(BaseModel):
-    status: Literal["ok"]
+    #: `degraded`: it serves, but needs an operator soon (the storage is low).
+    status: Literal["ok", "degraded"]
     database: Literal["ok"]
+    storage: StorageHealth
 
 
 class VersionInfo(BaseModel):

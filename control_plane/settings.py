@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     #: An artifact nothing names is kept this long after its upload (or its latest re-upload):
     #: the time between uploading weights and naming them in a job, model or service.
     artifact_grace_seconds: float = Field(default=86400.0, ge=1)
+    #: `/api/v1/health` reports the storage `low` (and itself `degraded`) below this much free
+    #: room in the data dir (or the artifacts' own volume).
+    storage_low_free_bytes: int = Field(default=1024**3, ge=0)
     #: The Slurm provisioners (PV-1a); unset: `provisioners.json` in the data dir, if it exists.
     provisioners_file: Path | None = None
     #: The verified release manifest; when set, a node-agent entry pasted into the Enroll

@@ -10,7 +10,7 @@ from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
 from control_plane.context import AppContext
-from control_plane.errors import AdminAuthError, CredentialError, ModelForgeError
+from control_plane.errors import AdminAuthError, CredentialError, refusal_for
 from control_plane.security import sha256_hex
 from control_plane.services import console_sessions
 from control_plane.services.audit import ADMIN_TOKEN_ACTOR, Audit, console_actor
@@ -109,8 +109,8 @@ def get_audit(request: Request, ctx: ContextDep, session: SessionDep) -> Iterato
         yield audit
     except Exception as exc:
         session.rollback()
-        code = exc.code if isinstance(exc, ModelForgeError) else "INTERNAL_ERROR"
-        audit.refused(ctx.session_factory, code)
+        # The code the request is answered with (a database outage's 503 included).
+        audit.refused(ctx.session_factory, refusal_for(exc).code)
         raise
     audit.succeeded(session)
 

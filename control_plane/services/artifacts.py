@@ -4,6 +4,7 @@ SHA-256, written through a temporary file and renamed only after the digest was 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import secrets
 from collections.abc import AsyncIterator
@@ -15,9 +16,11 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
-from control_plane.errors import InvalidRequest, NotFound
+from control_plane.errors import InvalidRequest, NotFound, StorageFull
 from control_plane.models import Artifact, ArtifactUpload, Job, Service
+from control_plane.storage import is_storage_full
 
+log = logging.getLogger(__name__)
 DIGEST_PREFIX = "sha256:"
 #: A node may still fetch the inputs of a job that finished this recently (a download resumed
 #: after the job ended, a job being wound down).
@@ -66,8 +69,13 @@ class ArtifactStore:
             _private_dirs(target.parent)
             os.replace(tmp, target)
             return digest, size
+        except OSError as exc:
+            if not is_storage_full(exc):
+                raise
+            log.warning("artifact upload refused: the artifact store is full (%s)", exc.strerror)
+            raise StorageFull() from None
         finally:
-            tmp.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)  # nothing partial is left behind
 
 
 def _private_dirs(directory: Path) -> None:
