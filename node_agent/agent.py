@@ -7,7 +7,12 @@ its loops until stopped, each on its own thread and schedule:
 - telemetry, every telemetry interval;
 - the work slots and the cancellation watch (node_agent.work), once the node has reported itself;
 - beside them the services this node must run (node_agent.services), synced with the control
-  plane every poll interval it gives and kept in line on the runtime worker.
+  plane every poll interval it gives and kept in line on the runtime worker;
+- the runtime worker watch (node_agent.worker_link), asking the worker every second whether it
+  is there. A lost worker is reported at once: the heartbeat and the inventory are sent then,
+  not at their next interval (health `degraded`, naming the worker; no worker in the
+  inventory), the services sync reports its services `failed`, and the slots claim nothing
+  until it answers again.
 
 A runtime worker whose protocol the control plane refuses (426 naming `runtime-worker` on the
 inventory) is not the agent's failure: the agent logs once what to upgrade, keeps heartbeating
@@ -29,7 +34,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from modelforge_contracts.protocol import PROTOCOL_VERSION
-from node_agent.artifact_cache import ArtifactCache
+from node_agent.artifact_cache import ArtifactCache, ArtifactError
 from node_agent.client import ControlPlane
 from node_agent.config import AgentSettings, ConfigError, group_id
 from node_agent.hardening import private_paths, share_socket
@@ -40,12 +45,16 @@ from node_agent.preflight import PreflightResult
 from node_agent.retry import EXIT_CONFIG, AgentStopped, ControlPlaneError, Interrupted
 from node_agent.services import ServiceKeeper
 from node_agent.work import WorkRunner
-from node_agent.worker_link import query_runtime_worker
+from node_agent.worker_link import WorkerWatch, wait_or_wake
 
 if TYPE_CHECKING:
     from node_agent.nvml import Nvml
 
 log = logging.getLogger("modelforge.node_agent")
+#: How often the runtime worker watch asks the worker whether it is there.
+_WORKER_WATCH_EVERY = 1.0
+#: The control plane takes a health message of at most this many characters.
+_HEALTH_MESSAGE_MAX = 500
 
 
 class Agent:
@@ -78,8 +87,8 @@ class Agent:
         self.worker_compatible.set()
         self._inventory_sent_at = 0.0
         self._health_message: str | None = None
-        self._last_worker: dict[str, Any] | None = None
-        self._worker_misses = 0
+        #: Whether the runtime worker is there: the one judgement every loop reads.
+        self.worker = WorkerWatch(settings.worker_socket)
 
     # -- enrollment -----------------------------------------------------------------------------
 
@@ -155,7 +164,17 @@ class Agent:
     def _run(self) -> None:
         identity = self.identity()
         self.control_plane.use_credential(identity.credential)
-        cache = ArtifactCache(self.settings.artifact_cache, self.settings.artifact_cache_bytes)
+        # With a group for the sockets (a worker of its own user), the cache is that group's too.
+        group = self.settings.socket_group
+        cache = ArtifactCache(
+            self.settings.artifact_cache,
+            self.settings.artifact_cache_bytes,
+            group=group_id(group) if group is not None else None,
+        )
+        try:
+            cache.prepare()  # private, and an older agent's wider cache tightened
+        except ArtifactError as exc:
+            raise ConfigError(f"MODELFORGE_ARTIFACT_CACHE: {exc}") from None
         local = serve_local_api(self.settings.socket, cache=cache, control_plane=self.control_plane)
         if self.settings.socket_group is not None:
             try:
@@ -170,15 +189,28 @@ class Agent:
 
             nvml = Nvml().__enter__()
         try:
+            self.worker.watch_once()  # the first heartbeat and inventory say whether it is there
             self._heartbeat()  # the first one alone: a terminal answer stops everything here
-            self._loop("heartbeats", self._heartbeat, lambda: self.heartbeat_interval)
+            self._loop("runtime worker watch", self._watch_worker, lambda: _WORKER_WATCH_EVERY)
+            self._loop(
+                "heartbeats",
+                self._heartbeat,
+                lambda: self.heartbeat_interval,
+                wake=self.worker.wake_on_change(),
+            )
             inventory_tried = threading.Event()
 
             def inventory() -> None:
                 self._inventory_if_changed()
                 inventory_tried.set()
 
-            self._loop("inventory", inventory, lambda: self.heartbeat_interval, first=True)
+            self._loop(
+                "inventory",
+                inventory,
+                lambda: self.heartbeat_interval,
+                first=True,
+                wake=self.worker.wake_on_change(),
+            )
             self._loop(
                 "telemetry",
                 lambda: self._telemetry(nvml),
@@ -198,6 +230,7 @@ class Agent:
                 stop=self.stop,
                 worker_compatible=self.worker_compatible,
                 private_paths=hidden,
+                worker=self.worker,
             ).start()
             control_plane = self.control_plane
             ServiceKeeper(
@@ -209,6 +242,7 @@ class Agent:
                 worker_compatible=self.worker_compatible,
                 private_paths=hidden,
                 service_host=self.settings.service_host,
+                worker=self.worker,
             ).start()
             while not self.stop.wait(1.0):
                 pass
@@ -239,12 +273,13 @@ class Agent:
         interval: Callable[[], float],
         *,
         first: bool = False,
+        wake: threading.Event | None = None,
     ) -> None:
         """Run `step` on a thread of its own, every `interval()` seconds after the last ended
-        (the first at once when `first`)."""
+        (the first at once when `first`), and at once when `wake` is set."""
 
         def forever() -> None:
-            if not first and self.stop.wait(interval()):
+            if not first and wait_or_wake(self.stop, interval(), wake):
                 return
             while not self.stop.is_set():
                 try:
@@ -255,18 +290,22 @@ class Agent:
                     if self.stop.is_set():
                         return  # shutting down: the client may already be closed
                     log.exception("unexpected error in the %s loop; it goes on", name)
-                if self.stop.wait(interval()):
+                if wait_or_wake(self.stop, interval(), wake):
                     return
 
         threading.Thread(target=forever, daemon=True, name=name).start()
 
+    def _watch_worker(self) -> None:
+        self.worker.watch_once()
+
     def _heartbeat(self) -> None:
+        problems = [m for m in (self.worker.problem(), self._health_message) if m]
         health: dict[str, Any] = {
-            "status": "degraded" if self._health_message else "healthy",
+            "status": "degraded" if problems else "healthy",
             "preflight": "passed",
         }
-        if self._health_message:
-            health["message"] = self._health_message
+        if problems:
+            health["message"] = "; ".join(problems)[:_HEALTH_MESSAGE_MAX]
         answer = self.control_plane.heartbeat(health)
         if answer:
             self._apply_intervals(answer)
@@ -328,14 +367,9 @@ class Agent:
         )
 
     def _runtime_worker(self) -> dict[str, Any] | None:
-        """The worker's report; one missed answer (a busy moment) keeps the last one."""
-        report = query_runtime_worker(self.settings.worker_socket)
-        if report is None and self._worker_misses == 0 and self._last_worker is not None:
-            self._worker_misses = 1
-            return self._last_worker
-        self._worker_misses = 0 if report is not None else self._worker_misses + 1
-        self._last_worker = report
-        return report
+        """The worker's last report, None while it is lost (the watch tolerates a busy
+        moment: one missed answer)."""
+        return self.worker.report
 
     def _telemetry(self, nvml: Nvml | None) -> None:
         telemetry = collect_telemetry(nvml, self.preflight.gpus)

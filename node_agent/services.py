@@ -12,8 +12,12 @@ runs that is not wanted is stopped (`DELETE`). Weights that cannot be fetched ma
 poll.
 
 It runs only while the control plane accepts the runtime worker (`worker_compatible`). A failed
-sync, or a worker that does not answer, is logged once per streak and tried again; nothing is
-reconciled without both answers. Stopping the agent leaves the services running (the worker's
+sync is logged once per streak and tried again; nothing is reconciled without both answers. A
+worker that does not answer is the agent's `WorkerWatch` to judge and log (once per loss); while
+it is lost every service this node should run is reported `failed` with one
+`RUNTIME_WORKER_LOST` event (node_agent._worker_loss), within a poll interval or at once when the
+watch wakes the keeper, and when a worker answers again they are handed to it as any service it
+lacks. Stopping the agent leaves the services running (the worker's
 own shutdown stops them); a keeper that starts again finds them and reconciles.
 
 It never logs a secret or a sync body, and never puts a secret in the agent's environment: the
@@ -33,9 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from modelforge_contracts.ipc import UnixHTTPConnection
+from node_agent._worker_loss import ServicesDown
 from node_agent.artifact_cache import ArtifactError
 from node_agent.client import ControlPlane
 from node_agent.retry import AgentStopped, ControlPlaneError, Interrupted
+from node_agent.worker_link import WorkerWatch, wait_or_wake
 
 log = logging.getLogger("modelforge.node_agent.services")
 
@@ -51,7 +57,12 @@ _REPORTED = ("service_id", "generation", "state", "port", "restarts", "last_exit
 
 
 class WorkerUnavailable(Exception):
-    """The runtime worker did not answer as it should; the message says how."""
+    """The runtime worker did not answer as it should; the message says how (`busy`: it may
+    only be slow)."""
+
+    def __init__(self, message: str, *, busy: bool = False) -> None:
+        super().__init__(message)
+        self.busy = busy
 
 
 class _Streak:
@@ -84,6 +95,7 @@ class ServiceKeeper:
         worker_compatible: threading.Event | None = None,
         private_paths: list[str] | None = None,
         service_host: str | None = None,
+        worker: WorkerWatch | None = None,
     ) -> None:
         self.control_plane = control_plane
         self.worker_socket = worker_socket
@@ -106,7 +118,10 @@ class ServiceKeeper:
         #: `{"generation", "code", "message", "reported"}`.
         self._problems: dict[str, dict[str, Any]] = {}
         self._sync_streak = _Streak("services sync with the control plane works again")
-        self._worker_streak = _Streak("the runtime worker answers again; services reconciled")
+        #: Whether the worker is there (the agent's one watch; a keeper alone has its own).
+        self.worker = worker or WorkerWatch(worker_socket)
+        self._worker_changed = self.worker.wake_on_change()
+        self._services_down = ServicesDown(worker_socket)
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self._loop, daemon=True, name="services")
@@ -126,7 +141,8 @@ class ServiceKeeper:
                 if self.stop.is_set():
                     return  # shutting down: the client may already be closed
                 log.exception("unexpected error keeping the node's services; keeping on")
-            self.stop.wait(self.interval)
+            if wait_or_wake(self.stop, self.interval, self._worker_changed):
+                return
 
     # -- one round ------------------------------------------------------------------------------
 
@@ -136,12 +152,10 @@ class ServiceKeeper:
             raise RuntimeError("a ServiceKeeper without a control plane cannot sync")
         try:
             view: dict[str, Any] | None = self.worker_view()
+            self.worker.answered()
         except WorkerUnavailable as exc:
             view = None
-            self._worker_streak.trouble(
-                f"the runtime worker at {self.worker_socket} does not answer for its services "
-                f"({exc}); they are not reconciled until it does"
-            )
+            self.worker.unanswered(str(exc), busy=exc.busy)
         body, delivered = self.report(view)
         try:
             answer = self.control_plane.sync_services(body)
@@ -154,16 +168,17 @@ class ServiceKeeper:
         self._sync_streak.fine()
         self.interval = _interval(answer.get("poll_interval_seconds"))
         desired = answer.get("services")
-        if view is None or not isinstance(desired, list):
+        if not isinstance(desired, list):
             return
-        self._worker_streak.fine()
-        self.reconcile(desired, view)
+        self._services_down.want(desired)
+        if view is not None:
+            self.reconcile(desired, view)
 
     def worker_view(self) -> dict[str, Any]:
         """The worker's `GET /v1/services` answer; `WorkerUnavailable` when it gives none."""
         status, answer = self._worker("GET", "/v1/services")
         if status != 200 or not isinstance(answer.get("services"), list):
-            raise WorkerUnavailable(f"GET /v1/services answered {status}")
+            raise WorkerUnavailable(f"GET /v1/services answered {status}", busy=True)
         return answer
 
     def report(self, view: dict[str, Any] | None) -> tuple[dict[str, Any], Callable[[], None]]:
@@ -171,6 +186,8 @@ class ServiceKeeper:
         events not reported yet; and what to call once the control plane took it."""
         instance = None if view is None else view.get("instance")
         reported = self._reported if instance == self._instance else {}
+        if view is not None:
+            self._services_down.worker_answers(instance)
         marks: dict[str, int] = {}
         entries: dict[str, dict[str, Any]] = {}
         for status in (view or {}).get("services", []):
@@ -195,7 +212,9 @@ class ServiceKeeper:
                 {"at": event.get("at"), "kind": event.get("kind"), "data": event.get("data")}
                 for event in fresh
             ]
-            entries[service_id] = entry
+            entries[service_id] = self._services_down.counted(service_id, entry)
+        down = self._services_down.entries() if view is None and self.worker.lost else {}
+        entries.update(down)
         problems = [(service_id, dict(problem)) for service_id, problem in self._problems.items()]
         for service_id, problem in problems:
             entry = entries.setdefault(
@@ -221,6 +240,7 @@ class ServiceKeeper:
         body = {"service_host": self.service_host, "services": list(entries.values())}
 
         def delivered() -> None:
+            self._services_down.delivered(list(down))
             if view is not None:
                 self._instance = instance
                 self._reported = {**reported, **marks}
@@ -337,7 +357,8 @@ class ServiceKeeper:
             response = connection.getresponse()
             answer = json.loads(response.read() or b"{}")
         except (OSError, http.client.HTTPException, ValueError) as exc:
-            raise WorkerUnavailable(f"{type(exc).__name__} on {method} {path}") from None
+            busy = isinstance(exc, TimeoutError)
+            raise WorkerUnavailable(f"{type(exc).__name__} on {method} {path}", busy=busy) from None
         finally:
             connection.close()
         return response.status, answer if isinstance(answer, dict) else {}

@@ -7,7 +7,9 @@ makes the only ones the job sees. With each job the agent names its private file
 (`private_paths`), which the worker hides from the job.
 
 While the control plane refuses the runtime worker's protocol the slots claim nothing (the
-agent clears `worker_compatible`); they resume when it is set again.
+agent clears `worker_compatible`); they resume when it is set again. Nor do they claim while the
+worker is lost (`WorkerWatch`): a job claimed then could only fail. A job whose stream from the
+worker breaks fails `JOB_WORKER_LOST` and tells the watch, so the loss is reported at once.
 
 A record that is not strict JSON fails its job (`JOB_RESULT_NOT_JSON`) instead of reaching the
 control plane. A work thread never ends on an unexpected error: it logs it with the job id and
@@ -31,6 +33,7 @@ from modelforge_contracts import job_records as records
 from modelforge_contracts.ipc import UnixHTTPConnection
 from node_agent.client import ControlPlane
 from node_agent.retry import AgentStopped, ControlPlaneError, Interrupted
+from node_agent.worker_link import WorkerWatch
 
 log = logging.getLogger("modelforge.node_agent.work")
 #: Long-poll hold: short enough that a control plane stopping gracefully (it finishes in-flight
@@ -92,8 +95,11 @@ class WorkRunner:
         stop: threading.Event,
         worker_compatible: threading.Event | None = None,
         private_paths: list[str] | None = None,
+        worker: WorkerWatch | None = None,
     ) -> None:
         self.control_plane = control_plane
+        #: Whether the worker is there (the agent's watch); None: always assumed.
+        self.worker = worker
         self.worker_socket = worker_socket
         self.agent_socket = agent_socket
         self.parallel = parallel
@@ -119,8 +125,8 @@ class WorkRunner:
 
     def _slot(self) -> None:
         while not self.stop.is_set():
-            if not self.worker_compatible.is_set():
-                # No claim for a worker the control plane refused; look again shortly.
+            if not self.worker_compatible.is_set() or (self.worker and self.worker.lost):
+                # No claim for a worker the control plane refused, or that is not there.
                 self.stop.wait(_PAUSE_AFTER_ERROR)
                 continue
             try:
@@ -240,6 +246,8 @@ class WorkRunner:
                     "JOB_WORKER_LOST",
                     f"lost the runtime worker while running ({type(exc).__name__})",
                 )
+                if self.worker is not None and isinstance(exc, OSError):
+                    self.worker.unanswered(f"{type(exc).__name__} on a job's stream")
         finally:
             connection.close()
             with self._lock:

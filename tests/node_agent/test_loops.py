@@ -1,15 +1,21 @@
 """The agent's loops are independent: a call failing and backing off delays only its own loop,
 and an unexpected error in a work thread fails that job and nothing else. A real agent process
-against a real HTTP server standing in for the control plane."""
+against a real HTTP server standing in for the control plane; where work is claimed, a stand-in
+runtime worker answers at the socket (an agent claims nothing while no worker answers)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from modelforge_contracts.errors import error_body
-from tests.e2e.node import wait_until
+from tests.e2e.node import FAKE_WORKER, wait_until
 from tests.node_agent.conftest import (
     CLAIM,
     ENROLL,
@@ -57,6 +63,24 @@ def test_failing_telemetry_never_delays_heartbeats(tmp_path: Path) -> None:
     assert f"HTTP 503 SERVICE_UNAVAILABLE on POST {TELEMETRY} (backoff 1s…16s)" in text
 
 
+@contextmanager
+def _worker_at(socket_path: Path) -> Iterator[None]:
+    """A process answering the worker's health endpoint at `socket_path` (protocol 1)."""
+    with (socket_path.parent / "fake-worker.log").open("ab") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-c", FAKE_WORKER, str(socket_path), "1", "0.1.0"],
+            env=dict(os.environ),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_until(socket_path.exists, 10, "the stand-in worker's socket")
+        yield
+    finally:
+        worker.terminate()
+        worker.wait(timeout=20)
+
+
 def test_an_unexpected_error_in_a_job_fails_it_and_the_slot_keeps_serving(tmp_path: Path) -> None:
     broken = {
         "job_id": "job_1",
@@ -78,7 +102,7 @@ def test_an_unexpected_error_in_a_job_fails_it_and_the_slot_keeps_serving(tmp_pa
         return 200, {}
 
     complete = "/api/v1/agent/jobs/job_1/complete"
-    with agent_against(respond, tmp_path) as (server, agent):
+    with _worker_at(tmp_path / "worker.sock"), agent_against(respond, tmp_path) as (server, agent):
         wait_until(lambda: complete in server.paths(), 20, "the job's completion")
         done = next(r for r in server.requests if r.path == complete)
         wait_until(
@@ -105,7 +129,7 @@ def test_a_refused_claim_pauses_before_the_next(tmp_path: Path) -> None:
             return 400, error_body("INVALID_JSON", "the body could not be parsed")
         return 200, {}
 
-    with agent_against(respond, tmp_path) as (server, agent):
+    with _worker_at(tmp_path / "worker.sock"), agent_against(respond, tmp_path) as (server, agent):
         wait_until(lambda: CLAIM in server.paths(), 20, "the first claim")
         time.sleep(3.0)
         assert agent.process.poll() is None, agent.log.read_text()
