@@ -1,6 +1,8 @@
 """The `modelforge-release` commands: bundle, keygen, sign, verify (RL-3) — and the
-tamper suite: every altered bundle is refused with a message naming file/image/field, expected
-and found. Synthetic images keep this fast; the Docker tests use real ones."""
+tamper suite: every altered bundle, and every crafted images tar of `tests.release.crafted`, is
+refused by verify and by load (before anything reaches Docker) with a message naming
+file/image/field, expected and found. Synthetic images keep this fast; the Docker tests use real
+ones."""
 
 from __future__ import annotations
 
