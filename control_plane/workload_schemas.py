@@ -95,6 +95,30 @@ class ServiceRestart(StrictModel):
         return self
 
 
+class ServiceBatching(StrictModel):
+    """Dynamic batching of an onnx service, in Triton's fields (docs/services.md); 0 is off
+    (max_batch_size), never wait (max_queue_delay_microseconds), unbounded (max_queue_size)."""
+
+    model_config = ConfigDict(strict=True)
+
+    max_batch_size: Annotated[int, Field(ge=0, le=1 << 20)] = 0
+    preferred_batch_size: Annotated[
+        list[Annotated[int, Field(ge=1, le=1 << 20)]], Field(max_length=32)
+    ] = Field(default_factory=list)
+    max_queue_delay_microseconds: Annotated[int, Field(ge=0, le=60_000_000)] = 0
+    max_queue_size: Annotated[int, Field(ge=0, le=1 << 20)] = 0
+
+    @model_validator(mode="after")
+    def _preferred_fit(self) -> ServiceBatching:
+        if any(size > self.max_batch_size for size in self.preferred_batch_size):
+            raise ValueError("preferred_batch_size must not exceed max_batch_size")
+        return self
+
+
+#: Sessions of an onnx service's model (default: one per GPU it holds, one on the CPU).
+Instances = Annotated[int, Field(ge=1, le=64, strict=True)]
+
+
 class ServiceCreate(StrictModel):
     name: Name
     #: argv; `{weights}` becomes the local path of the weights, `{port}` a free port.
@@ -110,6 +134,9 @@ class ServiceCreate(StrictModel):
     restart: ServiceRestart = Field(default_factory=ServiceRestart)
     env: Annotated[dict[EnvName, EnvValue], Field(max_length=100)] = Field(default_factory=dict)
     secrets: SecretNames = Field(default_factory=list)
+    #: The onnx runner's dynamic batching and model instances (kept with its params).
+    batching: ServiceBatching | None = None
+    instances: Instances | None = None
 
     @model_validator(mode="after")
     def _what_runs(self) -> ServiceCreate:
@@ -126,6 +153,8 @@ class ServiceCreate(StrictModel):
                 raise ValueError("the command names {weights} but no weights or model is given")
         if len(set(self.secrets)) != len(self.secrets):
             raise ValueError("secrets must not name a secret twice")
+        if self.command is not None and (self.batching, self.instances) != (None, None):
+            raise ValueError("batching and instances are the onnx runner's; not for a command")
         return self
 
 
@@ -164,6 +193,9 @@ class ServicePublic(BaseModel):
     waiting_reason: dict[str, str] | None = None
     #: The last lines of its output, as its node last reported them.
     log_tail: list[str] = Field(default_factory=list)
+    #: The onnx runner's dynamic batching and instances, as deployed (None: off, the default).
+    batching: dict[str, Any] | None = None
+    instances: int | None = None
 
 
 class ServiceEventPublic(BaseModel):

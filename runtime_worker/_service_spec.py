@@ -8,6 +8,8 @@ It starts and supervises nothing (runtime_worker.services does). It must never s
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import sys
 from dataclasses import dataclass, field
@@ -15,6 +17,12 @@ from typing import Any
 
 from modelforge_contracts.text import clean_line
 from runtime_worker.execution import check_variables, gpu_environment
+from runtime_worker.serving.policy import (
+    BatchingPolicy,
+    InvalidServing,
+    batching_policy,
+    instance_count,
+)
 
 ONNX_HEALTH_PATH = "/v2/health/ready"
 _SERVICE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
@@ -103,6 +111,8 @@ class ServiceSpec:
         except (TypeError, ValueError) as exc:
             raise InvalidService(str(exc)) from None
         default_path = ONNX_HEALTH_PATH if body.get("runner") == "onnx" else "/"
+        if body.get("runner") == "onnx":
+            argv += serving_flags(params, resources)
         return cls(
             service_id=service_id,
             generation=generation,
@@ -135,6 +145,25 @@ def onnx_argv(name: str) -> list[str]:
         "--name",
         name,
     ]
+
+
+def serving_flags(params: dict[str, Any], resources: dict[str, Any]) -> list[str]:
+    """The onnx runner's flags for the service's `batching` and `instances` (kept in its
+    params) and the cores it holds (`resources.cpus`, rounded up: onnxruntime's threads)."""
+    try:
+        batching = batching_policy(params.get("batching"))
+        instances = instance_count(params.get("instances"))
+    except InvalidServing as exc:
+        raise InvalidService(str(exc)) from None
+    flags = []
+    if batching != BatchingPolicy():
+        flags += ["--batching", json.dumps(batching.to_json(), separators=(",", ":"))]
+    if instances is not None:
+        flags += ["--instances", str(instances)]
+    cpus = resources.get("cpus")
+    if isinstance(cpus, int | float) and not isinstance(cpus, bool) and 0 < cpus <= 4096:
+        flags += ["--cpus", str(math.ceil(cpus))]
+    return flags
 
 
 def _argv(command: Any, runner: Any, name: str, weights_path: str | None) -> list[str]:

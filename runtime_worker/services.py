@@ -399,6 +399,8 @@ class Service:
                     if failing:
                         self._event("health", {"healthy": True, "failed_before": failing})
                     failing = 0
+                    if not ever_healthy:  # the cold start: process start to first healthy
+                        self._event("ready", {"cold_start_seconds": round(now - started, 2)})
                     ever_healthy = True
                     if healthy_since is None:
                         healthy_since = now

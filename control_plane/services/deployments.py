@@ -22,8 +22,9 @@ changed.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, NoReturn
 
+from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -40,6 +41,8 @@ from control_plane.services.secrets_vault import Vault
 from control_plane.workload_schemas import (
     AgentServiceSpec,
     AgentServicesSync,
+    Instances,
+    ServiceBatching,
     ServiceCreate,
     ServiceEventPublic,
     ServiceHealth,
@@ -83,6 +86,7 @@ def deploy(*, session: Session, clock: Clock, request: ServiceCreate) -> Service
     elif weights is not None:
         reference_artifacts(session, [weights], required=True, named_by="The service")
     secrets_vault.required_labels(session, list(request.secrets), named_by="The service")
+    params = _serving_params(params, request, runner)
     health = (request.health or ServiceHealth()).model_dump()
     if health["path"] is None:  # the runner's own: the onnx model server answers 404 on `/`
         health["path"] = ONNX_HEALTH_PATH if runner == "onnx" else "/"
@@ -113,6 +117,51 @@ def deploy(*, session: Session, clock: Clock, request: ServiceCreate) -> Service
     _event(session, service, now, "state", {"state": "pending"})
     session.flush()
     return service
+
+
+def _serving_params(
+    params: dict[str, Any], request: ServiceCreate, runner: str | None
+) -> dict[str, Any]:
+    """The onnx runner's `batching` and `instances` are kept with the service's params (where
+    a model's params may give them too), checked here, whichever gave them."""
+    if request.batching is not None:
+        params["batching"] = request.batching.model_dump()
+    if request.instances is not None:
+        params["instances"] = request.instances
+    if runner != "onnx":
+        if (request.batching, request.instances) != (None, None):
+            raise InvalidRequest(
+                "batching and instances are the onnx runner's; this service runs a command.",
+                "Leave them out, or deploy with runner onnx (or an onnx model).",
+                code="SERVING_OPTIONS_NEED_ONNX",
+            )
+        return params
+    for field, check in (
+        ("batching", ServiceBatching.model_validate),
+        ("instances", TypeAdapter(Instances).validate_python),
+    ):
+        if params.get(field) is None:
+            continue
+        try:
+            check(params[field])
+        except ValidationError as exc:
+            _refuse_serving_params(field, exc)
+    return params
+
+
+def _refuse_serving_params(field: str, exc: ValidationError) -> NoReturn:
+    problem = exc.errors()[0]
+    location = [str(part) for part in problem["loc"]]
+    if problem["type"] == "extra_forbidden":  # a key it was sent, never quoted back
+        location[-1:] = ["<key>"]
+    where = ".".join([field, *location])
+    raise InvalidRequest(
+        f"The service's params (or its model's) give an invalid batching or instances "
+        f"({where}: {problem['msg']}).",
+        "Give `batching` and `instances` with the service (docs/services.md), or register "
+        "a model version with valid ones.",
+        code="INVALID_SERVING_OPTIONS",
+    )
 
 
 def get_service(*, session: Session, service_id: str, lock: bool = False) -> Service:
@@ -200,6 +249,8 @@ def service_public(service: Service, waiting_reason: dict[str, str] | None = Non
         stopped_at=service.stopped_at,
         waiting_reason=waiting_reason,
         log_tail=list(service.log_tail or []),
+        batching=(service.params or {}).get("batching") if service.runner == "onnx" else None,
+        instances=(service.params or {}).get("instances") if service.runner == "onnx" else None,
     )
 
 

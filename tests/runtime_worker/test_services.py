@@ -191,6 +191,9 @@ def test_a_command_service_becomes_healthy_and_is_restarted_after_sigkill(worker
     assert {"reason": "exit", "backoff_seconds": 0.3} in kinds(again, "restart")
     states = [data["state"] for data in kinds(again, "state")]
     assert states == ["starting", "healthy", "restarting", "starting", "healthy"]
+    # Each start's cold start (process start to first healthy answer), once per start.
+    cold_starts = [data["cold_start_seconds"] for data in kinds(again, "ready")]
+    assert len(cold_starts) == 2 and all(0 < seconds < 30 for seconds in cold_starts)
     seqs = [event["seq"] for event in again["events"]]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
     assert any("GET / HTTP/1.1" in line for line in again["log_tail"])
