@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 
 def relu_matmul(weights: np.ndarray) -> bytes:
@@ -33,8 +33,8 @@ def mlp(sizes: tuple[int, ...] = (256, 256, 10), seed: int = 0) -> bytes:
         weights = (rng.standard_normal((rows, columns)) / np.sqrt(rows)).astype(np.float32)
         bias = (rng.standard_normal(columns) * 0.1).astype(np.float32)
         initializers += [
-            helper.make_tensor(f"w{index}", TensorProto.FLOAT, [rows, columns], weights.flatten()),
-            helper.make_tensor(f"b{index}", TensorProto.FLOAT, [columns], bias),
+            numpy_helper.from_array(weights, f"w{index}"),
+            numpy_helper.from_array(bias, f"b{index}"),
         ]
         last = index == len(layers) - 1
         output = "y" if last else f"h{index}"
