@@ -1,12 +1,20 @@
 """The artifact cache on the node with the agent's client, against a real control plane over
 HTTP: downloads verified by digest and resumed with HTTP ranges; uploads verified by the control
-plane; the cache bounded by size, least recently used evicted first."""
+plane; the cache bounded by size, least recently used evicted first; its directories 0700 and
+its files 0600 (0750/0640 for a group given), tightened at the agent's start."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import shutil
+import stat
+import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -102,3 +110,105 @@ def test_anything_but_a_sha256_digest_is_refused(tmp_path: Path, digest: str) ->
         cache.fetch(digest, lambda d, _partial: asked.append(d))
     assert asked == []
     assert not (tmp_path / "cache").exists()  # nothing created, nothing touched
+
+
+# -- modes -------------------------------------------------------------------------------------
+
+
+def _modes(root: Path) -> dict[str, int]:
+    """Each path under `root` (itself included, as `.`) and its permission bits."""
+    found = {".": stat.S_IMODE(root.stat().st_mode)}
+    for path in root.rglob("*"):
+        found[str(path.relative_to(root))] = stat.S_IMODE(path.stat().st_mode)
+    return found
+
+
+@contextmanager
+def _umask(mask: int) -> Iterator[None]:
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def test_the_cache_is_private_whatever_the_umask(tmp_path: Path) -> None:
+    with (
+        _umask(0o022),
+        LiveServer(tmp_path / "cp", f"sqlite:///{tmp_path / 'cp.db'}") as server,
+        control_plane_client(server.url) as control_plane,
+    ):
+        control_plane.use_credential(server.enroll()["credential"])
+        weights = os.urandom(100_000)
+        source = tmp_path / "weights"
+        source.write_bytes(weights)
+        control_plane.upload_artifact(_digest(weights), source)
+        cache = ArtifactCache(tmp_path / "cache", max_bytes=10_000_000)
+        cache.prepare()
+        fetched = cache.fetch(_digest(weights), control_plane.download_artifact)
+        _, stored = cache.store([b"a result"])
+        assert fetched.read_bytes() == weights and stored.read_bytes() == b"a result"
+        assert _modes(tmp_path / "cache") == {
+            ".": 0o700,
+            ".partial": 0o700,
+            fetched.name: 0o600,
+            stored.name: 0o600,
+        }
+
+
+def test_a_cache_left_readable_is_tightened_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "cache"
+    with _umask(0o022):  # as an older agent left it: 0755 and 0644
+        (root / ".partial").mkdir(parents=True)
+        (root / ("a" * 64)).write_bytes(b"weights")
+        (root / ".partial" / ("b" * 64)).write_bytes(b"half a download")
+    assert _modes(root)["a" * 64] == 0o644
+    cache = ArtifactCache(root, max_bytes=10_000_000)
+    with caplog.at_level(logging.WARNING, logger="node_agent.artifact_cache"):
+        cache.prepare()
+    assert set(_modes(root).values()) == {0o700, 0o600}
+    assert _modes(root)["."] == 0o700 and _modes(root)["a" * 64] == 0o600
+    assert [r.getMessage() for r in caplog.records] == [
+        f"artifact cache {root}: 4 files and directories were not private; "
+        "tightened to 700 (directories) and 600 (files)"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="node_agent.artifact_cache"):
+        cache.prepare()  # already private: nothing to say
+    assert caplog.records == []
+
+
+def _read_as(uid: int, groups: list[int], path: Path) -> int:
+    """The exit status of `cat path` run as `uid` with `groups`: 0 when it could read it."""
+    return subprocess.run(
+        ["cat", str(path)],
+        user=uid,
+        group=groups[0] if groups else uid,
+        extra_groups=groups,
+        capture_output=True,
+        check=False,
+    ).returncode
+
+
+def test_with_a_group_the_worker_of_another_user_reads_it_and_nobody_else(
+    tmp_path: Path,
+) -> None:
+    """Bare metal with full separation (docs/nodes.md): the worker runs as a user of its own in
+    the group the agent is given; any other user is kept out. Run as root, the test reads as
+    two unprivileged users (65533 in the group, 65532 not)."""
+    group = 65531
+    base = Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's tmp_path is root's alone
+    try:
+        base.chmod(0o711)
+        with _umask(0o077):  # narrower than the group's modes: they are set anyway
+            cache = ArtifactCache(base / "cache", max_bytes=10_000_000, group=group)
+            cache.prepare()
+            _, stored = cache.store([b"model weights"])
+        assert _modes(base / "cache") == {".": 0o750, ".partial": 0o750, stored.name: 0o640}
+        assert stored.stat().st_gid == group and (base / "cache").stat().st_gid == group
+        assert _read_as(65533, [group], stored) == 0
+        assert _read_as(65532, [65532], stored) != 0
+    finally:
+        shutil.rmtree(base)
