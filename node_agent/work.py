@@ -1,5 +1,6 @@
 """Running work: `--parallel` slots each hold a long-poll claim; a claimed job is handed to the
-local runtime worker, whose stream of records is relayed to the control plane in order. A watch
+local runtime worker, whose stream of records is relayed to the control plane in order, through
+a bounded spool that keeps them while the control plane is away (node_agent._report_spool). A watch
 long-poll learns of cancellations at once; cancelling — or this agent dying — closes the stream
 to the worker, which ends the job and everything it started. The assignment goes to the worker
 as the control plane sent it, with the GPUs the job holds (`assigned_gpus`), which the worker
@@ -23,7 +24,6 @@ import json
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +31,7 @@ from typing import Any
 
 from modelforge_contracts import job_records as records
 from modelforge_contracts.ipc import UnixHTTPConnection
+from node_agent._report_spool import ReportSpool
 from node_agent.client import ControlPlane
 from node_agent.retry import AgentStopped, ControlPlaneError, Interrupted
 from node_agent.worker_link import WorkerWatch
@@ -40,8 +41,6 @@ log = logging.getLogger("modelforge.node_agent.work")
 #: requests first) is not held up for long; a wake-up ends the hold early anyway.
 _HOLD = 8.0
 _WATCH_HOLD = 5.0
-_BATCH = 200
-_REPORT_EVERY = 0.5
 #: After an unexpected error outside a job, a slot waits this long before claiming again.
 _PAUSE_AFTER_ERROR = 1.0
 
@@ -204,8 +203,14 @@ class WorkRunner:
             self._active[job_id] = running
         self._changed.set()
         final: records.ExitRecord | None = None
-        pending: list[dict[str, Any]] = []
-        last_report = time.monotonic()
+        # The reports go on their own thread: reading the stream never waits for the control
+        # plane, also while it is away (node_agent._report_spool).
+        spool = ReportSpool(
+            control_plane=self.control_plane,
+            job_id=job_id,
+            progress_every=progress_every,
+            on_cancel=running.cancel,
+        ).start()
         try:
             connection.request(
                 "POST", "/v1/jobs", body=spec, headers={"Content-Type": "application/json"}
@@ -233,13 +238,7 @@ class WorkRunner:
                     break
                 event = report_event(record)
                 if event is not None:
-                    pending.append(event)
-                now = time.monotonic()
-                due = now - last_report >= (_REPORT_EVERY if pending else progress_every)
-                if due or len(pending) >= _BATCH:
-                    if self.control_plane.events(job_id, pending):
-                        running.cancel()
-                    pending, last_report = [], now
+                    spool.add(event, len(line))
         except (OSError, http.client.HTTPException, records.RecordError) as exc:
             if not running.cancelled.is_set():
                 final = records.failed(
@@ -252,8 +251,7 @@ class WorkRunner:
             connection.close()
             with self._lock:
                 self._active.pop(job_id, None)
-        if pending:
-            self.control_plane.events(job_id, pending)
+            spool.close()  # every event is reported before the outcome
         if final is None:
             final = (
                 records.failed("JOB_KILLED", "stopped on cancellation")

