@@ -174,9 +174,17 @@ def test_weights_named_by_a_model_and_a_service_survive_the_sweep_and_serve(
         server,
         "POST",
         "/api/v1/services",
-        json={"name": "relu", "model": "relu@1", "resources": {"cpus": 0.5}},
+        # A health check tuned but naming no path: the model server's readiness path, not `/`
+        # (which it answers 404, restarting the service for ever).
+        json={
+            "name": "relu",
+            "model": "relu@1",
+            "resources": {"cpus": 0.5},
+            "health": {"interval_seconds": 1, "failure_threshold": 2},
+        },
     )
     _service_state(server, service["service_id"], "healthy", 60)
+    assert server.get(f"/api/v1/services/{service['service_id']}")["restarts"] == 0
     # The job that produced the weights is deleted; both artifacts are past the grace period.
     _call(server, "DELETE", f"/api/v1/jobs/{job_id}")
     time.sleep(GRACE_SECONDS + 0.5)
