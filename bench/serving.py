@@ -13,9 +13,11 @@ What is measured
    ``--duration`` seconds over kept-alive connections: ``wrk`` (Debian package ``wrk``) with a
    Lua script for HTTP, at 1 and 8 connections, batch 1, JSON and binary tensor data; and
    nghttp2's ``h2load`` (Debian package ``nghttp2-client``, a C client speaking HTTP/1.1 and
-   HTTP/2) for gRPC at 8 connections and, so that the two fronts are compared with the same
-   client, for HTTP binary at 8 connections too. h2load sees HTTP statuses only (a gRPC error is
-   a 200 with a grpc-status trailer), so one gRPC call is checked before its run.
+   HTTP/2) for gRPC at 1 and 8 connections and, so that the two fronts are compared with the
+   same client, for HTTP binary at 1 and 8 connections too; and gRPC's trivial ServerLive, which
+   shows what a gRPC call costs before the front or the model do anything. h2load sees HTTP
+   statuses only (a gRPC error is a 200 with a grpc-status trailer), so one gRPC call is checked
+   before its runs.
 4. KServe: its ``ModelServer`` (pip ``kserve``, FastAPI on uvicorn) with a thin custom
    ``kserve.Model`` around an onnxruntime session of the same file, installed in a virtual
    environment of its own (``--kserve-venv``, created with ``kserve==KSERVE_VERSION`` when
@@ -28,7 +30,8 @@ For each run: requests/s (2xx answers per second), p50 and p99 latency as the lo
 them, the server's CPU per request (all its processes, from /proc) and the load generator's CPU
 (its share of a core). Then the issue's targets, each with whether it is met:
 8 connections, batch 1, JSON >= 3x KServe's throughput; 1 connection p50 <= 0.5 ms; batching on at
-32 connections >= 3x off; gRPC p50 within 1.5x of HTTP's (the same client for both).
+32 connections >= 3x off; gRPC p50 within 1.5x of HTTP's (the same client for both; at 8
+connections as the issue asks, and at 1).
 
 The exit status is 0 when every request was answered 2xx; the targets are printed, not turned into
 a failure (they depend on the machine: on a small shared one, the load generator and the server
@@ -66,6 +69,7 @@ sys.path.insert(0, str(REPO))
 KSERVE_VERSION = "0.21.0"
 SMALL = (256, 256, 10)
 MODEL = "mlp"
+GRPC_SERVICE = "inference.GRPCInferenceService"
 
 WRK_SCRIPT = r"""
 local request_bytes
@@ -366,7 +370,7 @@ def wrk_load(
 def h2load_load(
     server: Server,
     *,
-    grpc_port: int | None,
+    url: str,
     body: Path,
     headers: list[str],
     connections: int,
@@ -374,14 +378,11 @@ def h2load_load(
     scenario: str,
     scratch: Path,
 ) -> Result:
-    """nghttp2's h2load, a C client that speaks HTTP/1.1 and HTTP/2 alike: gRPC (HTTP/2, a
-    framed message) when `grpc_port` is given, else the HTTP front (HTTP/1.1)."""
+    """nghttp2's h2load, a C client that speaks HTTP/1.1 and HTTP/2 alike: HTTP/2 (gRPC, a
+    framed message) for a gRPC method's URL, else HTTP/1.1."""
     log = scratch / "h2load.log"
-    if grpc_port is not None:
-        url = f"http://127.0.0.1:{grpc_port}/inference.GRPCInferenceService/ModelInfer"
-        protocol: list[str] = []
-    else:
-        url, protocol = f"http://127.0.0.1:{server.port}/v2/models/{MODEL}/infer", ["--h1"]
+    log.unlink(missing_ok=True)  # h2load appends
+    protocol = [] if GRPC_SERVICE in url else ["--h1"]
     command = [
         "h2load", *protocol, "-D", str(duration), "-c", str(connections), "-m", "1", "-t", "1",
         "-d", str(body), *(item for header in headers for item in ("-H", header)),
@@ -419,7 +420,7 @@ def check_grpc(port: int, body: Path) -> None:
     from runtime_worker.serving._proto import grpc_predict_v2_pb2 as pb
 
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        infer = channel.unary_unary(f"/{GRPC_SERVICE}/ModelInfer")
         answer = pb.ModelInferResponse.FromString(infer(body.read_bytes(), timeout=30))
     if [output.name for output in answer.outputs] != ["y"]:
         raise SystemExit(f"the gRPC front answered {answer}")
@@ -479,31 +480,48 @@ def run(args: argparse.Namespace) -> int:
                 f"content-type: {binary.content_type}",
                 f"inference-header-content-length: {binary.header_length}",
             ]
-            mf["h2-http8"] = show(
-                h2load_load(
-                    server,
-                    grpc_port=None,
-                    body=binary.path,
-                    headers=headers,
-                    connections=8,
-                    duration=duration,
-                    scenario="small http binary",
-                    scratch=scratch,
-                )
-            )
             check_grpc(grpc_port, grpc_request)
             framed = scratch / "grpc.framed"
             message = grpc_request.read_bytes()
             framed.write_bytes(b"\0" + len(message).to_bytes(4, "big") + message)
-            mf["h2-grpc8"] = show(
+            empty = scratch / "empty.framed"  # an empty message: ServerLive's request
+            empty.write_bytes(b"\0\0\0\0\0")
+            grpc_headers = ["content-type: application/grpc", "te: trailers"]
+            for connections in (1, 8):
+                mf[f"h2-http{connections}"] = show(
+                    h2load_load(
+                        server,
+                        url=f"http://127.0.0.1:{server.port}/v2/models/{MODEL}/infer",
+                        body=binary.path,
+                        headers=headers,
+                        connections=connections,
+                        duration=duration,
+                        scenario="small http binary",
+                        scratch=scratch,
+                    )
+                )
+                mf[f"h2-grpc{connections}"] = show(
+                    h2load_load(
+                        server,
+                        url=f"http://127.0.0.1:{grpc_port}/{GRPC_SERVICE}/ModelInfer",
+                        body=framed,
+                        headers=grpc_headers,
+                        connections=connections,
+                        duration=duration,
+                        scenario="small grpc raw",
+                        scratch=scratch,
+                    )
+                )
+            # gRPC's own cost per call, without the model or the front: the trivial RPC.
+            show(
                 h2load_load(
                     server,
-                    grpc_port=grpc_port,
-                    body=framed,
-                    headers=["content-type: application/grpc", "te: trailers"],
-                    connections=8,
+                    url=f"http://127.0.0.1:{grpc_port}/{GRPC_SERVICE}/ServerLive",
+                    body=empty,
+                    headers=grpc_headers,
+                    connections=1,
                     duration=duration,
-                    scenario="small grpc raw",
+                    scenario="grpc ServerLive",
                     scratch=scratch,
                 )
             )
@@ -559,8 +577,10 @@ def run(args: argparse.Namespace) -> int:
         print(target("1 conn JSON p50 ms", p50, "<= 0.5", p50 <= 0.5))
         ratio = batched["on"].rps / batched["off"].rps
         print(target("32 conns batching on / off req/s", ratio, ">= 3", ratio >= 3))
-        ratio = mf["h2-grpc8"].p50_ms / mf["h2-http8"].p50_ms
-        print(target("8 conns gRPC / HTTP p50 (same client)", ratio, "<= 1.5", ratio <= 1.5))
+        for connections in (8, 1):
+            ratio = mf[f"h2-grpc{connections}"].p50_ms / mf[f"h2-http{connections}"].p50_ms
+            label = f"{connections} conns gRPC / HTTP binary p50 (same client)"
+            print(target(label, ratio, "<= 1.5", ratio <= 1.5))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 1 if any(result.failed for result in results) else 0

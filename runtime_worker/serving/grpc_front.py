@@ -106,7 +106,9 @@ async def start(
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options)
-    server.add_generic_rpc_handlers((_Servicer(dataplane, budget or _Unbounded()).handler(),))
+    # Registered (not generic) handlers: gRPC's core matches the method, no Python per call.
+    handlers = _Servicer(dataplane, budget or _Unbounded()).handlers()
+    server.add_registered_method_handlers(SERVICE, handlers)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(address)
@@ -123,7 +125,7 @@ class _Servicer:
     def __init__(self, dataplane: DataPlane, budget: Budget) -> None:
         self.dataplane, self.budget = dataplane, budget
 
-    def handler(self) -> grpc.GenericRpcHandler:
+    def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
         def unary(
             method: _Handler, request: Any, response: Any, raw: bool = False
         ) -> grpc.RpcMethodHandler[Any, Any]:
@@ -133,26 +135,21 @@ class _Servicer:
                 response_serializer=response.SerializeToString,
             )
 
-        return grpc.method_handlers_generic_handler(
-            SERVICE,
-            {
-                "ServerLive": unary(self.server_live, pb.ServerLiveRequest, pb.ServerLiveResponse),
-                "ServerReady": unary(
-                    self.server_ready, pb.ServerReadyRequest, pb.ServerReadyResponse
-                ),
-                "ModelReady": unary(self.model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse),
-                "ServerMetadata": unary(
-                    self.server_metadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse
-                ),
-                "ModelMetadata": unary(
-                    self.model_metadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse
-                ),
-                # Kept as bytes until the budget holds what parsing it takes.
-                "ModelInfer": unary(
-                    self.model_infer, pb.ModelInferRequest, pb.ModelInferResponse, raw=True
-                ),
-            },
-        )
+        return {
+            "ServerLive": unary(self.server_live, pb.ServerLiveRequest, pb.ServerLiveResponse),
+            "ServerReady": unary(self.server_ready, pb.ServerReadyRequest, pb.ServerReadyResponse),
+            "ModelReady": unary(self.model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse),
+            "ServerMetadata": unary(
+                self.server_metadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse
+            ),
+            "ModelMetadata": unary(
+                self.model_metadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse
+            ),
+            # Kept as bytes until the budget holds what parsing it takes.
+            "ModelInfer": unary(
+                self.model_infer, pb.ModelInferRequest, pb.ModelInferResponse, raw=True
+            ),
+        }
 
     async def server_live(
         self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext[Any, Any]
