@@ -5,14 +5,14 @@ It only decodes and encodes: bodies into `_oip.InferRequest`s, the data plane's 
 `ServingError`s into answers (`{"error": "..."}` with the error's HTTP status), each sent in
 one write (`response_bytes`; hyper sets TCP_NODELAY), on kept-alive HTTP/1.1 connections.
 
-Memory is bounded before anything is read (`Limits`): a body over `max_request_bytes` and a
-JSON part over `max_json_bytes` are refused from their declared lengths (413, never read), and
-every body being read, decoded, queued or run holds its size — its JSON part counted
+Memory is bounded before anything is kept (`Limits`): a body over `max_request_bytes` and a
+JSON part over `max_json_bytes` are refused from their declared lengths (413), and every body being read, decoded, queued or run holds its size — its JSON part counted
 `JSON_EXPANSION` times, what parsing it into Python objects may take — against one budget,
-`max_inflight_bytes`; a request that does not fit waits for room (up to
-`BUDGET_WAIT_SECONDS`, its body unread), then is refused (503). A body refused for its JSON part
-is read and dropped first, so that the client hears why. Nesting too deep for the parser is a
-400. It logs nothing about a request.
+`max_inflight_bytes` (bodies over `SMALL_BODY` only three quarters of it, so that clients slow
+to send large bodies cannot stall small requests); a request that does not fit waits for room
+(up to `BUDGET_WAIT_SECONDS`, its body unread), then is refused (503). A body refused for its
+JSON part is read and dropped first, so that the client hears why. Nesting too deep for the
+parser is a 400. It logs nothing about a request.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ log = logging.getLogger("modelforge.onnx_server")
 JSON_EXPANSION = 16
 #: How long a request waits for room in the byte budget before a 503.
 BUDGET_WAIT_SECONDS = 30.0
+#: A body larger than this may hold only three quarters of the budget (see `_infer`).
+SMALL_BODY = 1024 * 1024
 
 _JSON = [("content-type", "application/json")]
 _CLOSE = [("content-type", "application/json"), ("connection", "close")]
@@ -64,13 +66,15 @@ class ByteBudget:
         self.used += size
         return True
 
-    async def wait_to_reserve(self, size: int, timeout: float) -> bool:
-        """Hold `size` bytes once others have released enough, waiting at most `timeout`
-        seconds; False at once for more than the whole budget."""
+    async def wait_to_reserve(self, size: int, timeout: float, *, within: int = 0) -> bool:
+        """Hold `size` bytes once others have released enough for all that is held to stay
+        `within` (default: the limit), waiting at most `timeout` seconds; False at once for
+        more than that."""
+        within = min(within or self.limit, self.limit)
         deadline = time.monotonic() + timeout
-        while not self.reserve(size):
+        while self.used + size > within:
             left = deadline - time.monotonic()
-            if size > self.limit or left <= 0:
+            if size > within or left <= 0:
                 return False
             if self._released is None:
                 self._released = asyncio.Event()
@@ -78,6 +82,7 @@ class ByteBudget:
                 await asyncio.wait_for(self._released.wait(), left)
             except TimeoutError:
                 return False
+        self.used += size
         return True
 
     def release(self, size: int) -> None:
@@ -195,14 +200,11 @@ class ModelApp:
             await _discard(protocol)
             protocol.response_bytes(413, _JSON, _error(413, self._json_too_large(json_length)))
             return
-        if not await self.budget.wait_to_reserve(cost, BUDGET_WAIT_SECONDS):
-            message = (
-                f"the request would hold {cost} bytes and {self.budget.used} of "
-                f"{self.budget.limit} (--max-inflight-bytes) stayed held by requests in flight "
-                f"for {BUDGET_WAIT_SECONDS:.0f} s; retry later or send tensors as binary data"
-            )
-            await _discard(protocol)
-            protocol.response_bytes(503, _JSON, _error(503, message))
+        # A large body may not take the last of the budget: small requests (most inferences)
+        # keep a lane of their own, so clients slow to send large bodies cannot stall them.
+        lane = self.budget.limit if declared <= SMALL_BODY else self.budget.limit * 3 // 4
+        if not await self.budget.wait_to_reserve(cost, BUDGET_WAIT_SECONDS, within=lane):
+            await self._refuse_busy(protocol, cost)
             return
         try:
             try:
@@ -217,6 +219,15 @@ class ModelApp:
         finally:
             self.budget.release(cost)
         protocol.response_bytes(status, reply_headers, answer)
+
+    async def _refuse_busy(self, protocol: Any, cost: int) -> None:
+        message = (
+            f"the request would hold {cost} bytes and {self.budget.used} of "
+            f"{self.budget.limit} (--max-inflight-bytes) stayed held by requests in flight "
+            f"for {BUDGET_WAIT_SECONDS:.0f} s; retry later or send tensors as binary data"
+        )
+        await _discard(protocol)  # so that the client, still sending, hears why
+        protocol.response_bytes(503, _JSON, _error(503, message))
 
     async def _answer(
         self,

@@ -268,8 +268,11 @@ def test_slow_clients_holding_200_connections_cost_others_under_5_ms(served: Ser
             connection = socket.create_connection(("127.0.0.1", served.port), timeout=30)
             if index % 2:  # headers that never end
                 connection.sendall(b"POST " + INFER.encode() + b" HTTP/1.1\r\nHost: x\r\n")
-            else:  # a body that never ends
+            elif index % 4:  # a body that never ends
                 connection.sendall(post_head(b"100000") + b'{"inputs":[')
+            else:  # a 60 MiB binary one that never ends (holding 60 MiB of the budget)
+                extra = b"Inference-Header-Content-Length: 100\r\n"
+                connection.sendall(post_head(str(60 * MiB).encode(), extra) + b"\0" * 65536)
             slow.append(connection)
         time.sleep(0.2)
         during = _p50_ms(served)
@@ -278,3 +281,25 @@ def test_slow_clients_holding_200_connections_cost_others_under_5_ms(served: Ser
             connection.close()
     assert during - before < 5.0, f"p50 {before:.2f} ms before, {during:.2f} ms with 200 slow"
     still_serving(served)
+
+
+def test_clients_slow_to_send_large_bodies_leave_small_requests_room(model_file: Path) -> None:
+    budget = 64 * MiB
+    running = start_server(model_file, "--max-inflight-bytes", str(budget))
+    # Each holds its body and 16x its 100-byte JSON part: two would hold the whole budget.
+    declared = budget // 2 - 16 * 100
+    extra = b"Inference-Header-Content-Length: 100\r\n"
+    slow = []
+    try:
+        before = _p50_ms(running)
+        for _ in range(4):
+            connection = socket.create_connection(("127.0.0.1", running.port), timeout=30)
+            connection.sendall(post_head(str(declared).encode(), extra) + b"\0" * 65536)
+            slow.append(connection)
+        time.sleep(0.2)
+        during = _p50_ms(running)
+    finally:
+        for connection in slow:
+            connection.close()
+        stop_server(running)
+    assert during - before < 5.0, f"p50 {before:.2f} ms before, {during:.2f} ms during"
