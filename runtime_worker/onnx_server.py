@@ -134,6 +134,11 @@ class ServedModel(ModelApp):
             # Granian's main process ends with status 1 when its only worker dies.
             os._exit(1)
         self.dataplane.start()
+        if settings.batching.max_batch_size and not model.batch_dimension_dynamic:
+            log.warning(
+                "batching stays off: not every input and output of the model has a dynamic "
+                "first dimension to merge requests along"
+            )
         grpc_port = self._grpc.port if self._grpc is not None else None
         ports = f"{settings.port}" + (f", gRPC {grpc_port}" if grpc_port is not None else "")
         policy = self.dataplane.scheduler.batching if self.dataplane.scheduler else False

@@ -324,3 +324,52 @@ def test_a_model_that_fails_its_warm_up_is_never_ready(tmp_path: Path) -> None:
     assert not ever_ready
     assert "failed its warm-up" in stderr and str(path) in stderr
     onnx.checker.check_model(onnx.load(str(path)))  # a valid model: only its run failed
+
+
+def test_a_preferred_batch_size_is_sent_as_soon_as_it_forms(model_file: Path) -> None:
+    batching = {
+        "max_batch_size": 16,
+        "preferred_batch_size": [4],
+        "max_queue_delay_microseconds": 30_000_000,
+    }
+    running = start_server(model_file, "--batching", json.dumps(batching))
+    try:
+        answers = _concurrently(running, [infer_body(rows_of(request, 2)) for request in range(2)])
+        found = metrics(running)
+    finally:
+        stop_server(running)
+    assert [status for status, _, _ in answers] == [200, 200]
+    assert max(seconds for _, _, seconds in answers) < 10  # 4 rows formed: not after 30 s
+    assert found["nv_inference_exec_count"] == 1  # one batch of both
+
+
+def _fixed_batch_model() -> bytes:
+    """y = x @ w with x of fixed shape [2, 3]: its first dimension is not dynamic."""
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "fixed",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])],
+        [helper.make_tensor("w", TensorProto.FLOAT, [3, 2], WEIGHTS.ravel().tolist())],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    return model.SerializeToString()
+
+
+def test_batching_stays_off_unless_the_first_dimension_is_dynamic(tmp_path: Path) -> None:
+    path = tmp_path / "fixed.onnx"
+    path.write_bytes(_fixed_batch_model())
+    batching = {"max_batch_size": 8, "max_queue_delay_microseconds": 200_000}
+    running = start_server(path, "--batching", json.dumps(batching))
+    try:
+        inputs = [rows_of(request, 2) for request in range(6)]
+        answers = _concurrently(running, [infer_body(x) for x in inputs])
+        found = metrics(running)
+    finally:
+        returncode, stderr = stop_server(running)
+    for x, (status, answer, _) in zip(inputs, answers, strict=True):
+        assert status == 200
+        np.testing.assert_allclose(output(answer), x @ WEIGHTS, rtol=1e-6)
+    assert found["nv_inference_exec_count"] == 6  # each alone: never merged into [12, 3]
+    assert "batching off" in stderr and "batching stays off" in stderr
