@@ -191,8 +191,8 @@ def test_batching_answers_64_concurrent_requests_of_different_sizes_with_their_o
 def test_a_full_queue_answers_503_at_once_and_the_queue_delay_bounds_the_wait(
     model_file: Path, reference: ort.InferenceSession
 ) -> None:
-    # Requests wait up to 1.5 s for a batch of 64 rows that never fills: two fill the queue.
-    delay = 1.5
+    # Requests wait up to 3 s for a batch of 64 rows that never fills: two fill the queue.
+    delay = 3.0
     batching = {
         "max_batch_size": 64,
         "max_queue_delay_microseconds": int(delay * 1e6),
@@ -218,13 +218,13 @@ def test_a_full_queue_answers_503_at_once_and_the_queue_delay_bounds_the_wait(
         stop_server(running)
     assert status == 503, answer
     assert "max_queue_size" in answer["error"]
-    assert refused_after < delay / 3, f"refused after {refused_after:.3f} s, not at once"
+    assert refused_after < 1.0, f"refused after {refused_after:.3f} s, not at once"
     for request, (code, result, seconds) in zip((1, 2), queued, strict=True):
         assert code == 200
         want = reference.run(["y"], {"x": rows_of(request, 1)})[0]
         np.testing.assert_array_equal(output(result), want)
         # Measured: they waited for the delay (the batch never filled), and not much longer.
-        assert delay * 0.9 <= seconds < delay + 2.0, f"answered after {seconds:.3f} s"
+        assert delay * 0.9 <= seconds < delay + 3.0, f"answered after {seconds:.3f} s"
 
 
 def test_a_batch_that_fills_is_sent_without_waiting_for_the_delay(model_file: Path) -> None:

@@ -6,6 +6,7 @@ holding 200 connections included."""
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import socket
@@ -303,3 +304,15 @@ def test_clients_slow_to_send_large_bodies_leave_small_requests_room(model_file:
             connection.close()
         stop_server(running)
     assert during - before < 5.0, f"p50 {before:.2f} ms before, {during:.2f} ms during"
+
+
+def test_a_chunked_body_is_411_and_a_gzip_bomb_413(served: Served) -> None:
+    head = b"POST " + INFER.encode() + b" HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(SMALL), SMALL)
+    status, answer = raw_exchange(served, head, chunked)
+    assert status == 411 and "Content-Length" in json.loads(answer)["error"]
+    bomb = gzip.compress(b"[" + b" " * (80 * MiB) + b"]")  # 80 MiB of JSON once inflated
+    status, answer = post(served, bomb, {"Content-Encoding": "gzip"})
+    assert status == 413, answer
+    zipped = gzip.compress(SMALL)
+    assert post(served, zipped, {"Content-Encoding": "gzip"})[0] == 200
