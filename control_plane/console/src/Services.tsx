@@ -301,6 +301,10 @@ export function ServicePage({ serviceId }: { serviceId: string }) {
             <dd>
               <Url url={service.url} />
             </dd>
+            <dt>gRPC</dt>
+            <dd data-testid="service-grpc-url">
+              {service.grpc_url ? <code>{service.grpc_url}</code> : "—"}
+            </dd>
             <dt>Restarts</dt>
             <dd data-testid="service-restarts">{service.restarts}</dd>
             <dt>Last exit</dt>

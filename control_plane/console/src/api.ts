@@ -347,6 +347,7 @@ export interface ServiceView {
   state: ServiceState;
   node_id: string | null;
   url: string | null;
+  grpc_url: string | null; // host:port of an onnx service's gRPC front
   restarts: number;
   last_exit: Record<string, unknown> | null;
   gpus: AssignedGpu[];
