@@ -53,6 +53,9 @@ _CONTENTS = {
 #: Bytes of parsed and decoded values one byte of typed contents may become (a one-byte varint
 #: is 8 bytes in protobuf's parsed message, and up to 8 again as a numpy array).
 _TYPED_EXPANSION = 16
+#: What a call holds whatever its size (gRPC's own state for it, its response): so that the
+#: budget also bounds how many calls are in flight (8,192 in the default 512 MiB).
+_CALL_BYTES = 64 * 1024
 
 
 class Budget(Protocol):
@@ -305,9 +308,9 @@ def _encode(
 
 
 def _cost(message: bytes) -> int:
-    """What holding, parsing and decoding `message` may take: the message and its raw tensors
-    twice, the bytes of its input tensors (typed contents) `_TYPED_EXPANSION` times. Read from
-    the top-level fields of the wire format, without parsing the message."""
+    """What holding, parsing and decoding `message` may take: the call itself, the message and
+    its raw tensors twice, the bytes of its input tensors (typed contents) `_TYPED_EXPANSION`
+    times. Read from the top-level fields of the wire format, without parsing the message."""
     view, position, typed = memoryview(message), 0, 0
 
     def varint() -> int:
@@ -339,7 +342,7 @@ def _cost(message: bytes) -> int:
             position += length
         else:
             raise ServingError(400, "the message is not a ModelInferRequest")
-    return 2 * len(message) + _TYPED_EXPANSION * typed
+    return _CALL_BYTES + 2 * len(message) + _TYPED_EXPANSION * typed
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: ServingError) -> NoReturn:

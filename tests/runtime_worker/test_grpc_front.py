@@ -299,3 +299,31 @@ def test_a_taken_port_is_an_oserror(loop: Loop, address: str, model_path: Path) 
 
     with pytest.raises(OSError, match="cannot listen"):
         loop.run(second())
+
+
+def test_typed_contents_are_counted_as_what_decoding_them_takes(
+    loop: Loop, model_path: Path
+) -> None:
+    # 3,000 FP32 values: 12 KB on the wire either way; as typed contents they may take 16x that
+    # once parsed and decoded, which this budget does not hold, while raw contents fit.
+    ready = _dataplane(model_path)
+    loop.run(_start(ready))
+    budget = ByteBudget(150 * 1024)
+    front = _serve(loop, ready, budget=budget)
+    x = np.random.default_rng(3).standard_normal((1000, 3)).astype(np.float32)
+    raw = service_pb2.ModelInferRequest(model_name="relu", raw_input_contents=[x.tobytes()])
+    raw.inputs.add(name="x", datatype="FP32", shape=[1000, 3])
+    typed = service_pb2.ModelInferRequest(model_name="relu")
+    tensor = typed.inputs.add(name="x", datatype="FP32", shape=[1000, 3])
+    tensor.contents.fp32_contents.extend(x.reshape(-1).tolist())
+    try:
+        channel, stub = _stub(f"127.0.0.1:{front.port}")
+        with channel:
+            answer = stub.ModelInfer(raw, timeout=30)
+            y = np.frombuffer(answer.raw_output_contents[0], dtype="<f4").reshape(1000, 4)
+            np.testing.assert_array_equal(y, _expected(x, model_path))
+            code, details = _code(lambda: stub.ModelInfer(typed, timeout=30))
+            assert code == grpc.StatusCode.UNAVAILABLE and "retry later" in details
+        assert budget.used == 0
+    finally:
+        loop.run(front.stop(None))
