@@ -12,11 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import exc, text
+from sqlalchemy import text
 
 from control_plane.background.loops import sweep_jobs
 from control_plane.background.service_placement import place_services
+from control_plane.db import is_database_unavailable, make_engine
 from tests.control_plane.test_jobs import _claim, _node, _submit
+from tests.e2e.server import free_port
 from tests.factories import ControlPlane, control_plane
 
 #: Past every default deadline: offline after 90 s, job contact lost after 90 s.
@@ -47,6 +49,20 @@ def _busy_node(cp: ControlPlane) -> tuple[dict[str, str], str, str]:
     assert place_services(cp.ctx) == 1
     assert _service(cp, service_id)["node_id"] == node["node_id"]
     return node, job_id, service_id
+
+
+def _refused_connection() -> Exception:
+    """What a request meets while the database server is down: a refused connection."""
+    engine = make_engine(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/postgres")
+    try:
+        with engine.connect():
+            pass
+    except Exception as error:
+        assert is_database_unavailable(error)
+        return error
+    finally:
+        engine.dispose()
+    raise AssertionError("a closed port accepted a connection")
 
 
 def _still_judged_after_one_timeout(
@@ -97,7 +113,7 @@ def test_a_database_outage_gives_every_node_one_full_timeout(
         node, job_id, service_id = _busy_node(cp)
         cp.clock.advance(10)
         database = cp.ctx.database
-        database.failed(exc.TimeoutError("no pooled connection became free"))
+        database.failed(_refused_connection())
         assert not database.available
         cp.clock.advance(DOWNTIME)  # the outage lasts; agents' reports are refused meanwhile
         # The outage ends once statements work for a second (DatabaseAvailability's settling).
