@@ -169,6 +169,8 @@ def sweep_liveness(*, session: Session, clock: Clock, liveness: Liveness) -> int
     now = clock.now()
     thresholds = liveness.thresholds
     stale_before = now - thresholds.stale_after
+    if thresholds.grace is not None and thresholds.grace.since(now) > stale_before:
+        return 0  # the control plane is back since less than the stale threshold: none decays
     offline_before = now - thresholds.offline_after
     candidates = session.execute(
         select(Node.id, Node.recorded_state, Node.last_heartbeat_at).where(
