@@ -10,7 +10,8 @@ What is measured
    ``--floor-runs`` runs).
 3. ModelForge: ``python -m runtime_worker.onnx_server`` (Granian, one worker; gRPC on a second
    port) serves the small model. A load generator in its own process sends one fixed request for
-   ``--duration`` seconds over kept-alive connections: ``wrk`` (Debian package ``wrk``) with a
+   ``--duration`` seconds over kept-alive connections (``--rounds`` times; the figures of the
+   round with the median requests/s are shown): ``wrk`` (Debian package ``wrk``) with a
    Lua script for HTTP, at 1 and 8 connections, batch 1, JSON and binary tensor data; and
    nghttp2's ``h2load`` (Debian package ``nghttp2-client``, a C client speaking HTTP/1.1 and
    HTTP/2) for gRPC at 1 and 8 connections and, so that the two fronts are compared with the
@@ -59,6 +60,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -454,7 +456,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"floor: bare onnxruntime, small model, batch 1: {floor:.1f} us per run\n")
         print(HEADER, flush=True)
 
-        def show(result: Result) -> Result:
+        rounds_each = args.rounds
+
+        def show(load: Callable[..., Result], *args: Any, **kwargs: Any) -> Result:
+            """Run `load` `--rounds` times; print and keep the round of median requests/s."""
+            rounds = sorted(
+                (load(*args, **kwargs) for _ in range(rounds_each)), key=lambda r: r.rps
+            )
+            result = rounds[len(rounds) // 2]
             print(result.row(), flush=True)
             results.append(result)
             return result
@@ -466,14 +475,13 @@ def run(args: argparse.Namespace) -> int:
             for kind in ("json", "binary"):
                 for connections in (1, 8):
                     mf[f"{kind}{connections}"] = show(
-                        wrk_load(
-                            server,
-                            small[kind],
-                            connections,
-                            duration,
-                            f"small http {kind}",
-                            scratch,
-                        )
+                        wrk_load,
+                        server,
+                        small[kind],
+                        connections,
+                        duration,
+                        f"small http {kind}",
+                        scratch,
                     )
             binary = small["binary"]
             headers = [
@@ -489,41 +497,38 @@ def run(args: argparse.Namespace) -> int:
             grpc_headers = ["content-type: application/grpc", "te: trailers"]
             for connections in (1, 8):
                 mf[f"h2-http{connections}"] = show(
-                    h2load_load(
-                        server,
-                        url=f"http://127.0.0.1:{server.port}/v2/models/{MODEL}/infer",
-                        body=binary.path,
-                        headers=headers,
-                        connections=connections,
-                        duration=duration,
-                        scenario="small http binary",
-                        scratch=scratch,
-                    )
+                    h2load_load,
+                    server,
+                    url=f"http://127.0.0.1:{server.port}/v2/models/{MODEL}/infer",
+                    body=binary.path,
+                    headers=headers,
+                    connections=connections,
+                    duration=duration,
+                    scenario="small http binary",
+                    scratch=scratch,
                 )
                 mf[f"h2-grpc{connections}"] = show(
-                    h2load_load(
-                        server,
-                        url=f"http://127.0.0.1:{grpc_port}/{GRPC_SERVICE}/ModelInfer",
-                        body=framed,
-                        headers=grpc_headers,
-                        connections=connections,
-                        duration=duration,
-                        scenario="small grpc raw",
-                        scratch=scratch,
-                    )
+                    h2load_load,
+                    server,
+                    url=f"http://127.0.0.1:{grpc_port}/{GRPC_SERVICE}/ModelInfer",
+                    body=framed,
+                    headers=grpc_headers,
+                    connections=connections,
+                    duration=duration,
+                    scenario="small grpc raw",
+                    scratch=scratch,
                 )
             # gRPC's own cost per call, without the model or the front: the trivial RPC.
             show(
-                h2load_load(
-                    server,
-                    url=f"http://127.0.0.1:{grpc_port}/{GRPC_SERVICE}/ServerLive",
-                    body=empty,
-                    headers=grpc_headers,
-                    connections=1,
-                    duration=duration,
-                    scenario="grpc ServerLive",
-                    scratch=scratch,
-                )
+                h2load_load,
+                server,
+                url=f"http://127.0.0.1:{grpc_port}/{GRPC_SERVICE}/ServerLive",
+                body=empty,
+                headers=grpc_headers,
+                connections=1,
+                duration=duration,
+                scenario="grpc ServerLive",
+                scratch=scratch,
             )
         finally:
             server.stop()
@@ -535,14 +540,13 @@ def run(args: argparse.Namespace) -> int:
             try:
                 for kind, connections in (("json", 1), ("json", 8), ("binary", 8)):
                     ks[f"{kind}{connections}"] = show(
-                        wrk_load(
-                            server,
-                            small[kind],
-                            connections,
-                            duration,
-                            f"small http {kind}",
-                            scratch,
-                        )
+                        wrk_load,
+                        server,
+                        small[kind],
+                        connections,
+                        duration,
+                        f"small http {kind}",
+                        scratch,
                     )
             finally:
                 server.stop()
@@ -555,14 +559,13 @@ def run(args: argparse.Namespace) -> int:
             server, _ = modelforge(scratch, big_path, *extra)
             try:
                 batched[label] = show(
-                    wrk_load(
-                        server,
-                        large["binary"],
-                        32,
-                        duration,
-                        f"big binary batching {label}",
-                        scratch,
-                    )
+                    wrk_load,
+                    server,
+                    large["binary"],
+                    32,
+                    duration,
+                    f"big binary batching {label}",
+                    scratch,
                 )
             finally:
                 server.stop()
@@ -597,6 +600,9 @@ def main() -> int:
     parser.add_argument("--no-kserve", action="store_true", help="skip KServe's runs")
     parser.add_argument("--big", default="1024,2048,2048,1024", help="the batching model's sizes")
     parser.add_argument("--floor-runs", type=int, default=20000)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="runs of each load; the median's figures are shown"
+    )
     return run(parser.parse_args())
 
 
