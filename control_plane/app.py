@@ -46,11 +46,13 @@ from control_plane.clock import Clock, SystemClock
 from control_plane.context import AppContext
 from control_plane.db import (
     make_engine,
+    make_read_engine,
     make_session_factory,
     migrate,
     prepare_data_dir,
 )
 from control_plane.errors import (
+    Busy,
     DatabaseUnavailable,
     ModelForgeError,
     StorageFull,
@@ -95,12 +97,14 @@ def create_app(
     clock = clock or SystemClock()
     prepare_data_dir(settings.data_dir)
     engine = make_engine(settings.sqlalchemy_url)
+    read_engine = make_read_engine(engine)
     session_factory = make_session_factory(engine)
     ctx = AppContext(
         settings=settings,
         clock=clock,
         engine=engine,
         session_factory=session_factory,
+        read_session_factory=make_session_factory(read_engine),
         admin_token=resolve_admin_token(settings),
         authority=CredentialAuthority(
             data_dir=settings.data_dir,
@@ -113,6 +117,8 @@ def create_app(
     ctx.metrics.attach(session_factory)
     ctx.metrics.read_store(session_factory=session_factory, liveness=ctx.liveness, clock=clock)
     ctx.database.watch(engine)
+    if read_engine.pool is not engine.pool:  # SQLite's own read pool (PostgreSQL shares one)
+        ctx.database.watch(read_engine)
     ctx.metrics.registry.register(ProvisioningCollector(ctx.provisioner, session_factory))
 
     @asynccontextmanager
@@ -141,6 +147,7 @@ def create_app(
             await stop_loops(ctx, tasks)
             ctx.dispatcher.close()
             engine.dispose()
+            read_engine.dispose()
 
     app = FastAPI(
         title="ModelForge control plane",
@@ -287,6 +294,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         refusal = refusal_for(exc)
         if isinstance(refusal, StorageFull):  # reads still work: one line, no traceback
             log.warning("a write was refused: the storage is full (%s)", type(exc).__name__)
+        elif isinstance(refusal, Busy):  # a wait for the database ran out: one line
+            log.warning("a request was answered BUSY: its wait for the database ran out")
         else:
             log.error("unexpected %s while serving a request", type(exc).__name__, exc_info=exc)
-        return JSONResponse(status_code=refusal.http_status, content=refusal.to_body())
+        return JSONResponse(
+            status_code=refusal.http_status,
+            content=refusal.to_body(),
+            headers=refusal.response_headers(),
+        )

@@ -13,6 +13,7 @@ from control_plane.clock import Clock
 from control_plane.completions import Completions
 from control_plane.db import DatabaseAvailability
 from control_plane.dispatch import Dispatcher
+from control_plane.lanes import WorkerLanes
 from control_plane.metrics import Metrics
 from control_plane.provisioning.config import load_provisioners
 from control_plane.provisioning.provisioner import Provisioner
@@ -32,6 +33,8 @@ class AppContext:
     clock: Clock
     engine: Engine
     session_factory: sessionmaker[Session]
+    #: Read-only sessions (GET and HEAD requests): on SQLite they take no lock (`db.py`).
+    read_session_factory: sessionmaker[Session]
     admin_token: AdminTokenSource
     authority: CredentialAuthority
     heartbeats: HeartbeatBuffer = field(default_factory=HeartbeatBuffer)
@@ -41,6 +44,8 @@ class AppContext:
     sign_in_throttle: SignInThrottle = field(default_factory=SignInThrottle)
     #: Outages of the database, each logged once (the app factory makes it watch `engine`).
     database: DatabaseAvailability = field(default_factory=DatabaseAvailability)
+    #: The threads blocking routes run on, one share per kind of request (`lanes.py`).
+    lanes: WorkerLanes = field(init=False)
     #: Matches this process's waiting claims to queued jobs (started in the app's lifespan).
     scheduler: Scheduler = field(init=False)
     #: Commits agents' job outcomes in groups (started in the app's lifespan).
@@ -53,6 +58,7 @@ class AppContext:
     contact_grace: ContactGrace = field(init=False)
 
     def __post_init__(self) -> None:
+        self.lanes = WorkerLanes.create(queue_seconds=self.settings.request_queue_seconds)
         self.contact_grace = ContactGrace(clock=self.clock, database=self.database)
         self.vault = Vault(self.settings.data_dir)
         self.completions = Completions(session_factory=self.session_factory, clock=self.clock)

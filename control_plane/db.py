@@ -1,9 +1,14 @@
 """Engine, sessions, migrations, database outages and the data dir's file modes.
 
-SQLite (the default) runs in WAL mode with foreign keys and a busy timeout, and every transaction
-starts with `BEGIN IMMEDIATE` so that concurrent writers queue on the busy handler instead of
-failing on a read-to-write lock upgrade. The schema comes only from Alembic, applied at start
-under a lock (a PostgreSQL advisory lock, or a file lock beside the SQLite database).
+SQLite (the default) runs in WAL mode with foreign keys and a busy timeout. A transaction that
+may write starts with `BEGIN IMMEDIATE`, so that concurrent writers queue on the busy handler
+instead of failing on a read-to-write lock upgrade; a read-only one (`make_read_engine`: the
+sessions of GET and HEAD requests) starts deferred and takes no lock at all, since WAL readers
+never wait for the writer. SQLite refuses any write on the read engine's connections ("not
+authorized"), as PostgreSQL does in its read-only transactions, so a read-only session that
+writes is a bug the tests see, not a lock upgrade that fails under load. The schema comes only
+from Alembic, applied at start under a lock (a PostgreSQL advisory lock, or a file lock beside
+the SQLite database).
 
 The data dir holds the database, keys and tokens: it is kept 0700 and every file the control
 plane creates in it 0600, whatever the process umask. A database outage is an operating
@@ -47,17 +52,23 @@ PRIVATE_FILE_MODE = 0o600
 _SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")
 
 
+#: Pooled connections kept open, and the most opened beyond them. Every thread that works on the
+#: database holds at most one; the app's threads (its worker lanes, the default pool of sync
+#: dependencies and background loops, the scheduler's and completions' own) number fewer than
+#: these together, so a thread never waits for a pooled connection (`POOL_CONNECTIONS`).
+_POOL_SIZE = 10
+_POOL_OVERFLOW = 30
+POOL_CONNECTIONS = _POOL_SIZE + _POOL_OVERFLOW
+
+
 def make_engine(url: str) -> Engine:
+    """The engine for transactions that may write (on SQLite: `BEGIN IMMEDIATE`)."""
     if url.startswith("sqlite"):
         database = make_url(url).database
         if database and database != ":memory:" and not database.startswith("file:"):
             _prepare_sqlite_files(Path(database))
-        engine = create_engine(
-            url,
-            connect_args={"timeout": 30, "check_same_thread": False},
-            hide_parameters=True,
-        )
-        _configure_sqlite(engine)
+        engine = _sqlite_engine(url)
+        _configure_sqlite(engine, read_only=False)
         return engine
     connect_args: dict[str, Any] = {}
     if "connect_timeout" not in make_url(url).query:
@@ -66,11 +77,32 @@ def make_engine(url: str) -> Engine:
     # on its next checkout, so recovery after an outage needs no restart of the control plane.
     return create_engine(
         url,
-        pool_size=10,
-        max_overflow=20,
+        pool_size=_POOL_SIZE,
+        max_overflow=_POOL_OVERFLOW,
         pool_pre_ping=True,
         hide_parameters=True,
         connect_args=connect_args,
+    )
+
+
+def make_read_engine(engine: Engine) -> Engine:
+    """The engine for read-only transactions on `engine`'s database: on SQLite its own pool of
+    connections that begin deferred (no lock: a read never waits for a writer, nor a writer for
+    it) and are refused any write; on PostgreSQL the same pool, in READ ONLY transactions."""
+    if engine.dialect.name != "sqlite":
+        return engine.execution_options(postgresql_readonly=True)
+    read = _sqlite_engine(engine.url.render_as_string(hide_password=False))
+    _configure_sqlite(read, read_only=True)
+    return read
+
+
+def _sqlite_engine(url: str) -> Engine:
+    return create_engine(
+        url,
+        connect_args={"timeout": 30, "check_same_thread": False},
+        pool_size=_POOL_SIZE,
+        max_overflow=_POOL_OVERFLOW,
+        hide_parameters=True,
     )
 
 
@@ -148,6 +180,23 @@ def is_database_unavailable(error: BaseException) -> bool:
     """Whether `error` means the database cannot be reached or used right now (an outage), as
     opposed to a bug or a refused statement (programming and integrity errors)."""
     return _outage_reason(error) is not None
+
+
+def is_database_busy(error: BaseException) -> bool:
+    """Whether `error` is a wait for the database that ran out, not an outage: no pooled
+    connection became free, or SQLite's write lock stayed taken for the whole busy timeout. A
+    request that meets it is answered 503 `BUSY`; background work retries it like an outage."""
+    seen: BaseException | None = error
+    for _ in range(5):  # follow `raise ... from` a few links, as `_outage_reason` does
+        if seen is None:
+            return False
+        if isinstance(seen, exc.TimeoutError):
+            return True
+        driver = seen.orig if isinstance(seen, exc.DBAPIError) else seen
+        if isinstance(driver, sqlite3.OperationalError) and "is locked" in str(driver).lower():
+            return True
+        seen = seen.__cause__
+    return False
 
 
 def _outage_reason(error: BaseException) -> str | None:
@@ -272,10 +321,31 @@ class DatabaseAvailability:
         )
 
 
-def _configure_sqlite(engine: Engine) -> None:
+#: What a read-only SQLite connection may do (`sqlite3` authorizer actions); anything else, a
+#: write or a schema change, is refused with "not authorized".
+_READ_ACTIONS = frozenset(
+    {
+        sqlite3.SQLITE_SELECT,
+        sqlite3.SQLITE_READ,
+        sqlite3.SQLITE_FUNCTION,
+        sqlite3.SQLITE_RECURSIVE,
+        sqlite3.SQLITE_TRANSACTION,
+        sqlite3.SQLITE_SAVEPOINT,
+    }
+)
+
+
+def _read_only_authorizer(action: int, *_args: object) -> int:
+    return sqlite3.SQLITE_OK if action in _READ_ACTIONS else sqlite3.SQLITE_DENY
+
+
+def _configure_sqlite(engine: Engine, *, read_only: bool) -> None:
+    # A read-only transaction starts deferred: it takes no lock, so it waits for no writer.
+    begin = "BEGIN" if read_only else "BEGIN IMMEDIATE"
+
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-        # Take transaction control away from the driver so that BEGIN IMMEDIATE below is ours.
+        # Take transaction control away from the driver so that the BEGIN below is ours.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")
@@ -283,10 +353,12 @@ def _configure_sqlite(engine: Engine) -> None:
         cursor.execute("PRAGMA busy_timeout=30000")
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.close()
+        if read_only:
+            dbapi_connection.set_authorizer(_read_only_authorizer)
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        connection.exec_driver_sql(begin)
 
 
 def rowcount(result: object) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from control_plane.db import is_database_unavailable
+from control_plane.db import is_database_busy, is_database_unavailable
 from control_plane.storage import is_storage_full
 from modelforge_contracts.errors import error_body
 
@@ -187,6 +187,32 @@ class DatabaseUnavailable(ServiceUnavailable):
         )
 
 
+class Busy(ServiceUnavailable):
+    """The control plane is saturated: a request waited its full time for a worker or for the
+    database and was not carried out (nothing changed). Not an outage."""
+
+    code = "BUSY"
+
+    def __init__(self, waited_for: str) -> None:
+        super().__init__(
+            f"The control plane is busy: {waited_for}, so this request was not carried out and "
+            "nothing changed.",
+            "Retry after the Retry-After seconds, with fewer requests at once. Operators: see "
+            "Saturation in docs/operations.md.",
+        )
+
+    @classmethod
+    def for_lane(cls, lane: str, waited_seconds: float) -> Busy:
+        return cls(f"no worker for {lane} requests became free within {waited_seconds:g} s")
+
+    @classmethod
+    def for_database(cls) -> Busy:
+        return cls("it waited too long for the database (every connection in use, or its lock)")
+
+    def response_headers(self) -> dict[str, str] | None:
+        return {"Retry-After": "2"}
+
+
 def refusal_for(error: BaseException) -> ModelForgeError:
     """What a request that raised `error` is answered with, decided once for the app's handlers
     and the audit log: a refusal itself; `STORAGE_FULL` for a write that found no room;
@@ -195,6 +221,8 @@ def refusal_for(error: BaseException) -> ModelForgeError:
         return error
     if is_storage_full(error):
         return StorageFull()
+    if is_database_busy(error):  # a wait that ran out: saturation, not an outage
+        return Busy.for_database()
     if is_database_unavailable(error):
         return DatabaseUnavailable()
     return InternalError()

@@ -40,6 +40,10 @@ class Settings(BaseSettings):
     #: cancellation watch open all the time (long polls cost no thread, no connection to the
     #: database), so this bounds the fleet one replica can serve.
     max_concurrent_requests: int = Field(default=16384, ge=64, le=1_000_000)
+    #: How long a request may wait for a worker thread of its kind (admin, agent, probe) before
+    #: it is answered 503 `BUSY` without being started: a saturated control plane says so
+    #: instead of holding requests in silence.
+    request_queue_seconds: float = Field(default=10.0, gt=0, le=300)
 
     node_stale_after_seconds: float = 30.0
     node_offline_after_seconds: float = 90.0

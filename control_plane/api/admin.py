@@ -9,6 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response, status
 
 from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
+from control_plane.api.routing import LaneRoute
 from control_plane.console_schemas import (
     GpuPoint,
     NodeImage,
@@ -37,7 +38,9 @@ from control_plane.services.readiness import assess_readiness
 from control_plane.services.reports import telemetry_history
 from control_plane.services.waiting import could_run_on
 
-router = APIRouter(prefix="/api/v1/admin", tags=["admin"], dependencies=[AdminDep])
+router = APIRouter(
+    prefix="/api/v1/admin", tags=["admin"], dependencies=[AdminDep], route_class=LaneRoute
+)
 
 
 def _enrollment_public(ctx: AppContext, row: NodeEnrollment) -> EnrollmentPublic:

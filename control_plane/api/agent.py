@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
 from control_plane.api.deps import ContextDep, NodeDep, SessionDep
+from control_plane.api.routing import LaneRoute
 from control_plane.context import AppContext
 from control_plane.errors import ProtocolIncompatible
 from control_plane.schemas import (
@@ -29,7 +30,7 @@ from control_plane.services import enrollments, reports
 from control_plane.services.compatibility import judge_protocol
 from control_plane.services.heartbeats import accept_heartbeat
 
-router = APIRouter(prefix="/api/v1/agent", tags=["agent"])
+router = APIRouter(prefix="/api/v1/agent", tags=["agent"], route_class=LaneRoute)
 
 
 def _intervals(ctx: AppContext) -> dict[str, float]:

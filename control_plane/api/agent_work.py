@@ -13,6 +13,7 @@ from fastapi.responses import FileResponse
 
 from control_plane.api.deps import ContextDep, NodeDep
 from control_plane.api.ranges import artifact_response
+from control_plane.api.routing import LaneRoute
 from control_plane.context import AppContext
 from control_plane.dispatch import node_key
 from control_plane.errors import ModelForgeError
@@ -33,7 +34,7 @@ from control_plane.services import artifacts, jobs
 from control_plane.services.credentials import NodePrincipal
 from control_plane.services.scheduling import PlacedJob, labels_match
 
-router = APIRouter(prefix="/api/v1/agent", tags=["agent"])
+router = APIRouter(prefix="/api/v1/agent", tags=["agent"], route_class=LaneRoute)
 
 
 def assignment(ctx: AppContext, job: PlacedJob) -> JobAssignment:

@@ -9,6 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Query
 
 from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
+from control_plane.api.routing import LaneRoute
 from control_plane.artifact_schemas import (
     ArtifactListed,
     ArtifactSweepReport,
@@ -17,7 +18,9 @@ from control_plane.artifact_schemas import (
 from control_plane.services import artifact_sweep
 from modelforge_contracts.digests import DIGEST_PATTERN
 
-router = APIRouter(prefix="/api/v1", tags=["artifacts"], dependencies=[AdminDep])
+router = APIRouter(
+    prefix="/api/v1", tags=["artifacts"], dependencies=[AdminDep], route_class=LaneRoute
+)
 
 
 @router.get("/artifacts", response_model=list[ArtifactListed])

@@ -22,6 +22,7 @@ from control_plane.api.deps import (
     check_admin_token,
     console_session,
 )
+from control_plane.api.routing import LaneRoute
 from control_plane.console_schemas import ConsoleSessionInfo, SignInRequest
 from control_plane.errors import AdminAuthError
 from control_plane.services import console_sessions
@@ -52,7 +53,7 @@ _SECURITY_HEADERS = {
     "Cache-Control": "no-store",
 }
 
-router = APIRouter(prefix="/api/v1/console", tags=["console"])
+router = APIRouter(prefix="/api/v1/console", tags=["console"], route_class=LaneRoute)
 
 
 def _is_tls(request: Request, public_url: str | None) -> bool:

@@ -26,13 +26,18 @@ async def get_context(request: Request) -> AppContext:
 ContextDep = Annotated[AppContext, Depends(get_context)]
 
 
-def get_session(ctx: ContextDep) -> Iterator[Session]:
-    """One transaction per request, committed before the response is sent."""
-    with ctx.session_factory.begin() as session:
+def get_session(request: Request, ctx: ContextDep) -> Iterator[Session]:
+    """One transaction per request, committed before the response is sent: read-only for GET and
+    HEAD (on SQLite it takes no lock, so a read never waits for a writer), else one that may
+    write (on SQLite it takes the write lock at its first statement)."""
+    reads_only = request.method in _READ_METHODS
+    factory = ctx.read_session_factory if reads_only else ctx.session_factory
+    with factory.begin() as session:
         yield session
 
 
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+_READ_METHODS = frozenset({"GET", "HEAD"})
 
 
 SESSION_COOKIE = "modelforge_session"

@@ -14,6 +14,7 @@ from pathlib import Path
 from fastapi import APIRouter, Response
 from fastapi.responses import FileResponse, HTMLResponse
 
+from control_plane.api.routing import LaneRoute
 from control_plane.errors import NotFound
 
 #: Swagger UI's distribution files (`swagger-ui-dist`), as the package ships them.
@@ -61,7 +62,7 @@ _REDIRECT_PAGE = """<!doctype html>
 </html>
 """
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False, route_class=LaneRoute)
 
 
 @router.get("/docs")

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
 from control_plane.api.ranges import artifact_response
+from control_plane.api.routing import LaneRoute
 from control_plane.context import AppContext
 from control_plane.dispatch import job_key
 from control_plane.models import Job
@@ -34,7 +35,7 @@ LabelFilter = Annotated[str, StringConstraints(pattern=r"^[^=]{1,100}=.{0,200}$"
 #: Each filter is one more condition in the query (SQLite refuses a deep expression tree).
 MAX_LABEL_FILTERS = 32
 
-router = APIRouter(prefix="/api/v1", tags=["jobs"], dependencies=[AdminDep])
+router = APIRouter(prefix="/api/v1", tags=["jobs"], dependencies=[AdminDep], route_class=LaneRoute)
 
 
 def _public(ctx: AppContext, job: Job, session: Session) -> JobPublic:

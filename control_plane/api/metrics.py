@@ -13,11 +13,12 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Request, Response
 
 from control_plane.api.deps import ContextDep, check_admin_token
+from control_plane.api.routing import LaneRoute
 from control_plane.errors import AdminAuthError
 from control_plane.metrics import CONTENT_TYPE
 from control_plane.security import sha256_hex
 
-router = APIRouter(tags=["observability"])
+router = APIRouter(tags=["observability"], route_class=LaneRoute)
 
 
 def require_metrics_reader(

@@ -12,10 +12,13 @@ from pydantic import BaseModel
 from sqlalchemy import select
 
 from control_plane.api.deps import AdminDep, ContextDep, SessionDep
+from control_plane.api.routing import LaneRoute
 from control_plane.models import ProvisionEvent, ProvisionRequest
 from control_plane.provisioning.provisioner import OUTSTANDING
 
-router = APIRouter(prefix="/api/v1/admin", tags=["provisioning"], dependencies=[AdminDep])
+router = APIRouter(
+    prefix="/api/v1/admin", tags=["provisioning"], dependencies=[AdminDep], route_class=LaneRoute
+)
 _RECENT = 50
 _EVENTS = 20
 

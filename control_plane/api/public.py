@@ -7,11 +7,12 @@ from sqlalchemy import text
 
 from control_plane import RELEASE_VERSION
 from control_plane.api.deps import ContextDep, SessionDep
+from control_plane.api.routing import LaneRoute
 from control_plane.schemas import Health, StorageHealth, VersionInfo
 from control_plane.storage import measure_room
 from modelforge_contracts import protocol
 
-router = APIRouter(prefix="/api/v1", tags=["public"])
+router = APIRouter(prefix="/api/v1", tags=["public"], route_class=LaneRoute)
 
 
 @router.get("/health", response_model=Health)

@@ -18,6 +18,7 @@ from control_plane.api.deps import (
     SessionDep,
     client_address,
 )
+from control_plane.api.routing import LaneRoute
 from control_plane.context import AppContext
 from control_plane.models import Service
 from control_plane.schemas import DB_INT_MAX, ResourceId
@@ -37,8 +38,8 @@ from control_plane.workload_schemas import (
     ServicePublic,
 )
 
-router = APIRouter(prefix="/api/v1", dependencies=[AdminDep])
-agent_router = APIRouter(prefix="/api/v1/agent", tags=["agent"])
+router = APIRouter(prefix="/api/v1", dependencies=[AdminDep], route_class=LaneRoute)
+agent_router = APIRouter(prefix="/api/v1/agent", tags=["agent"], route_class=LaneRoute)
 
 SecretNamePath = Annotated[str, Path(pattern=r"^[A-Z_][A-Z0-9_]{0,99}$")]
 #: How often an agent syncs its services.
