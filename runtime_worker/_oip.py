@@ -5,18 +5,20 @@ checked against the model's tensors, responses encoded, and `ServingError` for w
 
 It serves nothing and runs no model: the server hands it bodies, header values and the session's
 inputs and outputs, and answers its `ServingError`s (each with the HTTP status the protocol
-gives it). It must never log request data.
+gives it). JSON is parsed and written with orjson (a tenth of the standard library's time for
+a request of numbers; its nesting bound, 1024, refuses deeper JSON as it parses), JSON outputs
+straight from their arrays. It must never log request data.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 
 MODEL_VERSION = "1"
 
@@ -39,6 +41,11 @@ _DATATYPE_OF_ORT = {ort_type: datatype for datatype, ort_type, _ in _TYPES} | {"
 _NUMPY = {datatype: np.dtype(code) for datatype, _, code in _TYPES}
 _DATATYPE_OF = {dtype: datatype for datatype, dtype in _NUMPY.items()}
 _JSON_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}  # JSON value kinds each dtype takes
+#: Output types orjson writes from the array itself (others go through Python lists).
+_ORJSON_NATIVE = {
+    np.dtype(code)
+    for code in ("?", "i1", "<i2", "<i4", "<i8", "u1", "<u2", "<u4", "<u8", "<f4", "<f8")
+}
 
 
 #: The gRPC status code (grpc.StatusCode's name) of each HTTP status the server answers with.
@@ -106,15 +113,15 @@ def split_request(body: bytes, header_length: str | None) -> tuple[dict[str, Any
             raise ServingError(400, f"Inference-Header-Content-Length must be 0..{len(body)}")
         size = int(header_length)
     try:
-        header = json.loads(body[:size])
-    except (ValueError, UnicodeDecodeError) as exc:
+        header = orjson.loads(memoryview(body)[:size])
+    except orjson.JSONDecodeError as exc:
+        if "depth limit" in str(exc):  # orjson's own bound (1024), checked as it parses
+            raise ServingError(
+                400,
+                "the inference request's JSON is nested too deeply; a tensor's data may be "
+                "nested as deep as its shape, or flat",
+            ) from None
         raise ServingError(400, f"the inference request is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ServingError(
-            400,
-            "the inference request's JSON is nested too deeply; a tensor's data may be "
-            "nested as deep as its shape, or flat",
-        ) from None
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
         raise ServingError(400, 'the inference request must be a JSON object with "inputs"')
     return header, memoryview(body)[size:]
@@ -227,13 +234,15 @@ def encode_infer_response(
         if binary:
             chunks.append(np.ascontiguousarray(array, dtype=_NUMPY[datatype]).tobytes())
             output["parameters"] = {"binary_data_size": len(chunks[-1])}
+        elif array.dtype in _ORJSON_NATIVE:  # serialised by orjson straight from the array
+            output["data"] = np.ascontiguousarray(array).reshape(-1)
         else:
             output["data"] = array.reshape(-1).tolist()
         outputs.append(output)
     answer = {"model_name": model_name, "model_version": MODEL_VERSION, "outputs": outputs}
     if request.id is not None:
         answer["id"] = request.id
-    header = json.dumps(answer, separators=(",", ":")).encode()
+    header = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
     return (header + b"".join(chunks), len(header)) if chunks else (header, None)
 
 
