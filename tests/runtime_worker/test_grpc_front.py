@@ -22,11 +22,11 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from runtime_worker.serving import grpc_front
-from runtime_worker.serving.batcher import BatchingPolicy
 from runtime_worker.serving.dataplane import DataPlane
 from runtime_worker.serving.http import ByteBudget
 from runtime_worker.serving.model import InstancePlan, OnnxModel
-from tests.onnx_models import relu_matmul
+from runtime_worker.serving.policy import BatchingPolicy
+from tests.onnx_models import mlp, relu_matmul
 
 T = TypeVar("T")
 WEIGHTS = np.arange(12, dtype=np.float32).reshape(3, 4) - 5.0
@@ -49,9 +49,9 @@ class Loop:
         self.thread.join(timeout=10)
 
 
-def _dataplane(path: Path) -> DataPlane:
+def _dataplane(path: Path, policy: BatchingPolicy | None = None) -> DataPlane:
     plan = InstancePlan.of(instances=1, cpus=1, available=["CPUExecutionProvider"], environ={})
-    dataplane = DataPlane(OnnxModel("relu", path, plan), BatchingPolicy())
+    dataplane = DataPlane(OnnxModel("relu", path, plan), policy or BatchingPolicy())
     dataplane.load()
     return dataplane
 
@@ -325,5 +325,35 @@ def test_typed_contents_are_counted_as_what_decoding_them_takes(
             code, details = _code(lambda: stub.ModelInfer(typed, timeout=30))
             assert code == grpc.StatusCode.UNAVAILABLE and "retry later" in details
         assert budget.used == 0
+    finally:
+        loop.run(front.stop(None))
+
+
+def test_a_full_queue_is_unavailable_at_once(loop: Loop, tmp_path: Path) -> None:
+    # One instance busy for tens of milliseconds per request and room for one waiting request:
+    # of twelve sent together, most find the queue full and are refused without waiting.
+    path = tmp_path / "slow.onnx"
+    path.write_bytes(mlp((1024, 2048, 2048, 1024)))
+    slow = _dataplane(path, BatchingPolicy(max_queue_size=1))
+    loop.run(_start(slow))
+    front = _serve(loop, slow)
+    x = np.ones((64, 1024), dtype=np.float32)
+    request = service_pb2.ModelInferRequest(model_name="relu", raw_input_contents=[x.tobytes()])
+    request.inputs.add(name="x", datatype="FP32", shape=[64, 1024])
+    try:
+        channel, stub = _stub(f"127.0.0.1:{front.port}")
+        with channel:
+            calls = [stub.ModelInfer.future(request, timeout=60) for _ in range(12)]
+            answered, refused = 0, []
+            for call in calls:
+                try:
+                    assert call.result().outputs[0].shape == [64, 1024]
+                    answered += 1
+                except grpc.RpcError as exc:
+                    refused.append((exc.code(), exc.details()))
+            assert answered >= 1 and refused, (answered, refused)
+            for code, details in refused:
+                assert code == grpc.StatusCode.UNAVAILABLE and "retry later" in details
+            assert stub.ModelInfer(request, timeout=60).outputs[0].name == "y"  # still serving
     finally:
         loop.run(front.stop(None))
