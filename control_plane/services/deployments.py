@@ -128,13 +128,7 @@ def _serving_params(
         params["batching"] = request.batching.model_dump()
     if request.instances is not None:
         params["instances"] = request.instances
-    if runner != "onnx":
-        if (request.batching, request.instances) != (None, None):
-            raise InvalidRequest(
-                "batching and instances are the onnx runner's; this service runs a command.",
-                "Leave them out, or deploy with runner onnx (or an onnx model).",
-                code="SERVING_OPTIONS_NEED_ONNX",
-            )
+    if runner != "onnx":  # a command (the schema refuses batching and instances beside one)
         return params
     for field, check in (
         ("batching", ServiceBatching.model_validate),
