@@ -6,13 +6,14 @@ It only decodes and encodes: bodies into `_oip.InferRequest`s, the data plane's 
 one write (`response_bytes`; hyper sets TCP_NODELAY), on kept-alive HTTP/1.1 connections.
 
 Memory is bounded before anything is kept (`Limits`): a body over `max_request_bytes` and a
-JSON part over `max_json_bytes` are refused from their declared lengths (413), and every body being read, decoded, queued or run holds its size — its JSON part counted
-`JSON_EXPANSION` times, what parsing it into Python objects may take — against one budget,
-`max_inflight_bytes` (bodies over `SMALL_BODY` only three quarters of it, so that clients slow
-to send large bodies cannot stall small requests); a request that does not fit waits for room
-(up to `BUDGET_WAIT_SECONDS`, its body unread), then is refused (503). A body refused for its
-JSON part is read and dropped first, so that the client hears why. Nesting too deep for the
-parser is a 400. It logs nothing about a request.
+JSON part over `max_json_bytes` are refused from their declared lengths (413), and every body
+being read, decoded, queued or run holds its size — its JSON part counted `JSON_EXPANSION`
+times, what parsing it into Python objects may take — against one budget, `max_inflight_bytes`
+(bodies over `SMALL_BODY` only three quarters of it, so that clients slow to send large bodies
+cannot stall small requests); a request that does not fit waits for room (up to
+`BUDGET_WAIT_SECONDS`, its body unread), then is refused (503). A body refused for its JSON part
+is read and dropped first, so that the client hears why. Nesting too deep for the parser is a
+400. It logs nothing about a request.
 """
 
 from __future__ import annotations
