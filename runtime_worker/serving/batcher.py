@@ -130,8 +130,8 @@ class Scheduler:
         for pending in queue:
             if pending.future.done():
                 break  # a cancelled request ends the run of joinable ones (rare)
-            if pending.key != head.key or total + pending.rows > most:
-                full = True
+            if pending.key != head.key or total + pending.rows > most or count == most:
+                full = True  # (count: requests of 0 rows never make a batch longer than that)
                 break
             total += pending.rows
             count += 1
