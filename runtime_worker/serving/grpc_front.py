@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
@@ -26,6 +27,7 @@ from typing import Any, NoReturn, Protocol
 import grpc
 import grpc.aio
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from runtime_worker._oip import _DATATYPE_OF, _NUMPY, MODEL_VERSION, InferRequest, ServingError
 from runtime_worker.serving._proto import grpc_predict_v2_pb2 as pb
@@ -190,7 +192,7 @@ class _Servicer:
     async def model_infer(
         self, message: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelInferResponse:
-        cost = 0
+        started, cost = time.perf_counter_ns(), 0
         try:
             cost = _cost(message)
             if not self.budget.reserve(cost):
@@ -200,17 +202,25 @@ class _Servicer:
                     f"the server is holding as many request bytes as it may "
                     f"({self.budget.limit}, --max-inflight-bytes); retry later",
                 )
-            request = pb.ModelInferRequest.FromString(message)
-            decoded = self._decode(request)
+            try:
+                request = pb.ModelInferRequest.FromString(message)
+            except DecodeError:
+                raise ServingError(400, "the message is not a ModelInferRequest") from None
+            try:
+                decoded = self._decode(request)
+            except ServingError as exc:
+                # Counted as Triton counts a failed request of this model (not one for another
+                # model, nor one that came while it was loading).
+                if exc.http_status not in (404, 503):
+                    self.dataplane.request_failed(started)
+                raise
             arrays = await self.dataplane.infer(
                 request.model_name, request.model_version or None, decoded
             )
             return _encode(request, decoded, arrays)
         except ServingError as exc:
             await _abort(context, exc)
-        except Exception as exc:  # a bug, or protobuf refusing the message
-            if type(exc).__name__ == "DecodeError":
-                await _abort(context, ServingError(400, "the message is not a ModelInferRequest"))
+        except Exception as exc:  # a bug: answered, and logged without the request's data
             log.error("internal error on ModelInfer: %s", type(exc).__name__)
             await _abort(context, ServingError(500, f"internal error ({type(exc).__name__})"))
         finally:

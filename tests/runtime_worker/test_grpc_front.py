@@ -357,3 +357,35 @@ def test_a_full_queue_is_unavailable_at_once(loop: Loop, tmp_path: Path) -> None
             assert stub.ModelInfer(request, timeout=60).outputs[0].name == "y"  # still serving
     finally:
         loop.run(front.stop(None))
+
+
+def _failures(dataplane: DataPlane) -> float:
+    text = dataplane.metrics_text().decode()
+    (line,) = [row for row in text.splitlines() if row.startswith("nv_inference_request_failure{")]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_requests_refused_while_decoding_count_as_failures(loop: Loop, model_path: Path) -> None:
+    dataplane = _dataplane(model_path)
+    loop.run(_start(dataplane))
+    front = _serve(loop, dataplane)
+    x = service_pb2.ModelInferRequest.InferInputTensor
+    try:
+        channel, stub = _stub(f"127.0.0.1:{front.port}")
+        with channel:
+            bad = service_pb2.ModelInferRequest(
+                model_name="relu",
+                inputs=[x(name="x", datatype="FP32", shape=[1, 4])],
+                raw_input_contents=[np.zeros(4, dtype=np.float32).tobytes()],
+            )
+            assert _code(lambda: stub.ModelInfer(bad, timeout=30))[0] == (
+                grpc.StatusCode.INVALID_ARGUMENT
+            )
+            assert _failures(dataplane) == 1
+            other = service_pb2.ModelInferRequest(model_name="other")
+            assert _code(lambda: stub.ModelInfer(other, timeout=30))[0] == (
+                grpc.StatusCode.NOT_FOUND
+            )
+            assert _failures(dataplane) == 1  # another model's request is not this one's
+    finally:
+        loop.run(front.stop(None))
