@@ -83,7 +83,9 @@ class Scheduler:
                     f"the request has {rows} rows and this model takes at most "
                     f"{self.policy.max_batch_size} (batching.max_batch_size); split it",
                 )
-            key = tuple((name, array.shape[1:], array.dtype.str) for name, array in feeds.items())
+            key = tuple(
+                sorted((name, array.shape[1:], array.dtype.str) for name, array in feeds.items())
+            )
         if self.policy.max_queue_size and len(self._queue) >= self.policy.max_queue_size:
             raise ServingError(
                 503,
