@@ -122,7 +122,7 @@ class ModelApp:
             if method == "POST" and path in self._infer_paths:  # the hot path
                 await self._infer(scope, protocol, self.name, self._infer_paths[path])
                 return
-            status, body, content_type = self._route(method, path, protocol)
+            status, body, content_type = self._route(method, path)
         except ServingError as exc:
             protocol.response_bytes(exc.http_status, _JSON, _error(exc.http_status, exc.message))
             return
@@ -133,7 +133,7 @@ class ModelApp:
             return
         protocol.response_bytes(status, [("content-type", content_type)], body)
 
-    def _route(self, method: str, path: str, protocol: Any) -> tuple[int, bytes, str]:
+    def _route(self, method: str, path: str) -> tuple[int, bytes, str]:
         parts = [unquote(part) for part in path.split("/") if part]
         dataplane = self.dataplane
         if method == "GET" and parts == ["metrics"]:
