@@ -72,7 +72,8 @@ def require_admin(
 def console_session(request: Request, ctx: AppContext, session_id: str) -> SignedIn:
     """The console session a cookie names; for any change also its CSRF token. The one
     place that rule lives: admin endpoints and the console's own session endpoints use it."""
-    with ctx.session_factory() as session:
+    # Read-only: on SQLite it waits for no writer (this runs on the threads every request shares).
+    with ctx.read_session_factory() as session:
         signed_in = console_sessions.find_session(
             session=session, clock=ctx.clock, session_id=session_id
         )
