@@ -389,3 +389,34 @@ def test_requests_refused_while_decoding_count_as_failures(loop: Loop, model_pat
             assert _failures(dataplane) == 1  # another model's request is not this one's
     finally:
         loop.run(front.stop(None))
+
+
+def test_messages_that_are_not_infer_requests_are_refused(address: str) -> None:
+    # Sent as bytes: a truncated field and a wire type protobuf never uses are no message at
+    # all; 100,000 nested unknown fields are skipped unparsed (the protocol has no recursive
+    # message), leaving a request for no model.
+    nested = b""
+    for _ in range(100_000):
+        nested = b"\x7a" + _varint(len(nested)) + nested  # field 15, length-delimited
+    messages = {
+        b"\x0a\x10relu": grpc.StatusCode.INVALID_ARGUMENT,  # a name cut short
+        b"\x0f": grpc.StatusCode.INVALID_ARGUMENT,  # wire type 7
+        nested: grpc.StatusCode.NOT_FOUND,
+    }
+    with grpc.insecure_channel(address) as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        for message, expected in messages.items():
+            code, _ = _code(lambda message=message: infer(message, timeout=30))
+            assert code == expected, message[:8]
+        # Still serving.
+        live = channel.unary_unary("/inference.GRPCInferenceService/ServerLive")
+        assert live(b"", timeout=30) == b"\x08\x01"
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
