@@ -11,8 +11,8 @@ Two kinds of value:
   `job_finished(session, …)`, and `Metrics.attach(session_factory)` counts it after the commit
   and forgets it after a rollback — the pattern of `dispatch.jobs_changed`.
 - read at scrape time from the database (`_StoreCollector`): nodes by liveness state, jobs by
-  state, services by state, artifact store bytes; one short read-only session of a few
-  aggregate queries a scrape.
+  state, services by state, each deployed service's state and restarts, artifact store bytes;
+  one short read-only session of a few queries a scrape.
 
 This module never holds or prints a token; authentication is the router's (`api/metrics.py`).
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -143,6 +144,21 @@ class Metrics:
             return code
 
 
+class _ServiceSample(NamedTuple):
+    id: str
+    name: str
+    state: str
+    restarts: int
+
+
+class _StoreReading(NamedTuple):
+    nodes: dict[NodeState, int]
+    needs_upgrade: int
+    jobs: dict[str, int]
+    artifact_bytes: int
+    services: list[_ServiceSample]
+
+
 def _forget(session: Session) -> None:
     session.info.pop(_OUTCOMES, None)
 
@@ -163,19 +179,30 @@ class _StoreCollector:
         return _families()
 
     def collect(self) -> Iterable[Metric]:
-        nodes, needs_upgrade, jobs, artifact_bytes, services = self._read()
-        by_state, upgrade, by_job_state, store, by_service_state = _families()
+        reading = self._read()
+        families = _families()
+        by_state, upgrade, by_job_state, store, by_service_state, service_state, restarts = families
         for state in NODE_STATES:
-            by_state.add_metric([state], nodes[state])
-        upgrade.add_metric([], needs_upgrade)
+            by_state.add_metric([state], reading.nodes[state])
+        upgrade.add_metric([], reading.needs_upgrade)
         for job_state in ACTIVE_JOB_STATES:
-            by_job_state.add_metric([job_state], jobs.get(job_state, 0))
-        store.add_metric([], artifact_bytes)
-        for service_state in SERVICE_STATES:
-            by_service_state.add_metric([service_state], services.get(service_state, 0))
-        return [by_state, upgrade, by_job_state, store, by_service_state]
+            by_job_state.add_metric([job_state], reading.jobs.get(job_state, 0))
+        store.add_metric([], reading.artifact_bytes)
+        counted = dict.fromkeys(SERVICE_STATES, 0)
+        for service in reading.services:
+            counted[service.state] = counted.get(service.state, 0) + 1
+            # Every state, 1 for the one it is in: an alert on `== 0` for `healthy` works
+            # without knowing which other state a service went to.
+            for state in SERVICE_STATES:
+                service_state.add_metric(
+                    [service.name, service.id, state], float(service.state == state)
+                )
+            restarts.add_metric([service.name, service.id], service.restarts)
+        for service_state_name in SERVICE_STATES:
+            by_service_state.add_metric([service_state_name], counted[service_state_name])
+        return families
 
-    def _read(self) -> tuple[dict[NodeState, int], int, dict[str, int], int, dict[str, int]]:
+    def _read(self) -> _StoreReading:
         nodes: dict[NodeState, int] = dict.fromkeys(NODE_STATES, 0)
         needs_upgrade = 0
         # One short transaction, never committed: it changes nothing.
@@ -200,15 +227,15 @@ class _StoreCollector:
             artifact_bytes = session.execute(
                 select(func.coalesce(func.sum(Artifact.size_bytes), 0))
             ).scalar_one()
-            services = {
-                state: int(count)
-                for state, count in session.execute(
-                    select(Service.state, func.count())
+            services = [
+                _ServiceSample(service_id, name, state, int(restarts or 0))
+                for service_id, name, state, restarts in session.execute(
+                    select(Service.id, Service.name, Service.state, Service.restarts)
                     .where(Service.state != "stopped")
-                    .group_by(Service.state)
+                    .order_by(Service.name, Service.id)
                 )
-            }
-        return nodes, needs_upgrade, jobs, int(artifact_bytes), services
+            ]
+        return _StoreReading(nodes, needs_upgrade, jobs, int(artifact_bytes), services)
 
 
 def _families() -> list[GaugeMetricFamily]:
@@ -238,5 +265,16 @@ def _families() -> list[GaugeMetricFamily]:
             "Services by state (pending, starting, healthy, unhealthy, restarting, failed); "
             "undeployed ones are not counted.",
             labels=["state"],
+        ),
+        GaugeMetricFamily(
+            "modelforge_service_state",
+            "Each deployed service's state: 1 for the state it is in, 0 for the others.",
+            labels=["name", "service", "state"],
+        ),
+        GaugeMetricFamily(
+            "modelforge_service_restarts",
+            "Each deployed service's restarts (crashes, failed health checks and asked-for "
+            "restarts), as its view shows them.",
+            labels=["name", "service"],
         ),
     ]

@@ -211,6 +211,12 @@ def test_a_service_holds_its_gpu_and_is_synced_to_its_node(
         assert healthy["state"] == "healthy" and healthy["url"] == "http://10.1.2.3:8123"
         assert healthy["restarts"] == 1 and healthy["log_tail"] == status["log_tail"]
         assert SECRET_VALUE not in str(healthy)
+        # The metrics carry each service's state (1 for its state, 0 for the others) and restarts.
+        scraped = cp.client.get("/metrics", headers=cp.admin).text
+        ident = f'name="web",service="{service["service_id"]}"'
+        assert f'modelforge_service_state{{{ident},state="healthy"}} 1.0' in scraped, scraped
+        assert f'modelforge_service_state{{{ident},state="starting"}} 0.0' in scraped
+        assert f"modelforge_service_restarts{{{ident}}} 1.0" in scraped
         events = cp.client.get(
             f"/api/v1/services/{service['service_id']}/events", headers=cp.admin
         ).json()
@@ -227,6 +233,7 @@ def test_a_service_holds_its_gpu_and_is_synced_to_its_node(
 
         undeployed = cp.client.delete(f"/api/v1/services/{service['service_id']}", headers=cp.admin)
         assert undeployed.json()["state"] == "stopped"
+        assert ident not in cp.client.get("/metrics", headers=cp.admin).text  # undeployed: gone
         assert _sync(cp, node)["services"] == []  # the agent stops it
         got = _claim(cp, node)  # and the GPU is free for the job
         assert got is not None and got["job_id"] == job["job_id"]
