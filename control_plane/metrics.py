@@ -193,9 +193,9 @@ class _StoreCollector:
             counted[service.state] = counted.get(service.state, 0) + 1
             # Every state, 1 for the one it is in: an alert on `== 0` for `healthy` works
             # without knowing which other state a service went to.
-            for state in SERVICE_STATES:
+            for one in SERVICE_STATES:
                 service_state.add_metric(
-                    [service.name, service.id, state], float(service.state == state)
+                    [service.name, service.id, one], float(service.state == one)
                 )
             restarts.add_metric([service.name, service.id], service.restarts)
         for service_state_name in SERVICE_STATES:
