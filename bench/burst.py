@@ -45,49 +45,8 @@ from pathlib import Path
 import fleet
 import httpx
 
-#: The burst, run in its own process: `python -c BURST url token writes reads concurrent`;
-#: prints one JSON list of `[phase, kind, status, seconds]` (status 0: no answer in 120 s).
-BURST = r"""
-import asyncio, json, sys, time
-import httpx
-
-url, token = sys.argv[1], sys.argv[2]
-writes, reads, concurrent = (int(a) for a in sys.argv[3:6])
-admin = {"X-ModelForge-Admin-Token": token}
-
-
-async def one(client, phase, kind, index):
-    started = time.monotonic()
-    try:
-        if kind == "write":
-            response = await client.put(
-                f"/api/v1/admin/secrets/BENCH_{index}", headers=admin,
-                json={"value": f"value-{index}", "labels": {}},
-            )
-        else:
-            response = await client.get("/api/v1/jobs", headers=admin)
-        status = response.status_code
-        code = response.json()["error"]["code"] if status >= 300 else ""
-    except httpx.HTTPError:
-        status, code = 0, "no answer"
-    return [phase, kind, status, code, time.monotonic() - started]
-
-
-async def main():
-    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-        writing = [asyncio.create_task(one(client, "mixed", "write", i)) for i in range(writes)]
-        await asyncio.sleep(0.05)
-        reading = [asyncio.create_task(one(client, "mixed", "read", i)) for i in range(reads)]
-        results = await asyncio.gather(*writing, *reading)
-        results += await asyncio.gather(
-            *(one(client, "reads", "read", i) for i in range(concurrent))
-        )
-    print(json.dumps(results))
-
-
-asyncio.run(main())
-"""
+#: The burst, run in its own process (bench/burst_load.py, shared with tests/e2e/test_burst.py).
+BURST_LOAD = Path(__file__).with_name("burst_load.py")
 
 
 @dataclass
@@ -195,8 +154,7 @@ def _measure(
     burst = subprocess.run(  # noqa: S603 - this interpreter, this script's load generator
         [
             sys.executable,
-            "-c",
-            BURST,
+            str(BURST_LOAD),
             base,
             server.admin_token,
             "9",
