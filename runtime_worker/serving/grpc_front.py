@@ -12,7 +12,10 @@ loading). It runs a `grpc.aio` server on the event loop it is started on (the HT
 Memory is bounded as the HTTP front bounds it: gRPC refuses a message over `max_message_bytes`
 with RESOURCE_EXHAUSTED before it is parsed, and an infer request holds what parsing and decoding
 it may take against the server's byte budget (shared with the HTTP front) before it is parsed;
-one that does not fit is refused at once (UNAVAILABLE). It never logs request data.
+one that does not fit is refused at once (UNAVAILABLE). What it takes is read from the message's
+top-level fields: all length-delimited, at most as many tensors as the model has and a few
+others, so the scan is short whatever the size, and a message breaking either is refused
+(INVALID_ARGUMENT) before it is parsed. It never logs request data.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
@@ -58,6 +61,24 @@ _TYPED_EXPANSION = 16
 #: What a call holds whatever its size (gRPC's own state for it, its response): so that the
 #: budget also bounds how many calls are in flight (8,192 in the default 512 MiB).
 _CALL_BYTES = 64 * 1024
+#: What parsing one field of the message or of a tensor may take besides its bytes: an empty
+#: input tensor (2 bytes on the wire) is about 90 bytes once parsed by upb, then a Python object.
+_ENTRY_BYTES = 512
+#: ModelInferRequest's fields that repeat (runtime_worker/serving/_proto/grpc_predict_v2.proto);
+#: model_name (1), model_version (2) and id (3) are strings. All are length-delimited.
+_PARAMETERS, _INPUTS, _OUTPUTS, _RAW = 4, 5, 6, 7
+_LENGTH_DELIMITED = 2
+#: The most request parameters, and fields besides the tensors and parameters (the strings,
+#: repeated, and unknown fields), one message may carry.
+_MAX_PARAMETERS = 64
+_MAX_OTHER_FIELDS = 16
+#: The most fields one tensor may have: name, datatype, contents, its dimensions (unpacked, one
+#: field each) and parameters.
+_MAX_DIMS = 64
+_MAX_TENSOR_FIELDS = 2 * _MAX_DIMS + 8
+#: The largest dimension of an input (numpy's and onnxruntime's arrays index with int64, and
+#: no tensor within the message limit has a larger one unless another is 0).
+_MAX_DIM = 2**31 - 1
 
 
 class Budget(Protocol):
@@ -192,9 +213,12 @@ class _Servicer:
     async def model_infer(
         self, message: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelInferResponse:
-        started, cost = time.perf_counter_ns(), 0
+        started, cost, dataplane = time.perf_counter_ns(), 0, self.dataplane
         try:
-            cost = _cost(message)
+            # The model's tensors bound how many a message may carry (a 503 while it loads).
+            served = dataplane.model.name
+            inputs, outputs = dataplane.inputs(served), dataplane.outputs(served)
+            cost = _cost(message, len(inputs), len(outputs))
             if not self.budget.reserve(cost):
                 cost = 0
                 raise ServingError(
@@ -265,14 +289,18 @@ class _Servicer:
 
 def _tensor(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> np.ndarray:
     """One input as an array: raw bytes viewed in place, typed contents converted."""
-    shape = list(tensor.shape)
     datatype = tensor.datatype
 
     def refused(problem: str) -> ServingError:
         return ServingError(400, f"input {tensor.name!r}: {problem}")
 
+    if len(tensor.shape) > _MAX_DIMS:
+        raise refused(f"{len(tensor.shape)} dimensions; a tensor has at most {_MAX_DIMS}")
+    shape = list(tensor.shape)
     if any(dim < 0 for dim in shape):
         raise refused(f"shape {shape} has a negative size")
+    if any(dim > _MAX_DIM for dim in shape):
+        raise refused(f"shape {shape} has a size over {_MAX_DIM}")
     if (dtype := _NUMPY.get(datatype)) is None:
         raise refused(f"this server does not carry {datatype or 'untyped'} tensors")
     count = math.prod(shape)
@@ -285,7 +313,7 @@ def _tensor(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) ->
                 f"{len(raw)} bytes of raw_input_contents; shape {shape} of {datatype} takes "
                 f"{count * dtype.itemsize}"
             )
-        return np.frombuffer(raw, dtype=dtype).reshape(shape)
+        return _shaped(np.frombuffer(raw, dtype=dtype), shape, refused)
     if datatype not in _CONTENTS:
         raise refused(f"{datatype} tensors travel only as raw_input_contents")
     field, carried = _CONTENTS[datatype]
@@ -298,7 +326,18 @@ def _tensor(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) ->
         if count and (array.min() < info.min or array.max() > info.max):
             raise refused(f"a value of contents.{field} is out of {datatype}'s range")
         array = array.astype(dtype)
-    return array.reshape(shape)
+    return _shaped(array, shape, refused)
+
+
+def _shaped(
+    array: np.ndarray, shape: list[int], refused: Callable[[str], ServingError]
+) -> np.ndarray:
+    """`array` in `shape`; numpy refuses a shape whose sizes multiply past what it indexes (a
+    0 beside huge sizes holds no values, yet is no array numpy makes)."""
+    try:
+        return array.reshape(shape)
+    except ValueError:
+        raise refused(f"shape {shape} is larger than an array may be") from None
 
 
 def _encode(
@@ -317,42 +356,99 @@ def _encode(
     return response
 
 
-def _cost(message: bytes) -> int:
-    """What holding, parsing and decoding `message` may take: the call itself, the message and
-    its raw tensors twice, the bytes of its input tensors (typed contents) `_TYPED_EXPANSION`
-    times. Read from the top-level fields of the wire format, without parsing the message."""
-    view, position, typed = memoryview(message), 0, 0
+def _cost(message: bytes, inputs: int, outputs: int) -> int:
+    """What holding, parsing and decoding `message` may take, for a model of `inputs` inputs and
+    `outputs` outputs: the call itself, the message and its raw tensors twice, the bytes of its
+    input tensors (typed contents) `_TYPED_EXPANSION` times, and `_ENTRY_BYTES` for each field
+    of the message and of its tensors. Read from the wire format without parsing the message:
+    every top-level field is length-delimited and their number is capped, so the scan reads a
+    few dozen fields whatever the message's size; a message that breaks either is refused."""
+    view = memoryview(message)
+    caps = {
+        _PARAMETERS: (_MAX_PARAMETERS, f"more than {_MAX_PARAMETERS} request parameters"),
+        _INPUTS: (inputs, f"more inputs than the model's {inputs}; send each input once"),
+        _OUTPUTS: (outputs, f"more requested outputs than the model's {outputs}"),
+        _RAW: (inputs, f"more raw_input_contents than the model's {inputs} inputs"),
+        0: (_MAX_OTHER_FIELDS, f"more than {_MAX_OTHER_FIELDS} fields besides the tensors"),
+    }
+    counts = dict.fromkeys(caps, 0)
+    entries = typed = 0
+    for number, kind, start, end in _fields(view, 0, len(view)):
+        if kind != _LENGTH_DELIMITED:
+            raise _not_infer_request(
+                f"field {number} has wire type {kind}; every field of a ModelInferRequest is "
+                "length-delimited"
+            )
+        key = number if number in caps else 0
+        counts[key] += 1
+        if counts[key] > caps[key][0]:
+            raise ServingError(400, f"the message has {caps[key][1]}")
+        entries += 1
+        if number == _INPUTS:  # an input tensor, with its typed contents
+            typed += end - start
+            entries += _tensor_fields(view, start, end, shape=3)
+        elif number == _OUTPUTS:
+            entries += _tensor_fields(view, start, end, shape=None)
+    return _CALL_BYTES + 2 * len(message) + _TYPED_EXPANSION * typed + _ENTRY_BYTES * entries
 
-    def varint() -> int:
-        nonlocal position
-        value, shift = 0, 0
-        while True:
-            if position >= len(view) or shift > 63:
-                raise ServingError(400, "the message is not a ModelInferRequest")
-            byte = view[position]
-            position += 1
-            value |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                return value
-            shift += 7
 
-    while position < len(view):
-        tag = varint()
+def _tensor_fields(view: memoryview, start: int, end: int, shape: int | None) -> int:
+    """The number of fields of the tensor at view[start:end] (not of its contents), at most
+    `_MAX_TENSOR_FIELDS`; only the `shape` field (unpacked dimensions) may be a varint."""
+    count = 0
+    for number, kind, _, _ in _fields(view, start, end):
+        count += 1
+        if kind != _LENGTH_DELIMITED and number != shape:
+            raise _not_infer_request(f"a tensor's field {number} has wire type {kind}")
+        if count > _MAX_TENSOR_FIELDS:
+            raise ServingError(
+                400,
+                f"a tensor of the message has more than {_MAX_TENSOR_FIELDS} fields (its "
+                f"dimensions and parameters); a tensor has at most {_MAX_DIMS} dimensions",
+            )
+    return count
+
+
+def _fields(view: memoryview, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """(field number, wire type, start, end of its value) of each field in view[start:end];
+    only varint (0) and length-delimited (2) fields: no message of the protocol has others."""
+    position = start
+    while position < end:
+        tag, position = _varint(view, position, end)
         kind = tag & 7
-        if kind == 0:
-            varint()
-        elif kind == 1:
-            position += 8
-        elif kind == 5:
-            position += 4
-        elif kind == 2:
-            length = varint()
-            if tag >> 3 == 5:  # an input tensor, with its typed contents
-                typed += length
+        if kind == _LENGTH_DELIMITED:
+            length, position = _varint(view, position, end)
+            if length > end - position:
+                raise _not_infer_request("a field runs past the end of its message")
+            yield tag >> 3, kind, position, position + length
             position += length
+        elif kind == 0:
+            _, after = _varint(view, position, end)
+            yield tag >> 3, kind, position, after
+            position = after
         else:
-            raise ServingError(400, "the message is not a ModelInferRequest")
-    return _CALL_BYTES + 2 * len(message) + _TYPED_EXPANSION * typed
+            raise _not_infer_request(f"field {tag >> 3} has wire type {kind}")
+
+
+def _varint(view: memoryview, position: int, end: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if position >= end or shift > 63:
+            raise _not_infer_request("a varint is cut short or too long")
+        byte = view[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, position
+        shift += 7
+
+
+def _not_infer_request(problem: str) -> ServingError:
+    return ServingError(
+        400,
+        f"the message is not a ModelInferRequest ({problem}); send one as "
+        "inference.GRPCInferenceService's proto defines it",
+    )
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: ServingError) -> NoReturn:

@@ -420,3 +420,93 @@ def _varint(value: int) -> bytes:
         out.append(byte | (0x80 if value else 0))
         if not value:
             return bytes(out)
+
+
+def test_scalar_fields_and_too_many_tensors_are_refused_before_being_scanned(
+    address: str,
+) -> None:
+    # Every field of a ModelInferRequest is length-delimited and the model has one input and
+    # one output: a message of scalar fields, or of many (empty) tensors, parameters or raw
+    # contents, is refused at its first field past what it may carry (scanning it whole in
+    # Python took ~0.5 s a MiB on the event loop; parsing it took up to 44x its size).
+    pairs = (LIMIT - 64) // 2
+    messages = {
+        b"\x18\x00" * pairs: "wire type 0",  # field 3 (id) as varints
+        b"\x2a\x00" * pairs: "more inputs than the model's 1",
+        b"\x32\x00" * pairs: "more requested outputs than the model's 1",
+        b"\x3a\x00" * pairs: "more raw_input_contents than the model's 1",
+        b"\x22\x00" * pairs: "more than 64 request parameters",
+        b"\x0a\x00" * pairs: "more than 16 fields",
+        b"\x2a\x02\x18\x00" * 1: None,  # one input, its shape unpacked: a valid message
+        b"\x2a" + _varint(2 * pairs - 8) + b"\x18\x00" * (pairs - 4): "more than 136 fields",
+    }
+    with grpc.insecure_channel(address) as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        for message, problem in messages.items():
+            code, details = _code(lambda message=message: infer(message, timeout=60))
+            if problem is None:
+                assert code == grpc.StatusCode.NOT_FOUND  # no model named: parsed, then looked up
+                continue
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (problem, details)
+            assert problem in details, details
+
+
+def test_a_shape_with_a_zero_and_a_huge_size_is_invalid_argument(address: str) -> None:
+    x = service_pb2.ModelInferRequest.InferInputTensor
+    channel, stub = _stub(address)
+    with channel:
+        for shape in ([0, 2**62], [0, 2**31 - 1, 2**31 - 1, 2**31 - 1], [1] * 65):
+            for raw in (True, False):
+                request = service_pb2.ModelInferRequest(
+                    model_name="relu", inputs=[x(name="x", datatype="FP32", shape=shape)]
+                )
+                if raw:
+                    request.raw_input_contents.append(b"")
+                code, details = _code(lambda request=request: stub.ModelInfer(request, timeout=30))
+                assert code == grpc.StatusCode.INVALID_ARGUMENT, (shape, raw, details)
+        good = np.zeros((1, 3), dtype=np.float32).tobytes()
+        fine = service_pb2.ModelInferRequest(
+            model_name="relu",
+            inputs=[x(name="x", datatype="FP32", shape=[1, 3])],
+            raw_input_contents=[good],
+        )
+        assert stub.ModelInfer(fine, timeout=30).outputs[0].name == "y"  # still serving
+
+
+def test_messages_of_many_empty_tensors_are_refused_without_memory_growing(
+    model_path: Path,
+) -> None:
+    # The real server process: 16 MiB of empty inputs (44x that once parsed by upb, charged 2x
+    # before) and of empty requested outputs (24x) are refused at once; the server's memory
+    # stays where it was, and it still answers.
+    from tests.runtime_worker.served import free_port, start_server, stop_server
+
+    grpc_port = free_port()
+    running = start_server(model_path, "--grpc-port", str(grpc_port))
+    try:
+        baseline = running.rss()
+        pairs = 8 * 1024 * 1024
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            peak = baseline
+            for message in (b"\x2a\x00" * pairs, b"\x32\x00" * pairs):
+                code, _ = _code(lambda message=message: infer(message, timeout=60))
+                peak = max(peak, running.rss())
+                assert code in (
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.UNAVAILABLE,
+                ), code
+            client_x = service_pb2.ModelInferRequest.InferInputTensor
+            fine = service_pb2.ModelInferRequest(
+                model_name="relu",
+                inputs=[client_x(name="x", datatype="FP32", shape=[1, 3])],
+                raw_input_contents=[np.zeros((1, 3), dtype=np.float32).tobytes()],
+            )
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            assert stub.ModelInfer(fine, timeout=30).outputs[0].name == "y"
+        # gRPC's buffers for the 16 MiB message and its copy are all that may remain.
+        grown = peak - baseline
+        assert grown < 100 * 1024 * 1024, f"RSS grew by {grown / 2**20:.0f} MiB"
+    finally:
+        stop_server(running)
