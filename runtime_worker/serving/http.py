@@ -11,9 +11,12 @@ being read, decoded, queued or run holds its size — its JSON part counted `JSO
 times, what parsing it into Python objects may take — against one budget, `max_inflight_bytes`
 (bodies over `SMALL_BODY` only three quarters of it, so that clients slow to send large bodies
 cannot stall small requests); a request that does not fit waits for room (up to
-`BUDGET_WAIT_SECONDS`, its body unread), then is refused (503). A body refused for its JSON part
-is read and dropped first, so that the client hears why. Nesting too deep for the parser is a
-400. It logs nothing about a request.
+`BUDGET_WAIT_SECONDS`, its body unread), then is refused (503). A compressed body holds its
+size while it arrives, and the most it may inflate to only once it is here (in the large
+bodies' lane), so that clients slow to send one hold only what they sent. A body comes with a
+Content-Length and no Transfer-Encoding (411) and is read as it arrives, never past that length.
+A body refused for its JSON part is read and dropped first, so that the client hears why.
+Nesting too deep for the parser is a 400. It logs nothing about a request.
 """
 
 from __future__ import annotations
@@ -173,8 +176,10 @@ class ModelApp:
     async def _infer(self, scope: Any, protocol: Any, name: str, version: str | None) -> None:
         headers, limits = scope.headers, self.limits
         declared = _declared(headers.get("content-length"))
-        if declared is None:
-            message = "send the body with a Content-Length (no chunked encoding)"
+        # A body comes only as Content-Length bytes: with a Transfer-Encoding beside it, which
+        # of the two frames the body is the HTTP server's choice, not what was counted.
+        if declared is None or headers.get("transfer-encoding") is not None:
+            message = "send the body with a Content-Length and no Transfer-Encoding (not chunked)"
             protocol.response_bytes(411, _CLOSE, _error(411, message))
             return
         if declared > limits.max_request_bytes:
@@ -193,9 +198,8 @@ class ModelApp:
         if encoding == "identity":
             json_length = _declared(header_length) if header_length is not None else declared
             cost = declared + JSON_EXPANSION * min(json_length or 0, declared)
-        else:  # the inflated size is known only once inflated: count the most it may be
-            json_length = None
-            cost = declared + limits.max_request_bytes + JSON_EXPANSION * limits.max_json_bytes
+        else:  # the inflated size is known only once inflated: counted once the body is here
+            json_length, cost = None, declared
         if json_length is not None and json_length > limits.max_json_bytes:
             # Read and dropped (never kept), so that the client, still sending, hears why.
             await _discard(protocol)
@@ -208,27 +212,40 @@ class ModelApp:
             await self._refuse_busy(protocol, cost)
             return
         try:
-            try:
-                body = await protocol()
-            except RuntimeError:  # RSGIProtocolClosed: the client went away mid-body
-                return
-            if len(body) != declared:
+            body = await _read_body(protocol, declared)
+            if body is None:
                 return  # the body was cut short: the client has gone
+            if encoding != "identity":
+                # The most it may inflate to, held only while it is inflated, decoded and run
+                # (not while a slow client sends it) and in the large bodies' lane.
+                inflated = limits.max_request_bytes + JSON_EXPANSION * limits.max_json_bytes
+                large_lane = self.budget.limit * 3 // 4
+                if not await self.budget.wait_to_reserve(
+                    inflated, BUDGET_WAIT_SECONDS, within=large_lane
+                ):
+                    protocol.response_bytes(503, _JSON, _error(503, self._busy(inflated)))
+                    return
+                cost += inflated
             status, answer, reply_headers = await self._answer(
                 body, encoding, header_length, name, version
             )
+        except ServingError as exc:  # a body longer than declared: never kept
+            protocol.response_bytes(exc.http_status, _CLOSE, _error(exc.http_status, exc.message))
+            return
         finally:
             self.budget.release(cost)
         protocol.response_bytes(status, reply_headers, answer)
 
     async def _refuse_busy(self, protocol: Any, cost: int) -> None:
-        message = (
+        await _discard(protocol)  # so that the client, still sending, hears why
+        protocol.response_bytes(503, _JSON, _error(503, self._busy(cost)))
+
+    def _busy(self, cost: int) -> str:
+        return (
             f"the request would hold {cost} bytes and {self.budget.used} of "
             f"{self.budget.limit} (--max-inflight-bytes) stayed held by requests in flight "
             f"for {BUDGET_WAIT_SECONDS:.0f} s; retry later or send tensors as binary data"
         )
-        await _discard(protocol)  # so that the client, still sending, hears why
-        protocol.response_bytes(503, _JSON, _error(503, message))
 
     async def _answer(
         self,
@@ -286,6 +303,26 @@ class ModelApp:
         if len(body) > limit:
             raise ServingError(413, f"the decoded body is over the limit of {limit} bytes")
         return body
+
+
+async def _read_body(protocol: Any, declared: int) -> bytes | None:
+    """The body as it arrives, or None when the client went away before `declared` bytes; a
+    `ServingError` (400) as soon as more than `declared` arrived (none of it kept)."""
+    chunks, received = [], 0
+    try:
+        async for chunk in protocol:
+            received += len(chunk)
+            if received > declared:
+                raise ServingError(
+                    400, f"the body is longer than its Content-Length ({declared} bytes)"
+                )
+            if chunk:
+                chunks.append(chunk)
+    except RuntimeError:  # RSGIProtocolClosed: the client went away mid-body
+        return None
+    if received != declared:
+        return None
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 async def _discard(protocol: Any) -> None:

@@ -316,3 +316,64 @@ def test_a_chunked_body_is_411_and_a_gzip_bomb_413(served: Served) -> None:
     assert status == 413, answer
     zipped = gzip.compress(SMALL)
     assert post(served, zipped, {"Content-Encoding": "gzip"})[0] == 200
+
+
+def test_a_chunked_body_beside_a_content_length_is_refused_unread(served: Served) -> None:
+    # Content-Length: 1, then many MiB of chunks: the server answers 411 before reading any of
+    # them (whichever header the HTTP server frames the body by), its memory where it was.
+    head = post_head(b"1", b"Transfer-Encoding: chunked\r\n")
+    chunk = b"%x\r\n" % MiB + b"\0" * MiB + b"\r\n"
+    baseline = served.rss()
+    with PeakRss(served) as memory:
+        with socket.create_connection(("127.0.0.1", served.port), timeout=30) as connection:
+            try:
+                connection.sendall(head)
+                for _ in range(64):
+                    connection.sendall(chunk)
+                connection.sendall(b"0\r\n\r\n")
+            except OSError:  # refused and closed while the client was still sending
+                pass
+            answer = connection.recv(65536)
+    assert answer.split(b"\r\n", 1)[0] == b"HTTP/1.1 411 Length Required", answer[:100]
+    assert b"Transfer-Encoding" in answer
+    grown = memory.peak - baseline
+    assert grown < 32 * MiB, f"RSS grew by {grown / MiB:.0f} MiB"
+    still_serving(served)
+
+
+def test_clients_slow_to_send_gzip_bodies_leave_large_requests_room(model_file: Path) -> None:
+    # A compressed body is charged what it may inflate to (64 MiB + 16 x 8 MiB by default) only
+    # once it has arrived: two clients trickling 100-byte gzip bodies hold 200 bytes, not the
+    # whole lane of large bodies, so a 2 MiB binary request is answered (it waited 30 s for
+    # room, then got a 503).
+    running = start_server(model_file)
+    rows = 2 * MiB // 12
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "x",
+                    "shape": [rows, 3],
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": rows * 12},
+                }
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
+    body = header + np.ones((rows, 3), np.float32).tobytes()
+    slow = []
+    try:
+        for _ in range(2):
+            connection = socket.create_connection(("127.0.0.1", running.port), timeout=30)
+            connection.sendall(post_head(b"100", b"Content-Encoding: gzip\r\n") + b"\x1f\x8b")
+            slow.append(connection)
+        time.sleep(0.5)  # both are holding what they hold
+        status = _status(running, body, {"Inference-Header-Content-Length": str(len(header))})
+        assert status == 200, status
+        zipped = gzip.compress(SMALL)  # and a gzip body that arrives is inflated and answered
+        assert post(running, zipped, {"Content-Encoding": "gzip"})[0] == 200
+    finally:
+        for connection in slow:
+            connection.close()
+        stop_server(running)
