@@ -15,7 +15,9 @@ it may take against the server's byte budget (shared with the HTTP front) before
 one that does not fit is refused at once (UNAVAILABLE). What it takes is read from the message's
 top-level fields: all length-delimited, at most as many tensors as the model has and a few
 others, so the scan is short whatever the size, and a message breaking either is refused
-(INVALID_ARGUMENT) before it is parsed. It never logs request data.
+(INVALID_ARGUMENT) before it is parsed. Since gRPC receives a whole message before the budget
+sees it, the front takes at most as many calls at once as the budget holds messages of the
+largest size (`max_calls`); one more is RESOURCE_EXHAUSTED at once. It never logs request data.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ _TYPED_EXPANSION = 16
 #: What a call holds whatever its size (gRPC's own state for it, its response): so that the
 #: budget also bounds how many calls are in flight (8,192 in the default 512 MiB).
 _CALL_BYTES = 64 * 1024
+#: The fewest calls the front takes at once whatever the budget: enough that a client with a
+#: handful of calls in flight, and another's health checks, are never refused for their number.
+MIN_CALLS = 16
 #: What parsing one field of the message or of a tensor may take besides its bytes: an empty
 #: input tensor (2 bytes on the wire) is about 90 bytes once parsed by upb, then a Python object.
 _ENTRY_BYTES = 512
@@ -124,6 +129,7 @@ async def start(
 ) -> GrpcFront:
     """Serve `dataplane` over gRPC on host:port (0: any free port) on the running event loop.
     Raises OSError when the port cannot be bound."""
+    budget = budget or _Unbounded()
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", -1),
@@ -131,9 +137,12 @@ async def start(
         # sharer of its calls.
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(options=options)
+    # gRPC receives a call's whole message before the budget sees it: the calls at once bound
+    # what that takes (a call past them is RESOURCE_EXHAUSTED at once).
+    calls = max_calls(budget.limit, max_message_bytes)
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=calls)
     # Registered (not generic) handlers: gRPC's core matches the method, no Python per call.
-    handlers = _Servicer(dataplane, budget or _Unbounded()).handlers()
+    handlers = _Servicer(dataplane, budget).handlers()
     server.add_registered_method_handlers(SERVICE, handlers)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
@@ -142,6 +151,14 @@ async def start(
         raise OSError(f"cannot listen for gRPC on {address}") from exc
     await server.start()
     return GrpcFront(server, bound)
+
+
+def max_calls(budget_bytes: int, max_message_bytes: int) -> int | None:
+    """The most calls the front takes at once: as many messages of the largest size as the byte
+    budget holds, and at least `MIN_CALLS` (None, unbounded, without a budget)."""
+    if budget_bytes <= 0:
+        return None
+    return max(MIN_CALLS, budget_bytes // max(max_message_bytes, 1))
 
 
 _Handler = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]

@@ -510,3 +510,39 @@ def test_messages_of_many_empty_tensors_are_refused_without_memory_growing(
         assert grown < 100 * 1024 * 1024, f"RSS grew by {grown / 2**20:.0f} MiB"
     finally:
         stop_server(running)
+
+
+def test_calls_past_what_the_budget_holds_in_messages_are_resource_exhausted(
+    loop: Loop, tmp_path: Path
+) -> None:
+    # gRPC receives a whole message before the budget counts it, so the front takes only as
+    # many calls at once as the budget holds messages of the largest size (at least 16): of 48
+    # slow calls sent together past 16, some are refused at once, the others answered.
+    assert grpc_front.max_calls(512 * LIMIT, 64 * LIMIT) == grpc_front.MIN_CALLS == 16
+    assert grpc_front.max_calls(512 * LIMIT, 4 * LIMIT) == 128
+    path = tmp_path / "slow.onnx"
+    path.write_bytes(mlp((1024, 2048, 2048, 1024)))
+    slow = _dataplane(path)
+    loop.run(_start(slow))
+    budget = ByteBudget(16 * LIMIT)
+    front = _serve(loop, slow, budget=budget)
+    x = np.ones((16, 1024), dtype=np.float32)
+    request = service_pb2.ModelInferRequest(model_name="relu", raw_input_contents=[x.tobytes()])
+    request.inputs.add(name="x", datatype="FP32", shape=[16, 1024])
+    try:
+        channel, stub = _stub(f"127.0.0.1:{front.port}")
+        with channel:
+            calls = [stub.ModelInfer.future(request, timeout=120) for _ in range(48)]
+            answered, refused = 0, []
+            for call in calls:
+                try:
+                    assert call.result().outputs[0].shape == [16, 1024]
+                    answered += 1
+                except grpc.RpcError as exc:
+                    refused.append((exc.code(), exc.details()))
+            assert answered >= 16 and refused, (answered, refused)
+            assert {code for code, _ in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}, refused
+            assert stub.ModelInfer(request, timeout=60).outputs[0].name == "y"  # still serving
+        assert budget.used == 0
+    finally:
+        loop.run(front.stop(None))
