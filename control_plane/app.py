@@ -115,11 +115,14 @@ def create_app(
     )
     ctx.dispatcher.attach(session_factory)
     ctx.metrics.attach(session_factory)
-    ctx.metrics.read_store(session_factory=session_factory, liveness=ctx.liveness, clock=clock)
+    # A scrape only reads: read-only sessions, which on SQLite wait for no writer.
+    ctx.metrics.read_store(
+        session_factory=ctx.read_session_factory, liveness=ctx.liveness, clock=clock
+    )
     ctx.database.watch(engine)
     if read_engine.pool is not engine.pool:  # SQLite's own read pool (PostgreSQL shares one)
         ctx.database.watch(read_engine)
-    ctx.metrics.registry.register(ProvisioningCollector(ctx.provisioner, session_factory))
+    ctx.metrics.registry.register(ProvisioningCollector(ctx.provisioner, ctx.read_session_factory))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

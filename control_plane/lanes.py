@@ -7,8 +7,10 @@ response, and the threads of that pool were all taken by later requests waiting 
 lock or connection; nothing moved until the 30 s busy or pool timeout failed them as an outage.
 Now a blocking route runs on its lane's threads, and its response is checked on the event loop
 (`api/routing.LaneRoute`), so an open transaction never waits for a thread; and each lane has its
-own threads, so a burst of admin requests queues behind admin requests only, while agents and
-health probes keep theirs.
+own threads, so a burst of admin requests queues behind admin requests only, while agents, health
+probes and Prometheus keep theirs. An async route's blocking parts run on its lane too
+(`ctx.lanes.<lane>.run(...)`), never on the default thread pool that every request's sync
+dependencies share.
 
 A request waits for its lane's thread in the event loop, first come first served, holding no
 thread, no connection and no lock; after `queue_seconds` (`MODELFORGE_REQUEST_QUEUE_SECONDS`)
@@ -31,16 +33,20 @@ T = TypeVar("T")
 
 #: Agents' requests that the fast path does not answer (inventory, telemetry, events, services).
 AGENT = "agent"
-#: `/api/v1/health`, `/api/v1/version` and `/metrics`: what load balancers and Prometheus poll.
+#: `/api/v1/health` and `/api/v1/version`: what load balancers and orchestrators poll.
 PROBE = "probe"
+#: `/metrics`: a scrape reads the database for longer than a probe, so scrapes never hold the
+#: probes' threads.
+METRICS = "metrics"
 #: Everything else: the admin API, the console and the docs.
 ADMIN = "admin"
 
 _AGENT_PREFIX = "/api/v1/agent/"
-_PROBES = frozenset({"/api/v1/health", "/api/v1/version", "/metrics"})
+_PROBES = frozenset({"/api/v1/health", "/api/v1/version"})
+_METRICS = "/metrics"
 #: Threads per lane. Few: on a GIL more runnable threads only contend, and each holds at most one
 #: pooled database connection (the pool has room for every lane, see `db.POOL_CONNECTIONS`).
-LANE_THREADS = {ADMIN: 4, AGENT: 4, PROBE: 2}
+LANE_THREADS = {ADMIN: 4, AGENT: 4, PROBE: 2, METRICS: 2}
 #: The most requests one lane lets wait; more are answered `BUSY` at once.
 MAX_WAITING = 4096
 
@@ -51,6 +57,8 @@ def lane_of(path: str) -> str:
         return AGENT
     if path in _PROBES:
         return PROBE
+    if path == _METRICS:
+        return METRICS
     return ADMIN
 
 
@@ -97,6 +105,7 @@ class WorkerLanes:
     admin: Lane
     agent: Lane
     probe: Lane
+    metrics: Lane
 
     @classmethod
     def create(cls, *, queue_seconds: float) -> WorkerLanes:

@@ -8,7 +8,6 @@ import contextlib
 from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Request, Response, status
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 
 from control_plane.api.deps import ContextDep, NodeDep
@@ -132,13 +131,16 @@ async def watch_jobs(body: AgentJobWatch, node: NodeDep, ctx: ContextDep) -> Age
     """Long poll: which of the node's running jobs it must stop (cancelled, failed by a sweep)."""
 
     def check() -> list[str] | None:
-        with ctx.session_factory() as session:
+        # Read-only: every agent reads again at every wake, and on SQLite waits for no writer.
+        with ctx.read_session_factory() as session:
             stop = jobs.cancellations(session=session, node_id=node.node_id, job_ids=body.job_ids)
         return stop or None
 
     async def attempt() -> list[str] | None:
         ctx.authority.recheck(node)
-        return await run_in_threadpool(check)
+        # On the agent lane: agents' traffic never takes the pool every request's dependencies
+        # (health's included) share. The wait between attempts holds no thread.
+        return await ctx.lanes.agent.run(check)
 
     stopped = await ctx.dispatcher.poll(body.hold_seconds, attempt, [node_key(node.node_id)])
     return AgentJobCancellations(cancel=stopped or [])
@@ -198,7 +200,7 @@ async def upload_artifact(
                 digest=row.digest, size_bytes=row.size_bytes, created_at=row.created_at
             )
 
-    return await run_in_threadpool(record)
+    return await ctx.lanes.agent.run(record)
 
 
 @router.get("/artifacts/{digest}", response_class=FileResponse)
@@ -207,7 +209,7 @@ def download_artifact(
 ) -> FileResponse:
     """Streaming download with HTTP range requests, so an interrupted transfer resumes. Only
     what this node's jobs name, or what it uploaded; anything else is 404 ARTIFACT_NOT_FOUND."""
-    with ctx.session_factory() as session:
+    with ctx.read_session_factory() as session:  # read-only: waits for no writer
         artifacts.get_artifact_for_node(
             session=session,
             store=ctx.artifacts,

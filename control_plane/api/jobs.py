@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, status
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 from pydantic import StringConstraints
 from sqlalchemy.orm import Session
@@ -112,7 +111,8 @@ def delete_job(job_id: ResourceId, session: SessionDep, audit: AuditDep) -> None
 
 
 def _events(ctx: AppContext, job_id: str, after: int, limit: int) -> list[JobEventPublic]:
-    with ctx.session_factory() as session:
+    # Read-only: a long poll reads again at every wake, and on SQLite waits for no writer.
+    with ctx.read_session_factory() as session:
         rows = jobs.list_events(session=session, job_id=job_id, after=after, limit=limit)
         return [JobEventPublic(seq=r.seq, at=r.at, kind=r.kind, data=r.data) for r in rows]
 
@@ -129,7 +129,9 @@ async def job_events(
     new ones (follow a job by passing the last `seq` seen back as `after`)."""
 
     async def attempt() -> list[JobEventPublic] | None:
-        return await run_in_threadpool(_events, ctx, job_id, after, limit) or None
+        # On the admin lane, as the sync routes: not on the pool every request's dependencies
+        # share. The wait between attempts holds no thread.
+        return await ctx.lanes.admin.run(lambda: _events(ctx, job_id, after, limit)) or None
 
     return await ctx.dispatcher.poll(wait, attempt, [job_key(job_id)]) or []
 
@@ -138,7 +140,9 @@ async def job_events(
 async def upload_artifact(request: Request, ctx: ContextDep) -> ArtifactPublic:
     digest, size = await ctx.artifacts.receive(request.stream(), expected=None)
     actor = getattr(request.state, "actor", ADMIN_TOKEN_ACTOR)
-    return await run_in_threadpool(_record, ctx, digest, size, actor)
+    # On the admin lane: a write that waits for the lock never holds a thread of the pool every
+    # request's dependencies (health's included) share.
+    return await ctx.lanes.admin.run(lambda: _record(ctx, digest, size, actor))
 
 
 def _record(ctx: AppContext, digest: str, size: int, actor: str) -> ArtifactPublic:

@@ -7,7 +7,6 @@ from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request, status
-from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
 from control_plane.api.deps import (
@@ -250,4 +249,6 @@ async def sync_services(
             )
         return AgentServicesDesired(services=desired, poll_interval_seconds=SYNC_INTERVAL_SECONDS)
 
-    return await run_in_threadpool(work)
+    # On the agent lane: agents' traffic never takes the pool every request's dependencies
+    # (health's included) share.
+    return await ctx.lanes.agent.run(work)
