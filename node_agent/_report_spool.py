@@ -11,6 +11,10 @@ Bounded: while `max_events` events or `max_bytes` of records wait, the reader wa
 the worker's stream then waits in its socket, and the job's records in the worker, so memory
 stays bounded and nothing is dropped. Delivery is at least once: a batch the control plane took
 but whose answer was lost (it was killed meanwhile) is sent again.
+
+When the sending ends early (the credential revoked, the agent stopping), the reports can go
+nowhere: the spool stops the job (`on_cancel`) and `add` raises what ended it, so the reader stops
+reading and the job's stream closes, as a report failing on the reader's own thread did.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class ReportSpool:
         self._control_plane = control_plane
         self._job_id = job_id
         self._progress_every = progress_every
+        #: Stops the job: the control plane says so, or its reports can go nowhere.
         self._on_cancel = on_cancel
         self._max_events = max_events
         self._max_bytes = max_bytes
@@ -52,7 +57,7 @@ class ReportSpool:
         self._events: deque[tuple[dict[str, Any], int]] = deque()
         self._bytes = 0
         self._closing = False
-        #: What ended the sending early (the agent stopping), raised by `close`.
+        #: What ended the sending early (the agent stopping), raised by `add` and `close`.
         self._failure: BaseException | None = None
         self._thread = threading.Thread(
             target=self._send_all, daemon=True, name=f"reports-{job_id}"
@@ -63,12 +68,13 @@ class ReportSpool:
         return self
 
     def add(self, event: dict[str, Any], size: int) -> None:
-        """Queue `event` (its record took `size` bytes); waits while the spool is full."""
+        """Queue `event` (its record took `size` bytes); waits while the spool is full. Raises
+        what ended the sending early, if it did: the reader must stop reading."""
         with self._cond:
             while self._failure is None and self._events and self._full(size):
                 self._cond.wait()
             if self._failure is not None:
-                return  # the agent stops: `close` says why
+                raise self._failure
             self._events.append((event, size))
             self._bytes += size
             self._cond.notify_all()
@@ -113,7 +119,9 @@ class ReportSpool:
                 if self._control_plane.events(self._job_id, batch):
                     self._on_cancel()
                 last = time.monotonic()
-        except BaseException as exc:  # noqa: BLE001 - handed to the reader's thread by `close`
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader's thread by `add`
             with self._cond:
                 self._failure = exc
                 self._cond.notify_all()
+            # A reader waiting for the job's next record would otherwise read on until it ends.
+            self._on_cancel()

@@ -15,6 +15,7 @@ import pytest
 
 from modelforge_contracts.errors import error_body
 from node_agent._report_spool import BATCH, ReportSpool
+from node_agent.retry import AgentStopped
 from tests.e2e.node import wait_until
 from tests.node_agent.conftest import Answer, Recorded, RecordingServer, control_plane_client
 
@@ -110,3 +111,29 @@ def test_a_full_spool_holds_the_reader_and_drops_nothing(
     assert not thread.is_alive()
     spool.close()
     assert control_plane.steps() == list(range(25))
+
+
+def test_a_spool_whose_sending_ends_stops_the_job_and_the_reader() -> None:
+    """The credential revoked (or the agent stopping) ends the sending: before, `add` went on
+    accepting events silently, so the reader read the job's stream until the job ended on its
+    own. Now the spool stops the job at once and `add` raises what ended the sending."""
+    revoked = RecordingServer(
+        respond=lambda _request: (401, error_body("CREDENTIAL_REVOKED", "revoked"))
+    ).start()
+    try:
+        stopped = threading.Event()
+        spool = ReportSpool(
+            control_plane=control_plane_client(revoked.url),
+            job_id="job_1",
+            progress_every=60,
+            on_cancel=stopped.set,
+        ).start()
+        spool.add(_event(0), 40)
+        # The job stops although its stream brings no further record to the reader.
+        assert stopped.wait(30), "the job was not stopped"
+        with pytest.raises(AgentStopped):
+            spool.add(_event(1), 40)
+        with pytest.raises(AgentStopped):
+            spool.close()
+    finally:
+        revoked.stop()
