@@ -478,8 +478,10 @@ def test_messages_of_many_empty_tensors_are_refused_without_memory_growing(
 ) -> None:
     # The real server process: 16 MiB of empty inputs (44x that once parsed by upb, charged 2x
     # before) and of empty requested outputs (24x) are refused at once; the server's memory
-    # stays where it was, and it still answers.
+    # grows by no more than gRPC's buffers for the message (68 MiB measured; 1.1 GiB before,
+    # each message parsed for 9-13 s on the event loop), and it still answers.
     from tests.runtime_worker.served import free_port, start_server, stop_server
+    from tests.runtime_worker.test_serving_hostile import PeakRss
 
     grpc_port = free_port()
     running = start_server(model_path, "--grpc-port", str(grpc_port))
@@ -488,10 +490,11 @@ def test_messages_of_many_empty_tensors_are_refused_without_memory_growing(
         pairs = 8 * 1024 * 1024
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
-            peak = baseline
             for message in (b"\x2a\x00" * pairs, b"\x32\x00" * pairs):
-                code, _ = _code(lambda message=message: infer(message, timeout=60))
-                peak = max(peak, running.rss())
+                with PeakRss(running) as memory:
+                    code, _ = _code(lambda message=message: infer(message, timeout=60))
+                grown = memory.peak - baseline
+                assert grown < 200 * 1024 * 1024, f"RSS grew by {grown / 2**20:.0f} MiB"
                 assert code in (
                     grpc.StatusCode.INVALID_ARGUMENT,
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -505,9 +508,6 @@ def test_messages_of_many_empty_tensors_are_refused_without_memory_growing(
             )
             stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
             assert stub.ModelInfer(fine, timeout=30).outputs[0].name == "y"
-        # gRPC's buffers for the 16 MiB message and its copy are all that may remain.
-        grown = peak - baseline
-        assert grown < 100 * 1024 * 1024, f"RSS grew by {grown / 2**20:.0f} MiB"
     finally:
         stop_server(running)
 
