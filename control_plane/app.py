@@ -181,6 +181,9 @@ def _start(ctx: AppContext) -> None:
     migrate(ctx.engine, lock_dir=ctx.settings.data_dir)
     with ctx.session_factory.begin() as session:
         ctx.authority.start(session)
+        # Where the downtime before this start began (the last moment the control plane was
+        # known alive), before this start marks it alive.
+        ctx.contact_grace.started(session=session)
         # "Needs upgrade" lasts until the agent attaches compatibly or we restart.
         session.execute(
             update(Node)

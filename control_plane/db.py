@@ -26,7 +26,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -267,17 +267,16 @@ class DatabaseAvailability:
         self._last_failure = 0.0
         self._clear_since: float | None = None
         self._refused = 0
-        self._outages = 0
+        self._outage_listeners: list[Callable[[], None]] = []
 
     @property
     def available(self) -> bool:
         return self._down_since is None
 
-    @property
-    def outages(self) -> int:
-        """How many outages have begun: a reader that saw another number before knows one
-        happened in between (liveness.ContactGrace)."""
-        return self._outages
+    def on_outage(self, listener: Callable[[], None]) -> None:
+        """Call `listener` as each outage begins, before it is logged (liveness.ContactGrace
+        records where the nodes' grace begins)."""
+        self._outage_listeners.append(listener)
 
     def watch(self, engine: Engine) -> None:
         """Count every statement `engine` completes as proof that the database works."""
@@ -292,7 +291,8 @@ class DatabaseAvailability:
             if self._down_since is not None:
                 return
             self._down_since, self._refused = now, 1
-            self._outages += 1
+        for listener in self._outage_listeners:
+            listener()
         log.warning(
             "database unavailable (%s): requests that need it get 503 DATABASE_UNAVAILABLE and "
             "background work waits; known agents' heartbeats are kept in memory. Check that "

@@ -145,6 +145,16 @@ class SigningKey(Base):
     retired_at: Mapped[datetime | None]
 
 
+class ControlPlanePresence(Base):
+    """The latest moment a control plane replica was known to be alive (one row, `id` 1): at
+    the next start, where its downtime began (`liveness.ContactGrace`)."""
+
+    __tablename__ = "control_plane_presence"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    alive_at: Mapped[datetime]
+
+
 class NodeEvent(Base):
     __tablename__ = "node_events"
 

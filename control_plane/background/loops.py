@@ -1,5 +1,5 @@
 """The periodic work of a control plane process: heartbeat flush, liveness sweep, credential
-refresh, telemetry and console-session retention, job sweep, artifact sweep.
+refresh, telemetry and console-session retention, job sweep, artifact sweep, presence mark.
 
 A loop never dies of a failure and never floods the log with one: a database outage is reported
 once for the whole process by `ctx.database`, and any other failure is logged with its traceback
@@ -20,10 +20,15 @@ from control_plane.context import AppContext
 from control_plane.db import DatabaseAvailability, is_database_unavailable
 from control_plane.services import artifact_sweep, jobs
 from control_plane.services.console_sessions import prune_sessions
+from control_plane.services.liveness import mark_alive
 from control_plane.services.nodes import sweep_liveness
 from control_plane.services.reports import prune_telemetry
 
 log = logging.getLogger(__name__)
+
+#: How often the control plane marks itself alive in the database: at the next start, its
+#: downtime is taken to have begun at most this long before it really did.
+PRESENCE_INTERVAL_SECONDS = 5.0
 
 
 async def _every(
@@ -64,6 +69,12 @@ def _worth_logging(failures: int) -> bool:
 
 def flush_heartbeats(ctx: AppContext) -> int:
     return ctx.heartbeats.flush(session_factory=ctx.session_factory)
+
+
+def mark_presence(ctx: AppContext) -> None:
+    """The control plane is alive now (`liveness.ContactGrace` reads it at the next start)."""
+    with ctx.session_factory.begin() as session:
+        mark_alive(session=session, at=ctx.clock.now())
 
 
 def sweep(ctx: AppContext) -> int:
@@ -123,6 +134,7 @@ def start_loops(ctx: AppContext) -> list[asyncio.Task[None]]:
         ),
         ("retention", 60.0, lambda: prune(ctx)),
         ("job sweep", s.liveness_sweep_interval_seconds, lambda: sweep_jobs(ctx)),
+        ("presence mark", PRESENCE_INTERVAL_SECONDS, lambda: mark_presence(ctx)),
     ]
     if s.artifact_sweep_interval_seconds > 0:
         specs.append(
@@ -137,13 +149,16 @@ async def stop_loops(ctx: AppContext, tasks: list[asyncio.Task[None]]) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    # The last word: heartbeats answered 2xx reach the database before the process exits.
+    # The last word: heartbeats answered 2xx reach the database before the process exits, and
+    # the moment it stops is marked, where the next start counts its downtime from.
     try:
         await to_thread.run_sync(lambda: flush_heartbeats(ctx))
+        await to_thread.run_sync(lambda: mark_presence(ctx))
     except Exception as exc:
         if not is_database_unavailable(exc):
             raise
-        # Only liveness is lost: the agents' next heartbeats, to the next start, bring it back.
+        # Only liveness is lost: the agents' next heartbeats, to the next start, bring it back;
+        # the presence mark of a few seconds ago stands.
         log.warning(
             "%d heartbeats were not written at shutdown: the database is unavailable",
             len(ctx.heartbeats),

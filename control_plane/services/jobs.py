@@ -568,12 +568,14 @@ def sweep_jobs(
     """Fail running jobs whose agent went silent or that outlived their timeout.
 
     The silence is counted from the job's last contact, or from the end of the control plane's
-    own downtime (`grace`: its start, the end of a database outage) when that came later: an
-    agent that could not reach it has one full contact timeout after it returns."""
+    own downtime (`grace`: its start, the end of a database outage) when the contact had not yet
+    expired as that downtime began: an agent that could not reach it has one full contact
+    timeout after it returns, and a job whose contact was already lost is failed at once."""
     now = clock.now()
     failed = 0
     for job in session.scalars(select(Job).where(Job.state == "running")):
-        contact = counted_from(job.last_contact_at or job.started_at or now, now, grace)
+        last = job.last_contact_at or job.started_at or now
+        contact = counted_from(last, now, grace, timeout=contact_timeout)
         if now - contact >= contact_timeout:
             error = (
                 "JOB_CONTACT_LOST",

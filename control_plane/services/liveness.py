@@ -3,83 +3,165 @@ process accepted but has not flushed yet, and its state (`online`, `stale`, `off
 from the silence since then. Node views, scheduling and the liveness sweep all read it here, so
 they never disagree about a node.
 
-A silence the control plane caused is not the node's: `ContactGrace` knows since when the nodes
-have been able to reach this process (its start, and the end of its latest database outage), and
-every deadline counted from a node's last contact — liveness here, a running job's contact
-(`jobs.sweep_jobs`), a service's placement (`deployments`) — counts from that moment at the
-earliest, so each node gets one full timeout to reach a control plane that comes back.
+A silence the control plane caused is not the node's: `ContactGrace` knows when the nodes could
+not reach this process (before its start, during a database outage), and every deadline counted
+from a node's last contact — liveness here, a running job's contact (`jobs.sweep_jobs`), a
+service's placement (`deployments`) — that had not yet expired when such a downtime began counts
+from its end instead, so each node gets one full timeout to reach a control plane that comes
+back. A deadline that had already expired is not extended: a node that died before the control
+plane stopped is offline right after it starts again.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
+from sqlalchemy import func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
 from control_plane.clock import Clock
-from control_plane.models import Node
+from control_plane.models import ControlPlanePresence, Node
 from control_plane.schemas import NodeState
 
 if TYPE_CHECKING:  # heartbeats records state changes through nodes, which reads liveness
     from control_plane.services.heartbeats import HeartbeatBuffer
 
+#: The one row of `control_plane_presence`.
+_PRESENCE_ROW = 1
+#: Downtimes kept in memory: more than any deadline can span in practice (an older one only
+#: matters to a node silent through all of those since).
+_KEPT_DOWNTIMES = 16
+
 
 class _Availability(Protocol):
-    """What `ContactGrace` reads of `db.DatabaseAvailability`."""
+    """What `ContactGrace` uses of `db.DatabaseAvailability`."""
 
     @property
     def available(self) -> bool: ...
 
-    @property
-    def outages(self) -> int: ...
+    def on_outage(self, listener: Callable[[], None]) -> None: ...
+
+
+def last_alive(*, session: Session) -> datetime | None:
+    """The latest moment the control plane (any replica) is known to have been alive: its
+    presence mark, or a node's heartbeat it wrote later. None when neither exists (a new
+    database)."""
+    marked = session.scalar(
+        select(ControlPlanePresence.alive_at).where(ControlPlanePresence.id == _PRESENCE_ROW)
+    )
+    heard = session.scalar(select(func.max(Node.last_heartbeat_at)))
+    known = [moment for moment in (marked, heard) if moment is not None]
+    return max(known) if known else None
+
+
+def mark_alive(*, session: Session, at: datetime) -> None:
+    """Record that the control plane is alive at `at`: one upsert, which never moves the mark
+    back (another replica may be ahead) and never conflicts with a replica marking at once."""
+    insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
+    statement = insert(ControlPlanePresence).values(id=_PRESENCE_ROW, alive_at=at)
+    session.execute(
+        statement.on_conflict_do_update(
+            index_elements=[ControlPlanePresence.id],
+            set_={"alive_at": statement.excluded.alive_at},
+            where=ControlPlanePresence.alive_at < statement.excluded.alive_at,
+        )
+    )
+
+
+@dataclass
+class Downtime:
+    """A stretch in which the nodes could not reach this control plane."""
+
+    #: When it began; None when unknown (nothing recorded the control plane alive before).
+    began: datetime | None
+    #: When it ended; None while it lasts (a database outage).
+    ended: datetime | None
 
 
 class ContactGrace:
-    """Since when the nodes have been able to reach this control plane: the moment it started
-    serving, or the end of its latest database outage, whichever is later.
+    """When the nodes could not reach this control plane, and so which deadlines it extends.
 
-    While the database is out, `since` is now (no deadline expires); the first read after an
-    outage ended moves it to that moment. `DatabaseAvailability` counts outages as they begin,
-    so an outage that began and ended between two reads is not missed, and a sweep that reads
-    while the outage's end is not yet settled waits for the next round.
+    Two kinds of downtime:
+
+    - before this process started (`started`): it began at the control plane's last moment
+      known alive, which a background loop marks every few seconds in the database
+      (`mark_alive`; a node's heartbeat written later counts too), and it ended when this
+      process started serving (`serving`);
+    - a database outage: it began when `DatabaseAvailability` saw it begin, and it ends at the
+      first read after the database counts as available again.
+
+    A deadline (a node's last contact plus a timeout) that had not expired when a downtime
+    began counts from the downtime's end instead (`counted_from`); one that had already expired
+    stays where it was. While a database outage lasts, no unexpired deadline expires.
     """
 
     def __init__(self, *, clock: Clock, database: _Availability) -> None:
         self._clock = clock
         self._database = database
         self._lock = threading.Lock()
-        self._since = clock.now()
-        self._outages_seen = database.outages
+        self._downtimes: deque[Downtime] = deque(maxlen=_KEPT_DOWNTIMES)
+        self._start: Downtime | None = None
+        database.on_outage(self._outage_began)
+
+    def started(self, *, session: Session) -> None:
+        """This process starts: the control plane was down since it was last known alive.
+        Marks it alive now, in `session`'s transaction."""
+        began = last_alive(session=session)
+        now = self._clock.now()
+        mark_alive(session=session, at=now)
+        with self._lock:
+            self._start = Downtime(began=None if began is None else min(began, now), ended=now)
+            self._downtimes.append(self._start)
 
     def serving(self) -> None:
-        """The control plane (re)starts serving now: the nodes' silence so far is its own."""
+        """The control plane serves from now: its downtime before the start ends here."""
         with self._lock:
-            self._since = self._clock.now()
+            if self._start is not None:
+                self._start.ended = self._clock.now()
 
-    def since(self, now: datetime) -> datetime:
-        outages = self._database.outages  # before `available`: an outage beginning now is seen
-        if not self._database.available:
-            return now
+    def _outage_began(self) -> None:
+        now = self._clock.now()
         with self._lock:
-            if outages != self._outages_seen:
-                self._outages_seen = outages
-                self._since = max(self._since, now)
-            return min(self._since, now)
+            if self._downtimes and self._downtimes[-1].ended is None:
+                return  # the outage already recorded goes on
+            self._downtimes.append(Downtime(began=now, ended=None))
+
+    def counted_from(self, last_contact: datetime, now: datetime, timeout: timedelta) -> datetime:
+        """The moment a deadline of `timeout` after `last_contact` counts from: `last_contact`,
+        or the end of each downtime that began before that deadline, taken in turn."""
+        deadline = last_contact + timeout
+        with self._lock:
+            latest = self._downtimes[-1] if self._downtimes else None
+            if latest is not None and latest.ended is None and self._database.available:
+                latest.ended = now  # the first read since the outage ended
+            for downtime in self._downtimes:
+                if downtime.began is None or deadline > downtime.began:
+                    ended = now if downtime.ended is None else downtime.ended
+                    deadline = max(deadline, ended + timeout)
+        return deadline - timeout
 
 
 @dataclass(frozen=True)
 class LivenessThresholds:
     stale_after: timedelta
     offline_after: timedelta
-    #: Silence before this moment (the control plane's own downtime) does not count.
+    #: The control plane's own downtime, which does not count against a node that was live.
     grace: ContactGrace | None = None
 
 
-def counted_from(last_contact: datetime, now: datetime, grace: ContactGrace | None) -> datetime:
-    """The moment a node's silence is counted from: its last contact, or the end of the control
-    plane's own downtime when that came later."""
-    return last_contact if grace is None else max(last_contact, grace.since(now))
+def counted_from(
+    last_contact: datetime, now: datetime, grace: ContactGrace | None, *, timeout: timedelta
+) -> datetime:
+    """The moment a node's silence is counted from for a deadline of `timeout`: its last
+    contact, or the end of the control plane's own downtime when that began before the
+    deadline expired (`ContactGrace.counted_from`)."""
+    return last_contact if grace is None else grace.counted_from(last_contact, now, timeout)
 
 
 def liveness_state(
@@ -87,10 +169,10 @@ def liveness_state(
 ) -> NodeState:
     if last_heartbeat_at is None:
         return "offline"
-    silence = now - counted_from(last_heartbeat_at, now, thresholds.grace)
-    if silence >= thresholds.offline_after:
+    offline, stale = thresholds.offline_after, thresholds.stale_after
+    if now - counted_from(last_heartbeat_at, now, thresholds.grace, timeout=offline) >= offline:
         return "offline"
-    if silence >= thresholds.stale_after:
+    if now - counted_from(last_heartbeat_at, now, thresholds.grace, timeout=stale) >= stale:
         return "stale"
     return "online"
 

@@ -169,8 +169,6 @@ def sweep_liveness(*, session: Session, clock: Clock, liveness: Liveness) -> int
     now = clock.now()
     thresholds = liveness.thresholds
     stale_before = now - thresholds.stale_after
-    if thresholds.grace is not None and thresholds.grace.since(now) > stale_before:
-        return 0  # the control plane is back since less than the stale threshold: none decays
     offline_before = now - thresholds.offline_after
     candidates = session.execute(
         select(Node.id, Node.recorded_state, Node.last_heartbeat_at).where(
@@ -196,9 +194,9 @@ def sweep_liveness(*, session: Session, clock: Clock, liveness: Liveness) -> int
         )
         if rowcount(result) != 1:
             continue
-        counted = counted_from(last, now, thresholds.grace)
-        silence = (now - counted).total_seconds()
         limit = thresholds.offline_after if to_state == "offline" else thresholds.stale_after
+        counted = counted_from(last, now, thresholds.grace, timeout=limit)
+        silence = (now - counted).total_seconds()
         since = " since the control plane was back" if counted > last else ""
         record_event(
             session,
