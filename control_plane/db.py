@@ -185,7 +185,8 @@ def is_database_unavailable(error: BaseException) -> bool:
 def is_database_busy(error: BaseException) -> bool:
     """Whether `error` is a wait for the database that ran out, not an outage: no pooled
     connection became free, or SQLite's write lock stayed taken for the whole busy timeout. A
-    request that meets it is answered 503 `BUSY`; background work retries it like an outage."""
+    request that meets it is answered 503 `BUSY`; background work retries it quietly. Neither
+    counts as an outage (`DatabaseAvailability`): the database works, it is only saturated."""
     seen: BaseException | None = error
     for _ in range(5):  # follow `raise ... from` a few links, as `_outage_reason` does
         if seen is None:

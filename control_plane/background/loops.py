@@ -1,9 +1,14 @@
 """The periodic work of a control plane process: heartbeat flush, liveness sweep, credential
 refresh, telemetry and console-session retention, job sweep, artifact sweep, presence mark.
 
-A loop never dies of a failure and never floods the log with one: a database outage is reported
-once for the whole process by `ctx.database`, and any other failure is logged with its traceback
-the first time, then only as it keeps recurring (the 10th, 100th, ... time) and when it stops.
+A loop never dies of a failure and never floods the log with one. Each failure is judged as a
+request's would be (`errors.refusal_for`): a database outage is reported once for the whole
+process by `ctx.database`; a wait for a saturated database that ran out (`BUSY`) is retried
+quietly, since the database works; a write refused for want of room (`STORAGE_FULL`) is not an
+outage either, since reads still work (counting it as one would begin and end an "outage"
+every few seconds), and is logged in one line, without a traceback; any other failure is logged
+with its traceback the first time. Failures other than an outage are logged again only as they
+keep recurring (the 10th, 100th, ... time) and when they stop.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from anyio import to_thread
 
 from control_plane.context import AppContext
 from control_plane.db import DatabaseAvailability, is_database_unavailable
+from control_plane.errors import Busy, DatabaseUnavailable, StorageFull, refusal_for
 from control_plane.services import artifact_sweep, jobs
 from control_plane.services.console_sessions import prune_sessions
 from control_plane.services.liveness import mark_alive
@@ -40,19 +46,25 @@ async def _every(
         try:
             await to_thread.run_sync(work)
         except Exception as exc:
-            if is_database_unavailable(exc):
+            refusal = refusal_for(exc)
+            if isinstance(refusal, DatabaseUnavailable):
                 # The next round retries; pending heartbeats stay in memory until then.
                 database.failed(exc)
                 continue
+            if isinstance(refusal, Busy):
+                # Saturation, not an outage: the next round retries (requests log BUSY).
+                log.debug("%s waited too long for the database; retrying", name)
+                continue
             failures += 1
             if _worth_logging(failures):
+                full = isinstance(refusal, StorageFull)
                 log.warning(
                     "%s failed (%s, %d in a row); retrying every %g s",
                     name,
-                    type(exc).__name__,
+                    "the storage is full" if full else type(exc).__name__,
                     failures,
                     interval,
-                    exc_info=failures == 1,
+                    exc_info=failures == 1 and not full,
                 )
             continue
         if failures:
