@@ -15,13 +15,20 @@ agree) and the outputs are split back by rows, so a request is answered with exa
 rows. Batching stays off unless every input and output of the model has a dynamic first
 dimension. The scheduler runs on the event loop; the merge, the run and the split run on an
 instance's thread, each timed as Triton times it (queue, compute input, infer, output) — or on
-the event loop itself when they lately took less per row than the hand-over to a thread costs
-(a small model's run), a few in a row at most.
+the event loop itself when its input elements, at what an element has lately cost, come to less
+than the hand-over to a thread costs (a small model's small run), a few in a row at most.
+
+A request whose caller has gone (its await cancelled: a gRPC cancel or deadline, an HTTP
+disconnect) leaves the queue at once in effect: its tensors are dropped, it no longer counts
+toward `max_queue_size`, and it is never run. A failure while dispatching a batch fails that
+batch's requests only; the queue goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -34,22 +41,28 @@ from runtime_worker.serving.metrics import ModelMetrics, RequestTimes
 from runtime_worker.serving.model import OnnxModel
 from runtime_worker.serving.policy import BatchingPolicy
 
+log = logging.getLogger("modelforge.onnx_server")
 
-@dataclass
+
+@dataclass(eq=False)  # compared by identity: the feeds are arrays
 class _Pending:
     feeds: dict[str, np.ndarray]
     names: list[str]  # the outputs this request asked for, in its order
     rows: int
+    elements: int  # input elements, what a run's cost is estimated from
     key: Any  # requests with equal keys may share a batch
     enqueued: int  # time.perf_counter_ns()
     future: asyncio.Future[tuple[list[np.ndarray], RequestTimes]]
+    waiting: bool = True  # queued, and its caller still awaits it
 
 
 _Result = tuple[list[list[np.ndarray]], tuple[int, int, int]]
 
 #: A run expected to take less than this runs on the event loop itself: handing it to an
 #: instance's thread and back costs more than that (about 150 us a request on a busy 2-core
-#: host, measured with a 256-256-10 MLP whose run takes 15 us).
+#: host, measured with a 256-256-10 MLP whose run takes 15 us). The estimate is the run's input
+#: elements times what an element has lately cost, so that a request of many rows never stalls
+#: the loop, batching on or off.
 INLINE_BELOW_NS = 100_000
 #: Runs made on the event loop before it serves others again.
 INLINE_RUNS_IN_A_ROW = 8
@@ -62,12 +75,15 @@ class Scheduler:
         self.model, self.policy, self.metrics = model, policy, metrics
         self.batching = policy.max_batch_size > 0 and model.batch_dimension_dynamic
         self._queue: deque[_Pending] = deque()
+        self._live = 0  # requests in the queue whose callers still await them
+        self._gone = 0  # entries left in the queue by callers that have gone
         self._free = model.plan.count
         self._timer: asyncio.TimerHandle | None = None
         self._preferred = sorted(set(policy.preferred_batch_size), reverse=True)
         self._all_outputs = [spec.name for spec in model.outputs]
-        #: What a run has taken per row, lately (a moving average; the warm-up's to start).
-        self._ns_per_row = float(model.warm_up_ns)
+        #: What a run has taken per input element, lately (a moving average; the warm-up's to
+        #: start).
+        self._ns_per_element = model.warm_up_ns / max(1, model.warm_up_elements)
 
     async def submit(
         self, feeds: dict[str, np.ndarray], names: list[str]
@@ -86,22 +102,58 @@ class Scheduler:
             key = tuple(
                 sorted((name, array.shape[1:], array.dtype.str) for name, array in feeds.items())
             )
-        if self.policy.max_queue_size and len(self._queue) >= self.policy.max_queue_size:
+        if self.policy.max_queue_size and self._live >= self.policy.max_queue_size:
             raise ServingError(
                 503,
-                f"{len(self._queue)} requests are waiting, the most this model queues "
+                f"{self._live} requests are waiting, the most this model queues "
                 "(batching.max_queue_size); retry later or deploy more instances",
             )
         future: asyncio.Future[tuple[list[np.ndarray], RequestTimes]]
         future = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(feeds, names, rows, key, time.perf_counter_ns(), future))
+        elements = sum(array.size for array in feeds.values())
+        pending = _Pending(feeds, names, rows, elements, key, time.perf_counter_ns(), future)
+        future.add_done_callback(functools.partial(self._caller_left, pending))
+        self._queue.append(pending)
+        self._live += 1
         self.metrics.pending(1)
         self._schedule()
         return await future
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        """Requests waiting whose callers still await them."""
+        return self._live
+
+    def _caller_left(self, pending: _Pending, _: object) -> None:
+        """`pending`'s future is done (its done-callback): when it was still waiting, its
+        caller has gone. Its entry leaves the queue when next met, or now when many have."""
+        self._gone_away(pending)
+        if self._gone > 64 and self._gone > self._live:  # keep the queue mostly live requests
+            self._queue = deque(entry for entry in self._queue if entry.waiting)
+            self._gone = 0
+
+    def _gone_away(self, pending: _Pending) -> None:
+        """Drop a waiting request whose caller has gone: its tensors, and from the counts."""
+        if not pending.waiting:
+            return
+        pending.waiting, pending.feeds = False, {}
+        self._live -= 1
+        self._gone += 1
+        self.metrics.pending(-1)
+
+    def _take(self, count: int) -> list[_Pending]:
+        """The `count` live requests at the head of the queue (gone ones between are dropped)."""
+        batch: list[_Pending] = []
+        while len(batch) < count:
+            pending = self._queue.popleft()
+            if pending.waiting:
+                pending.waiting = False
+                self._live -= 1
+                batch.append(pending)
+            else:
+                self._gone -= 1
+        self.metrics.pending(-count)
+        return batch
 
     def _schedule(self) -> None:
         if self._timer is not None:
@@ -112,26 +164,33 @@ class Scheduler:
             if inline == INLINE_RUNS_IN_A_ROW:  # let the loop serve others, then go on
                 asyncio.get_running_loop().call_soon(self._schedule)
                 return
-            while self._queue and self._queue[0].future.done():  # its caller has gone
+            while self._queue and not self._head_waits():
                 self._queue.popleft()
-                self.metrics.pending(-1)
+                self._gone -= 1
             if not self._queue:
                 return
             count = self._batch_size() if self.batching else 1
             if count == 0:
                 return  # waiting for the batch to fill; a timer wakes us
-            batch = [self._queue.popleft() for _ in range(count)]
-            self.metrics.pending(-count)
+            batch = self._take(count)
             self._free -= 1
             inline += self._dispatch(batch)
+
+    def _head_waits(self) -> bool:
+        head = self._queue[0]
+        if head.waiting and head.future.done():  # cancelled; its callback has not run yet
+            self._gone_away(head)
+        return head.waiting
 
     def _batch_size(self) -> int:
         """How many requests from the head of the queue to run now; 0 to wait for more."""
         queue, most = self._queue, self.policy.max_batch_size
         head, total, count, preferred_count, full = queue[0], 0, 0, 0, False
         for pending in queue:
-            if pending.future.done():
-                break  # a cancelled request ends the run of joinable ones (rare)
+            if pending.waiting and pending.future.done():
+                self._gone_away(pending)  # cancelled; its callback has not run yet
+            if not pending.waiting:
+                continue  # its caller has gone: skipped, dropped when taken
             if pending.key != head.key or total + pending.rows > most or count == most:
                 full = True  # (count: requests of 0 rows never make a batch longer than that)
                 break
@@ -153,20 +212,28 @@ class Scheduler:
 
     def _dispatch(self, batch: list[_Pending]) -> bool:
         """Run `batch` on an instance's thread, or here when it is expected to take less than
-        handing it over would (then True: it has finished)."""
+        handing it over would (then True: it has finished). It never raises: whatever fails
+        fails the batch's requests, and the instance is free again."""
         started = time.perf_counter_ns()
         loop = asyncio.get_running_loop()
-        rows = sum(pending.rows for pending in batch)
-        if self._ns_per_row * rows < INLINE_BELOW_NS:
-            ran: asyncio.Future[_Result] = loop.create_future()
+        elements = sum(pending.elements for pending in batch)
+        ran: asyncio.Future[_Result]
+        if self._ns_per_element * elements < INLINE_BELOW_NS:
+            ran = loop.create_future()
             try:
                 ran.set_result(self._execute(batch))
             except Exception as exc:
                 ran.set_exception(exc)
             self._finished(batch, started, ran, reschedule=False)
             return True
-        running = loop.run_in_executor(self.model.executor, self._execute, batch)
-        running.add_done_callback(lambda done: self._finished(batch, started, done))
+        try:
+            ran = loop.run_in_executor(self.model.executor, self._execute, batch)
+        except Exception as exc:  # the executor is shut down: the server is stopping
+            ran = loop.create_future()
+            ran.set_exception(exc)
+            self._finished(batch, started, ran, reschedule=False)
+            return True
+        ran.add_done_callback(lambda done: self._finished(batch, started, done))
         return False
 
     def _execute(self, batch: list[_Pending]) -> _Result:
@@ -202,20 +269,21 @@ class Scheduler:
         self.metrics.executed()
         try:
             results, (merge, infer, split) = done.result()
-        except BaseException as exc:
-            error = exc
-            if not isinstance(exc, ServingError):
-                error = ServingError(500, f"the model failed ({type(exc).__name__})")
-            for pending in batch:
-                if not pending.future.done():
-                    pending.future.set_exception(error)
-        else:
             for pending, arrays in zip(batch, results, strict=True):
                 if not pending.future.done():
                     times = RequestTimes(started - pending.enqueued, merge, infer, split)
                     pending.future.set_result((arrays, times))
-            rows = sum(pending.rows for pending in batch)
-            self._ns_per_row += (merge + infer + split) / rows / 5 - self._ns_per_row / 5
+            if elements := sum(pending.elements for pending in batch):  # 0 rows: nothing learnt
+                took = (merge + infer + split) / elements
+                self._ns_per_element += (took - self._ns_per_element) / 5
+        except BaseException as exc:
+            error = exc
+            if not isinstance(exc, ServingError):
+                log.warning("a batch failed: %s", type(exc).__name__)
+                error = ServingError(500, f"the model failed ({type(exc).__name__})")
+            for pending in batch:
+                if not pending.future.done():
+                    pending.future.set_exception(error)
         if reschedule:
             self._schedule()
 

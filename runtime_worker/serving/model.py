@@ -86,8 +86,10 @@ class OnnxModel:
         #: Whether every input's and output's first dimension is dynamic (set by `load`):
         #: batching may merge requests along it, and a request's rows are its inferences.
         self.batch_dimension_dynamic = False
-        #: Nanoseconds of one warm run on the warm-up's zeros (set by `warm_up`).
+        #: Nanoseconds of one warm run on the warm-up's zeros, and how many input elements
+        #: that run took (set by `warm_up`).
         self.warm_up_ns = 0
+        self.warm_up_elements = 1
         self._idle: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.executor = ThreadPoolExecutor(max_workers=plan.count, thread_name_prefix="instance")
 
@@ -134,6 +136,7 @@ class OnnxModel:
             started = time.perf_counter_ns()  # once more, warm: what a run costs
             sessions[0].run(names, feeds)
             self.warm_up_ns = time.perf_counter_ns() - started
+            self.warm_up_elements = max(1, sum(array.size for array in feeds.values()))
         finally:
             for session in sessions:
                 self._idle.put(session)

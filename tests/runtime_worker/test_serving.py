@@ -373,3 +373,26 @@ def test_batching_stays_off_unless_the_first_dimension_is_dynamic(tmp_path: Path
         np.testing.assert_allclose(output(answer), x @ WEIGHTS, rtol=1e-6)
     assert found["nv_inference_exec_count"] == 6  # each alone: never merged into [12, 3]
     assert "batching off" in stderr and "batching stays off" in stderr
+
+
+def test_a_0_row_request_with_batching_on_is_answered_beside_others(
+    model_file: Path, reference: ort.InferenceSession
+) -> None:
+    batching = {"max_batch_size": 8}  # no delay: a request alone runs at once, inline
+    running = start_server(model_file, "--batching", json.dumps(batching))
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", running.port, timeout=30)
+        alone = post(connection, infer_body(np.zeros((0, 3), np.float32)))
+        connection.close()
+        inputs = [rows_of(request, request % 3) for request in range(24)]  # a third 0 rows
+        answers = _concurrently(running, [infer_body(x) for x in inputs])
+        after = _concurrently(running, [infer_body(rows_of(99, 2))])
+    finally:
+        stop_server(running)
+    assert alone[0] == 200, alone[1]
+    assert alone[1]["outputs"][0]["shape"] == [0, 2]  # as onnxruntime answers it
+    for x, (status, answer, _) in zip(inputs, answers, strict=True):
+        assert status == 200, answer
+        np.testing.assert_array_equal(output(answer), reference.run(["y"], {"x": x})[0])
+    assert after[0][0] == 200  # the scheduler still serves
+
