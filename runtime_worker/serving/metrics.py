@@ -71,9 +71,10 @@ class ModelMetrics:
         values["nv_inference_compute_infer_duration_us"] += times.compute_infer // 1000
         values["nv_inference_compute_output_duration_us"] += times.compute_output // 1000
 
-    def failed(self, total_ns: int) -> None:
+    def failed(self) -> None:
+        """A failed request counts only here: as Triton's, the durations are of successful
+        requests, so that a duration's increase over the successes' is their mean."""
         self.values["nv_inference_request_failure"] += 1
-        self.values["nv_inference_request_duration_us"] += total_ns // 1000
 
     def executed(self) -> None:
         self.values["nv_inference_exec_count"] += 1

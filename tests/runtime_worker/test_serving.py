@@ -396,3 +396,21 @@ def test_a_0_row_request_with_batching_on_is_answered_beside_others(
         np.testing.assert_array_equal(output(answer), reference.run(["y"], {"x": x})[0])
     assert after[0][0] == 200  # the scheduler still serves
 
+
+def test_a_failed_request_counts_as_a_failure_not_in_the_durations(served: Served) -> None:
+    durations = [
+        "nv_inference_request_duration_us",
+        "nv_inference_queue_duration_us",
+        "nv_inference_compute_input_duration_us",
+        "nv_inference_compute_infer_duration_us",
+        "nv_inference_compute_output_duration_us",
+    ]
+    before = metrics(served)
+    connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=10)
+    wrong = {"inputs": [{"name": "x", "shape": [2000, 4], "datatype": "FP32", "data": [1] * 8000}]}
+    assert post(connection, json.dumps(wrong).encode())[0] == 400  # refused decoding it
+    connection.close()
+    after = metrics(served)
+    assert after["nv_inference_request_failure"] == before["nv_inference_request_failure"] + 1
+    assert {name: after[name] for name in durations} == {name: before[name] for name in durations}
+
