@@ -13,7 +13,7 @@ straight from their arrays. It must never log request data.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,9 @@ import numpy as np
 import orjson
 
 MODEL_VERSION = "1"
+#: The largest size of one dimension of an input (numpy and onnxruntime index with int64; no
+#: tensor within the body limits has a larger one unless another is 0).
+MAX_DIM = 2**31 - 1
 
 # The protocol's datatypes: onnxruntime's element type and the (little-endian) numpy dtype.
 _TYPES = [
@@ -185,7 +188,9 @@ def _decode_input(
     if datatype != spec.datatype:
         raise refused(f"datatype {datatype!r}")
     if not isinstance(shape, list) or not all(type(dim) is int and dim >= 0 for dim in shape):
-        raise refused(f"shape {shape!r} is not a list of sizes")
+        raise refused(f"shape {shape!r} is not a list of sizes"[:200])
+    if any(dim > MAX_DIM for dim in shape):
+        raise refused(f"shape {shape} has a size over {MAX_DIM}"[:200])
     if len(shape) != len(spec.shape) or any(
         e not in (-1, d) for d, e in zip(shape, spec.shape, strict=True)
     ):
@@ -202,8 +207,8 @@ def _decode_input(
                 f"binary_data_size is {size} of {left} bytes left, shape {shape} "
                 f"takes {count * dtype.itemsize}"
             )
-        array = np.frombuffer(binary[offset : offset + size], dtype=dtype).reshape(shape)
-        return array, offset + size
+        array = np.frombuffer(binary[offset : offset + size], dtype=dtype)
+        return shaped(array, shape, refused), offset + size
     if "data" not in entry:
         raise refused("neither data nor parameters.binary_data_size")
     try:
@@ -219,7 +224,19 @@ def _decode_input(
         raise refused(f"data is not a {datatype} tensor ({exc})") from None
     if array.size != count:
         raise refused(f"{array.size} values where shape {shape} takes {count}")
-    return array.reshape(shape), offset
+    return shaped(array, shape, refused), offset
+
+
+def shaped(
+    array: np.ndarray, shape: Sequence[int], refused: Callable[[str], ServingError]
+) -> np.ndarray:
+    """`array` (of `math.prod(shape)` values) in `shape`, or `refused`'s error: numpy refuses a
+    shape whose sizes multiply past what it indexes, which a 0 beside huge sizes may do while
+    holding no values. Both fronts decode a tensor's shape with it."""
+    try:
+        return array.reshape(shape)
+    except ValueError:
+        raise refused(f"shape {list(shape)} is larger than an array may be"[:200]) from None
 
 
 def encode_infer_response(

@@ -414,3 +414,38 @@ def test_a_failed_request_counts_as_a_failure_not_in_the_durations(served: Serve
     assert after["nv_inference_request_failure"] == before["nv_inference_request_failure"] + 1
     assert {name: after[name] for name in durations} == {name: before[name] for name in durations}
 
+
+def _any_shape_relu() -> bytes:
+    """y = relu(x) for x of any [rows, columns]: both dimensions dynamic."""
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "any_shape",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    return model.SerializeToString()
+
+
+def test_a_shape_with_a_0_and_a_huge_size_is_400(tmp_path: Path) -> None:
+    path = tmp_path / "any_shape.onnx"
+    path.write_bytes(_any_shape_relu())
+    running = start_server(path)
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", running.port, timeout=30)
+        answers = []
+        for shape in ([0, 2**62], [2**40, 0], [0, 2**31]):
+            for tensor in ({"data": []}, {"parameters": {"binary_data_size": 0}}):
+                body = {"inputs": [{"name": "x", "shape": shape, "datatype": "FP32", **tensor}]}
+                header = json.dumps(body).encode()
+                length = {"Inference-Header-Content-Length": str(len(header))}
+                answers.append((shape, *post(connection, header, length)))
+        fine = post(connection, infer_body(np.ones((0, 2**31 - 1), np.float32)))
+        connection.close()
+    finally:
+        stop_server(running)
+    for shape, status, answer in answers:
+        assert status == 400, (shape, answer)
+        assert "size over 2147483647" in answer["error"], answer
+    assert fine[0] == 200, fine[1]
