@@ -23,14 +23,18 @@ _POSTGRES_DISK_FULL = "53100"
 def is_storage_full(error: BaseException) -> bool:
     """Whether `error` (or what it was raised from, a few links deep) is a write refused for want
     of room: ENOSPC or EDQUOT from the file system, SQLite's SQLITE_FULL ("database or disk is
-    full"), or PostgreSQL's disk_full."""
+    full"), or PostgreSQL's disk_full.
+
+    Only `raise ... from` links count (`__cause__`, as `db._outage_reason` follows them), never
+    the error that was being handled when `error` was raised (`__context__`): another failure
+    while handling a full disk (a bug in the cleanup) is that failure, a 500, not a 507."""
     seen: BaseException | None = error
     for _ in range(5):
         if seen is None:
             return False
         if _is_full(seen) or _is_full(getattr(seen, "orig", None)):  # SQLAlchemy's wrapper
             return True
-        seen = seen.__cause__ or seen.__context__
+        seen = seen.__cause__
     return False
 
 
