@@ -10,7 +10,8 @@ makes the only ones the job sees. With each job the agent names its private file
 While the control plane refuses the runtime worker's protocol the slots claim nothing (the
 agent clears `worker_compatible`); they resume when it is set again. Nor do they claim while the
 worker is lost (`WorkerWatch`): a job claimed then could only fail. A job whose stream from the
-worker breaks fails `JOB_WORKER_LOST` and tells the watch, so the loss is reported at once.
+worker breaks fails `JOB_WORKER_LOST` and has the watch ask the worker at once: a worker that
+does not answer is reported lost at once, one that answers is not (one stream broke).
 
 A record that is not strict JSON fails its job (`JOB_RESULT_NOT_JSON`) instead of reaching the
 control plane. A work thread never ends on an unexpected error: it logs it with the job id and
@@ -246,7 +247,9 @@ class WorkRunner:
                     f"lost the runtime worker while running ({type(exc).__name__})",
                 )
                 if self.worker is not None and isinstance(exc, OSError):
-                    self.worker.unanswered(f"{type(exc).__name__} on a job's stream")
+                    # One stream may break alone: the worker is lost only if it does not answer
+                    # either (then the watch tells everyone at once, in one log line).
+                    self.worker.watch_once()
         finally:
             connection.close()
             with self._lock:
