@@ -152,11 +152,17 @@ def _pipe_verified_images(bundle: VerifiedBundle) -> None:
             archive.write_verified_images_tar(bundle.images_tar, bundle.images, stdin)
             stdin.close()
         except archive.ArchiveError as exc:
-            process.kill()
-            process.wait()
+            _stop(process)
             raise DockerError(f"{exc}; the load was stopped, verify the bundle again") from None
         except BrokenPipeError:
             pass  # docker stopped reading: its exit status and message say why
+        except OSError as exc:  # reading the bundle again failed (it went away, a disk error)
+            _stop(process)
+            raise DockerError(
+                f"cannot read {bundle.images_tar} again ({exc.strerror or type(exc).__name__}); "
+                "the load was stopped and loaded nothing: check the bundle's files and disk, "
+                "then verify the bundle again"
+            ) from None
         finally:
             if not stdin.closed:
                 try:
@@ -167,6 +173,12 @@ def _pipe_verified_images(bundle: VerifiedBundle) -> None:
             errors.seek(0)
             detail = errors.read(64 << 10).decode(errors="replace").strip().splitlines()[-3:]
             raise DockerError(f"`docker image load` failed (exit {code}): " + " | ".join(detail))
+
+
+def _stop(load: subprocess.Popen[bytes]) -> None:
+    """Kill a `docker image load` before its stream ended (it loads nothing then) and reap it."""
+    load.kill()
+    load.wait()
 
 
 def image_ids_are_config_digests() -> bool:

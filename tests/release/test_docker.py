@@ -160,3 +160,45 @@ def test_image_ids_must_be_the_config_digests(bundle: Path, keys: tuple[Path, Pa
         f"modelforge-node-agent: image ID expected {agent.config_digest} (config_digest), found "
         f"sha256:{'e' * 64}; the engine holds another config under {agent.tag}"
     )
+
+
+def test_a_bundle_that_cannot_be_read_again_stops_the_load_and_reaps_docker(
+    bundle: Path, keys: tuple[Path, Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, only an ArchiveError stopped the load: an OSError re-reading the bundle (here the
+    images tar removed after verify) escaped as itself, and `docker image load` was left running
+    and unreaped."""
+    from release.docker import load
+
+    folder = tmp_path / "waiting-bin"
+    folder.mkdir()
+    script = folder / "docker"  # a load that waits, as Docker does for the rest of its stdin
+    script.write_text("#!/bin/sh\nexec sleep 120\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    verified = verify_bundle(bundle, keys[1])
+    verified.images_tar.unlink()
+
+    with pytest.raises(DockerError) as raised:
+        load(verified, say=lambda line: None)
+
+    message = str(raised.value)
+    assert f"cannot read {verified.images_tar}" in message
+    assert "the load was stopped" in message and "verify the bundle again" in message
+    # Killed and reaped: no child of this process left, running or a zombie.
+    assert _children_named({"docker", "sleep"}) == []
+
+
+def _children_named(names: set[str]) -> list[tuple[int, str, str]]:
+    """This process's children (pid, name, state) with one of `names`, zombies included."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue  # ended meanwhile
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        state, parent = text[text.rindex(")") + 2 :].split()[:2]
+        if int(parent) == os.getpid() and name in names:
+            found.append((int(stat.parent.name), name, state))
+    return found
