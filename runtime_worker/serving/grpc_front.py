@@ -34,7 +34,14 @@ import grpc.aio
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from runtime_worker._oip import _DATATYPE_OF, _NUMPY, MODEL_VERSION, InferRequest, ServingError
+from runtime_worker._oip import (
+    _DATATYPE_OF,
+    _NUMPY,
+    MODEL_VERSION,
+    InferRequest,
+    ServingError,
+    shaped,
+)
 from runtime_worker.serving._proto import grpc_predict_v2_pb2 as pb
 from runtime_worker.serving.dataplane import DataPlane
 
@@ -330,7 +337,7 @@ def _tensor(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) ->
                 f"{len(raw)} bytes of raw_input_contents; shape {shape} of {datatype} takes "
                 f"{count * dtype.itemsize}"
             )
-        return _shaped(np.frombuffer(raw, dtype=dtype), shape, refused)
+        return shaped(np.frombuffer(raw, dtype=dtype), shape, refused)
     if datatype not in _CONTENTS:
         raise refused(f"{datatype} tensors travel only as raw_input_contents")
     field, carried = _CONTENTS[datatype]
@@ -343,18 +350,7 @@ def _tensor(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) ->
         if count and (array.min() < info.min or array.max() > info.max):
             raise refused(f"a value of contents.{field} is out of {datatype}'s range")
         array = array.astype(dtype)
-    return _shaped(array, shape, refused)
-
-
-def _shaped(
-    array: np.ndarray, shape: list[int], refused: Callable[[str], ServingError]
-) -> np.ndarray:
-    """`array` in `shape`; numpy refuses a shape whose sizes multiply past what it indexes (a
-    0 beside huge sizes holds no values, yet is no array numpy makes)."""
-    try:
-        return array.reshape(shape)
-    except ValueError:
-        raise refused(f"shape {shape} is larger than an array may be") from None
+    return shaped(array, shape, refused)
 
 
 def _encode(
