@@ -69,7 +69,7 @@ def require_metrics_reader(
 def metrics(ctx: ContextDep) -> Response:
     """Nodes by state, queued and running jobs, placements and dispatch latency, heartbeats
     accepted, job outcomes by code, artifact store bytes (docs/operations.md#metrics)."""
-    # Sync: the store's values are read from the database, in the thread pool.
+    # Sync: the store's values are read from the database, on the metrics lane (lanes.py).
     return Response(
         ctx.metrics.render(), media_type=CONTENT_TYPE, headers={"Cache-Control": "no-store"}
     )
