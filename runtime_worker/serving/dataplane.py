@@ -120,10 +120,10 @@ class DataPlane:
 
     # -- inference -------------------------------------------------------------------------
 
-    def request_failed(self, started_ns: int) -> None:
+    def request_failed(self) -> None:
         """Count a request to this model that a front refused before `infer` (one it could
         not decode), as Triton counts every failed request (in the failures only, not the
-        durations); `started_ns`, from time.perf_counter_ns() when it arrived, is unused."""
+        durations)."""
         self.metrics.failed()
 
     async def infer(

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
@@ -237,7 +236,7 @@ class _Servicer:
     async def model_infer(
         self, message: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelInferResponse:
-        started, cost, dataplane = time.perf_counter_ns(), 0, self.dataplane
+        cost, dataplane = 0, self.dataplane
         try:
             # The model's tensors bound how many a message may carry (a 503 while it loads).
             served = dataplane.model.name
@@ -260,7 +259,7 @@ class _Servicer:
                 # Counted as Triton counts a failed request of this model (not one for another
                 # model, nor one that came while it was loading).
                 if exc.http_status not in (404, 503):
-                    self.dataplane.request_failed(started)
+                    self.dataplane.request_failed()
                 raise
             arrays = await self.dataplane.infer(
                 request.model_name, request.model_version or None, decoded

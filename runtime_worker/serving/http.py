@@ -255,7 +255,7 @@ class ModelApp:
         name: str,
         version: str | None,
     ) -> tuple[int, bytes, list[tuple[str, str]]]:
-        dataplane, started = self.dataplane, time.perf_counter_ns()
+        dataplane = self.dataplane
         try:
             if encoding != "identity":
                 body = self._inflated(body, encoding)
@@ -268,7 +268,7 @@ class ModelApp:
             )
         except ServingError as exc:
             if exc.http_status != 503:  # a model still loading has no requests to count
-                dataplane.request_failed(started)
+                dataplane.request_failed()
             return exc.http_status, _error(exc.http_status, exc.message), _JSON
         try:
             arrays = await dataplane.infer(name, version, request)
