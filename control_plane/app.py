@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from control_plane import RELEASE_VERSION
-from control_plane.admin_token import resolve_admin_token
+from control_plane.access.admin_token import resolve_admin_token
 from control_plane.api import (
     admin,
     agent,
@@ -58,10 +58,10 @@ from control_plane.errors import (
     StorageFull,
     refusal_for,
 )
+from control_plane.fleet.credentials import CredentialAuthority
 from control_plane.models import Node
 from control_plane.provisioning.metrics import ProvisioningCollector
 from control_plane.schemas import schema_words
-from control_plane.services.credentials import CredentialAuthority
 from control_plane.settings import Settings
 from modelforge_contracts.errors import error_body
 

@@ -10,7 +10,7 @@ import sys
 
 from pydantic import ValidationError
 
-from control_plane.admin_token import AdminTokenConfigError, resolve_admin_token
+from control_plane.access.admin_token import AdminTokenConfigError, resolve_admin_token
 from control_plane.db import prepare_data_dir
 from control_plane.provisioning.config import ProvisionersError, load_provisioners
 from control_plane.settings import Settings

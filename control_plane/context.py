@@ -8,23 +8,23 @@ from datetime import timedelta
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from control_plane.admin_token import AdminTokenSource
+from control_plane.access.admin_token import AdminTokenSource
+from control_plane.access.console_sessions import SignInThrottle
+from control_plane.artifacts.store import ArtifactStore
 from control_plane.clock import Clock
-from control_plane.completions import Completions
 from control_plane.db import DatabaseAvailability
-from control_plane.dispatch import Dispatcher
+from control_plane.fleet.credentials import CredentialAuthority
+from control_plane.fleet.heartbeats import HeartbeatBuffer
+from control_plane.fleet.liveness import ContactGrace, Liveness, LivenessThresholds
 from control_plane.lanes import WorkerLanes
 from control_plane.metrics import Metrics
 from control_plane.provisioning.config import load_provisioners
 from control_plane.provisioning.provisioner import Provisioner
-from control_plane.scheduler import Scheduler
-from control_plane.services.artifacts import ArtifactStore
-from control_plane.services.console_sessions import SignInThrottle
-from control_plane.services.credentials import CredentialAuthority
-from control_plane.services.heartbeats import HeartbeatBuffer
-from control_plane.services.liveness import ContactGrace, Liveness, LivenessThresholds
-from control_plane.services.secrets_vault import Vault
+from control_plane.scheduling.completions import Completions
+from control_plane.scheduling.dispatch import Dispatcher
+from control_plane.scheduling.scheduler import Scheduler
 from control_plane.settings import Settings
+from control_plane.vault.vault import Vault
 
 
 @dataclass

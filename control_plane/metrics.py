@@ -30,9 +30,9 @@ from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import Clock
+from control_plane.fleet.liveness import Liveness, liveness_state
 from control_plane.models import Artifact, Job, Node, Service
 from control_plane.schemas import NodeState
-from control_plane.services.liveness import Liveness, liveness_state
 
 #: The Prometheus text format (0.0.4), as the library writes it with `generate_latest`.
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4

@@ -19,7 +19,11 @@ from control_plane.console_schemas import (
     TelemetryPoint,
 )
 from control_plane.context import AppContext
+from control_plane.fleet import enrollments, node_setup, nodes
+from control_plane.fleet.readiness import assess_readiness
+from control_plane.fleet.reports import telemetry_history
 from control_plane.models import Node, NodeCredential, NodeEnrollment
+from control_plane.scheduling.waiting import could_run_on
 from control_plane.schemas import (
     CredentialPublic,
     CredentialRevocation,
@@ -33,10 +37,6 @@ from control_plane.schemas import (
     Readiness,
     ResourceId,
 )
-from control_plane.services import enrollments, node_setup, nodes
-from control_plane.services.readiness import assess_readiness
-from control_plane.services.reports import telemetry_history
-from control_plane.services.waiting import could_run_on
 
 router = APIRouter(
     prefix="/api/v1/admin", tags=["admin"], dependencies=[AdminDep], route_class=LaneRoute

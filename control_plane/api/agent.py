@@ -17,6 +17,9 @@ from control_plane.api.deps import ContextDep, NodeDep, SessionDep
 from control_plane.api.routing import LaneRoute
 from control_plane.context import AppContext
 from control_plane.errors import ProtocolIncompatible
+from control_plane.fleet import enrollments, reports
+from control_plane.fleet.compatibility import judge_protocol
+from control_plane.fleet.heartbeats import accept_heartbeat
 from control_plane.schemas import (
     Accepted,
     EnrollRequest,
@@ -26,9 +29,6 @@ from control_plane.schemas import (
     InventoryRequest,
     TelemetryRequest,
 )
-from control_plane.services import enrollments, reports
-from control_plane.services.compatibility import judge_protocol
-from control_plane.services.heartbeats import accept_heartbeat
 
 router = APIRouter(prefix="/api/v1/agent", tags=["agent"], route_class=LaneRoute)
 

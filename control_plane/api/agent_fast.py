@@ -31,10 +31,10 @@ from control_plane.api.asgi import ASGIApp, Receive, Scope, Send, replay
 from control_plane.api.edge import SECURITY_HEADERS, check_json
 from control_plane.context import AppContext
 from control_plane.errors import ModelForgeError, ProtocolIncompatible
+from control_plane.fleet.credentials import NodePrincipal, revoked
+from control_plane.fleet.heartbeats import JudgedHeartbeat, judge_heartbeat, record_heartbeat
+from control_plane.scheduling.placement import PlacedJob
 from control_plane.schemas import AgentJobComplete, AgentJobControl, HeartbeatRequest, WorkClaim
-from control_plane.services.credentials import NodePrincipal, revoked
-from control_plane.services.heartbeats import JudgedHeartbeat, judge_heartbeat, record_heartbeat
-from control_plane.services.scheduling import PlacedJob
 
 PATH = "/api/v1/agent/heartbeat"
 CLAIM_PATH = "/api/v1/agent/work/claim"

@@ -13,9 +13,13 @@ from fastapi.responses import FileResponse
 from control_plane.api.deps import ContextDep, NodeDep
 from control_plane.api.ranges import artifact_response
 from control_plane.api.routing import LaneRoute
+from control_plane.artifacts import store as artifacts
 from control_plane.context import AppContext
-from control_plane.dispatch import node_key
 from control_plane.errors import ModelForgeError
+from control_plane.fleet.credentials import NodePrincipal
+from control_plane.jobs import jobs
+from control_plane.scheduling.dispatch import node_key
+from control_plane.scheduling.placement import PlacedJob, labels_match
 from control_plane.schemas import (
     AgentJobCancellations,
     AgentJobComplete,
@@ -29,9 +33,6 @@ from control_plane.schemas import (
     ResourceId,
     WorkClaim,
 )
-from control_plane.services import artifacts, jobs
-from control_plane.services.credentials import NodePrincipal
-from control_plane.services.scheduling import PlacedJob, labels_match
 
 router = APIRouter(prefix="/api/v1/agent", tags=["agent"], route_class=LaneRoute)
 

@@ -10,12 +10,12 @@ from fastapi import APIRouter, Body, Query
 
 from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
 from control_plane.api.routing import LaneRoute
-from control_plane.artifact_schemas import (
+from control_plane.artifacts import sweep as artifact_sweep
+from control_plane.artifacts.schemas import (
     ArtifactListed,
     ArtifactSweepReport,
     ArtifactSweepRequest,
 )
-from control_plane.services import artifact_sweep
 from modelforge_contracts.digests import DIGEST_PATTERN
 
 router = APIRouter(

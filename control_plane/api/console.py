@@ -15,6 +15,7 @@ from fastapi import APIRouter, FastAPI, Request, Response, status
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
+from control_plane.access import console_sessions
 from control_plane.api.deps import (
     SESSION_COOKIE,
     ContextDep,
@@ -25,7 +26,6 @@ from control_plane.api.deps import (
 from control_plane.api.routing import LaneRoute
 from control_plane.console_schemas import ConsoleSessionInfo, SignInRequest
 from control_plane.errors import AdminAuthError
-from control_plane.services import console_sessions
 
 CONSOLE_DIST = Path(__file__).resolve().parent.parent / "console" / "dist"
 #: The console's routes (client-side); each serves index.html.

@@ -9,13 +9,13 @@ from fastapi import Depends, Header, Request
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
+from control_plane.access import console_sessions
+from control_plane.access.console_sessions import SignedIn
+from control_plane.audit import ADMIN_TOKEN_ACTOR, Audit, console_actor
 from control_plane.context import AppContext
 from control_plane.errors import AdminAuthError, CredentialError, refusal_for
+from control_plane.fleet.credentials import NodePrincipal
 from control_plane.security import sha256_hex
-from control_plane.services import console_sessions
-from control_plane.services.audit import ADMIN_TOKEN_ACTOR, Audit, console_actor
-from control_plane.services.console_sessions import SignedIn
-from control_plane.services.credentials import NodePrincipal
 
 
 async def get_context(request: Request) -> AppContext:

@@ -9,6 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Request, status
 from sqlalchemy.orm import Session
 
+from control_plane import audit as audit_log
 from control_plane.api.deps import (
     AdminDep,
     AuditDep,
@@ -18,12 +19,13 @@ from control_plane.api.deps import (
     client_address,
 )
 from control_plane.api.routing import LaneRoute
+from control_plane.catalog import catalog as models_catalog
 from control_plane.context import AppContext
 from control_plane.models import Service
+from control_plane.scheduling.waiting import explain
 from control_plane.schemas import DB_INT_MAX, ResourceId
-from control_plane.services import audit as audit_log
-from control_plane.services import deployments, models_catalog, secrets_vault
-from control_plane.services.waiting import explain
+from control_plane.services import deployments
+from control_plane.vault import vault as secrets_vault
 from control_plane.workload_schemas import (
     AgentServicesDesired,
     AgentServicesSync,

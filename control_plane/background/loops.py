@@ -21,14 +21,15 @@ from datetime import timedelta
 
 from anyio import to_thread
 
+from control_plane.access.console_sessions import prune_sessions
+from control_plane.artifacts import sweep as artifact_sweep
 from control_plane.context import AppContext
 from control_plane.db import DatabaseAvailability, is_database_unavailable
 from control_plane.errors import Busy, DatabaseUnavailable, StorageFull, refusal_for
-from control_plane.services import artifact_sweep, jobs
-from control_plane.services.console_sessions import prune_sessions
-from control_plane.services.liveness import mark_alive
-from control_plane.services.nodes import sweep_liveness
-from control_plane.services.reports import prune_telemetry
+from control_plane.fleet.liveness import mark_alive
+from control_plane.fleet.nodes import sweep_liveness
+from control_plane.fleet.reports import prune_telemetry
+from control_plane.jobs import jobs
 
 log = logging.getLogger(__name__)
 

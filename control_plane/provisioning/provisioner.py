@@ -39,6 +39,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import Clock
+from control_plane.fleet.credentials import PROVISIONER_LIFETIME, CredentialAuthority
+from control_plane.fleet.liveness import Liveness
 from control_plane.models import (
     Job,
     Node,
@@ -49,11 +51,9 @@ from control_plane.models import (
 )
 from control_plane.provisioning import slurm
 from control_plane.provisioning.config import Profile, SlurmProvisioner
+from control_plane.scheduling.placement import Capacity, Shape, labels_match
+from control_plane.scheduling.waiting import Fleet, explain
 from control_plane.security import new_id, sha256_hex
-from control_plane.services.credentials import PROVISIONER_LIFETIME, CredentialAuthority
-from control_plane.services.liveness import Liveness
-from control_plane.services.scheduling import Capacity, Shape, labels_match
-from control_plane.services.waiting import Fleet, explain
 
 log = logging.getLogger(__name__)
 INTERVAL_S = 2.0

@@ -28,16 +28,17 @@ from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from control_plane.artifacts.store import reference_artifacts
+from control_plane.catalog import catalog as models_catalog
 from control_plane.clock import Clock
 from control_plane.errors import Conflict, InvalidRequest, NotFound
+from control_plane.fleet.liveness import Liveness
 from control_plane.models import Node, Service, ServiceEvent
+from control_plane.scheduling.placement import Request, Shape, free_capacity, labels_match
 from control_plane.schemas import AssignedGpu
 from control_plane.security import new_id
-from control_plane.services import models_catalog, secrets_vault
-from control_plane.services.artifacts import reference_artifacts
-from control_plane.services.liveness import Liveness
-from control_plane.services.scheduling import Request, Shape, free_capacity, labels_match
-from control_plane.services.secrets_vault import Vault
+from control_plane.vault import vault as secrets_vault
+from control_plane.vault.vault import Vault
 from control_plane.workload_schemas import (
     AgentServiceSpec,
     AgentServicesSync,

@@ -20,11 +20,11 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import delete, select
 
+from control_plane.artifacts import sweep as artifact_sweep
+from control_plane.artifacts.store import reference_artifacts
 from control_plane.background.loops import start_loops, stop_loops, sweep_artifacts
 from control_plane.errors import NotFound
 from control_plane.models import Artifact, ArtifactUpload, AuditEntry, Model, Service
-from control_plane.services import artifact_sweep
-from control_plane.services.artifacts import reference_artifacts
 from tests.factories import ControlPlane, control_plane, heartbeat_body, inventory_body
 
 GRACE = 86400.0

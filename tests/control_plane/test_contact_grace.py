@@ -18,7 +18,7 @@ from sqlalchemy import text
 from control_plane.background.loops import PRESENCE_INTERVAL_SECONDS, sweep_jobs
 from control_plane.background.service_placement import place_services
 from control_plane.db import is_database_unavailable, make_engine
-from control_plane.services.liveness import liveness_state
+from control_plane.fleet.liveness import liveness_state
 from tests.control_plane.test_jobs import _claim, _node, _submit
 from tests.e2e.server import FAST, LiveServer, free_port
 from tests.factories import ControlPlane, control_plane, heartbeat_body

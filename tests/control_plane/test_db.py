@@ -12,7 +12,7 @@ from pydantic import SecretStr
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from control_plane.admin_token import AdminTokenConfigError, resolve_admin_token
+from control_plane.access.admin_token import AdminTokenConfigError, resolve_admin_token
 from control_plane.db import make_engine, migrate
 from control_plane.settings import Settings
 from tests.conftest import POSTGRES_ADMIN_URL, _libpq

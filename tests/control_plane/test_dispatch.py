@@ -12,7 +12,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from control_plane.db import make_engine, make_session_factory
-from control_plane.dispatch import CHANNEL, Dispatcher, Keys, jobs_changed
+from control_plane.scheduling.dispatch import CHANNEL, Dispatcher, Keys, jobs_changed
 
 
 class _Boom(Exception):

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import select, update
 
 from control_plane.models import Job
-from control_plane.services.scheduling import (
+from control_plane.scheduling.placement import (
     QUEUED_COLUMNS,
     JobQueue,
     PlacedJob,

@@ -15,8 +15,8 @@ from sqlalchemy import Engine, event, insert, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from control_plane.fleet.heartbeats import HeartbeatBuffer, PendingHeartbeat
 from control_plane.models import Node, NodeEnrollment, NodeEvent
-from control_plane.services.heartbeats import HeartbeatBuffer, PendingHeartbeat
 from tests.factories import ControlPlane, control_plane
 
 FLEET = 1_200  # more than two chunks of the flush

@@ -16,8 +16,8 @@ from pydantic import SecretStr, ValidationError
 from sqlalchemy import exc, select
 from sqlalchemy.orm import Session
 
+from control_plane.jobs import jobs
 from control_plane.metrics import CONTENT_TYPE, MAX_ERROR_CODES, Metrics
-from control_plane.services import jobs
 from control_plane.settings import Settings
 from tests.factories import (
     ADMIN_TOKEN,

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from sqlalchemy import event
 
-from control_plane.services.scheduling import PlacedJob, return_unanswered
-from control_plane.services.waiting import read_fleet
+from control_plane.scheduling.placement import PlacedJob, return_unanswered
+from control_plane.scheduling.waiting import read_fleet
 from tests.control_plane.test_jobs import _claim, _job, _node, _submit
 from tests.factories import ControlPlane, control_plane, heartbeat_body, inventory_body
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from control_plane.errors import InvalidRequest
-from control_plane.services import node_setup
+from control_plane.fleet import node_setup
 from tests.factories import node_agent_entry
 
 TOKEN = "mfe_Wizard-Token-Never-In-Args-0123456789"

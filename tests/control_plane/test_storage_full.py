@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from control_plane.services.artifacts import DIGEST_PREFIX
+from control_plane.artifacts.store import DIGEST_PREFIX
 from tests.control_plane.test_jobs import _node
 from tests.factories import ControlPlane, control_plane
 

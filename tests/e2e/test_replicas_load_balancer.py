@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from control_plane.api.deps import CSRF_HEADER
-from control_plane.services.credentials import SIGNING_KEY_FILE
+from control_plane.fleet.credentials import SIGNING_KEY_FILE
 from modelforge_contracts.files import write_private
 from runtime_worker.execution import jobs_directory
 from tests.e2e.node import Node, wait_until

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from control_plane.services.credentials import SIGNING_KEY_FILE
+from control_plane.fleet.credentials import SIGNING_KEY_FILE
 from tests.e2e.server import LiveServer
 from tests.factories import heartbeat_body
 

@@ -12,8 +12,8 @@ from sqlalchemy.orm import Session
 from control_plane.clock import Clock
 from control_plane.db import rowcount
 from control_plane.errors import ProtocolIncompatible
+from control_plane.fleet.nodes import get_node, record_event
 from control_plane.models import Node, TelemetrySample
-from control_plane.services.nodes import get_node, record_event
 
 
 def record_incompatibility(

@@ -35,9 +35,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import Clock
 from control_plane.db import rowcount
-from control_plane.dispatch import jobs_changed, node_key
 from control_plane.errors import CredentialError, CredentialExpired, CredentialRevoked, NotFound
 from control_plane.models import NodeCredential, SigningKey
+from control_plane.scheduling.dispatch import jobs_changed, node_key
 from control_plane.security import new_id
 from modelforge_contracts.files import write_private
 

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import Clock
 from control_plane.errors import ModelForgeError
-from control_plane.services.jobs import Outcome, complete_jobs
+from control_plane.jobs.jobs import Outcome, complete_jobs
 
 log = logging.getLogger(__name__)
 GROUP_LIMIT = 500

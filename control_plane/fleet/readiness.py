@@ -6,8 +6,8 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from control_plane.errors import ProtocolIncompatible
+from control_plane.fleet.compatibility import judge_protocol
 from control_plane.schemas import NodePublic, Readiness, ReadinessCheck
-from control_plane.services.compatibility import judge_protocol
 
 
 def _check(name: str, status: str, detail: str, next_step: str = "") -> ReadinessCheck:

@@ -14,17 +14,18 @@ from typing import Any, Protocol
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
+from control_plane.artifacts.store import reference_artifacts
+from control_plane.catalog import catalog as models_catalog
 from control_plane.clock import Clock
 from control_plane.db import rowcount
-from control_plane.dispatch import CAPACITY, job_key, jobs_changed, node_key, queued_key
 from control_plane.errors import Conflict, InvalidRequest, ModelForgeError, NotFound
+from control_plane.fleet.liveness import ContactGrace, counted_from
 from control_plane.metrics import job_finished
 from control_plane.models import JOB_EVENTS, JOBS, Job, JobEvent
+from control_plane.scheduling.dispatch import CAPACITY, job_key, jobs_changed, node_key, queued_key
 from control_plane.schemas import AssignedGpu, JobCreate, JobError, JobPublic, WaitingReason
 from control_plane.security import new_id
-from control_plane.services import models_catalog, secrets_vault
-from control_plane.services.artifacts import reference_artifacts
-from control_plane.services.liveness import ContactGrace, counted_from
+from control_plane.vault import vault as secrets_vault
 
 FINISHED = ("succeeded", "failed", "cancelled")
 

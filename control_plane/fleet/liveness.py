@@ -30,7 +30,7 @@ from control_plane.models import ControlPlanePresence, Node
 from control_plane.schemas import NodeState
 
 if TYPE_CHECKING:  # heartbeats records state changes through nodes, which reads liveness
-    from control_plane.services.heartbeats import HeartbeatBuffer
+    from control_plane.fleet.heartbeats import HeartbeatBuffer
 
 #: The one row of `control_plane_presence`.
 _PRESENCE_ROW = 1

@@ -21,12 +21,12 @@ from sqlalchemy import event, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, SessionTransaction
 
+from control_plane.artifacts.store import DIGEST_PREFIX, ArtifactStore, record_artifact
 from control_plane.clock import Clock
 from control_plane.models import Artifact
-from control_plane.services.artifacts import DIGEST_PREFIX, ArtifactStore, record_artifact
 
 #: The sweep's logger: what settling its trash says is the sweep's news.
-log = logging.getLogger("control_plane.services.artifact_sweep")
+log = logging.getLogger("control_plane.artifacts.sweep")
 
 #: `<hex>.<random>`: a file moved aside by a sweep.
 _TRASHED = re.compile(r"^([0-9a-f]{64})\.[0-9a-f]+$")

@@ -51,11 +51,11 @@ from typing import Any
 from sqlalchemy import and_, delete, or_, select, text
 from sqlalchemy.orm import Session
 
+from control_plane.artifacts._trash import Trash, modified_at, resolve_leftover_trash
+from control_plane.artifacts.store import DIGEST_PREFIX, ArtifactStore
 from control_plane.clock import Clock
 from control_plane.errors import NotFound
 from control_plane.models import Artifact, ArtifactUpload, Job, Model, Service
-from control_plane.services._artifact_trash import Trash, modified_at, resolve_leftover_trash
-from control_plane.services.artifacts import DIGEST_PREFIX, ArtifactStore
 
 log = logging.getLogger(__name__)
 

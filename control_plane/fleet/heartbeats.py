@@ -41,11 +41,11 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import Clock
+from control_plane.fleet.compatibility import judge_protocol
+from control_plane.fleet.nodes import record_event
 from control_plane.metrics import Metrics
 from control_plane.models import Node
 from control_plane.schemas import Compatibility, HeartbeatRequest, HeartbeatResponse
-from control_plane.services.compatibility import judge_protocol
-from control_plane.services.nodes import record_event
 from control_plane.settings import Settings
 from modelforge_contracts.protocol import accepted
 

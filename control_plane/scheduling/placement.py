@@ -31,11 +31,11 @@ from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
-from control_plane.dispatch import CAPACITY, job_key, jobs_changed, queued_key
+from control_plane.fleet.liveness import Liveness
+from control_plane.jobs.jobs import cancel_unstarted
 from control_plane.models import JOB_EVENTS, JOBS, Job, JobEvent, Node, Service
-from control_plane.services.jobs import cancel_unstarted
-from control_plane.services.liveness import Liveness
-from control_plane.services.secrets_vault import Vault, values_for
+from control_plane.scheduling.dispatch import CAPACITY, job_key, jobs_changed, queued_key
+from control_plane.vault.vault import Vault, values_for
 
 #: Matching rounds in one batch: a job lost to another replica (or cancelled) is replaced by
 #: the next fitting one while the nodes' locks are held.

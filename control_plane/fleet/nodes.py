@@ -18,9 +18,9 @@ from sqlalchemy.orm import Session
 from control_plane.clock import Clock
 from control_plane.db import rowcount
 from control_plane.errors import NotFound
+from control_plane.fleet.liveness import Liveness, counted_from, liveness_state
 from control_plane.models import Node, NodeCredential, NodeEvent
 from control_plane.schemas import DuplicateIdentity, NeedsUpgrade, NodePublic
-from control_plane.services.liveness import Liveness, counted_from, liveness_state
 
 
 def fingerprint_hash(fingerprint: dict[str, Any] | None) -> str | None:

@@ -28,11 +28,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import Clock
 from control_plane.db import is_database_unavailable
-from control_plane.dispatch import CAPACITY, Dispatcher, Keys
+from control_plane.fleet.liveness import Liveness
 from control_plane.models import Job
-from control_plane.schemas import WaitingReason
-from control_plane.services.liveness import Liveness
-from control_plane.services.scheduling import (
+from control_plane.scheduling.dispatch import CAPACITY, Dispatcher, Keys
+from control_plane.scheduling.placement import (
     QUEUED_COLUMNS,
     BatchResult,
     JobQueue,
@@ -43,8 +42,9 @@ from control_plane.services.scheduling import (
     queued_job,
     return_unanswered,
 )
-from control_plane.services.secrets_vault import Vault
-from control_plane.services.waiting import Fleet, explain, read_fleet
+from control_plane.scheduling.waiting import Fleet, explain, read_fleet
+from control_plane.schemas import WaitingReason
+from control_plane.vault.vault import Vault
 
 log = logging.getLogger(__name__)
 

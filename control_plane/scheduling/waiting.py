@@ -16,11 +16,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from control_plane.errors import InvalidRequest, NotFound
+from control_plane.fleet.liveness import Liveness
 from control_plane.models import Job, Node, Service
-from control_plane.schemas import QueuedWork, WaitingReason
-from control_plane.services import deployments
-from control_plane.services.liveness import Liveness
-from control_plane.services.scheduling import (
+from control_plane.scheduling.placement import (
     QUEUED_COLUMNS,
     Capacity,
     Request,
@@ -29,6 +27,8 @@ from control_plane.services.scheduling import (
     labels_match,
     queued_job,
 )
+from control_plane.schemas import QueuedWork, WaitingReason
+from control_plane.services import deployments
 
 #: Node ids per `IN (…)` list when re-reading changed nodes.
 _READ_CHUNK = 500

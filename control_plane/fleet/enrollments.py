@@ -26,10 +26,10 @@ from control_plane.errors import (
     NotFound,
     ServiceUnavailable,
 )
+from control_plane.fleet.credentials import CredentialAuthority
+from control_plane.fleet.nodes import fingerprint_hash, record_event
 from control_plane.models import Node, NodeCredential, NodeEnrollment
 from control_plane.security import new_enrollment_token, new_id, sha256_hex
-from control_plane.services.credentials import CredentialAuthority
-from control_plane.services.nodes import fingerprint_hash, record_event
 
 
 def enrollment_state(enrollment: NodeEnrollment, now: datetime) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from control_plane import RELEASE_VERSION
 from control_plane.errors import InvalidRequest
-from control_plane.services import start_script
+from control_plane.fleet import start_script
 from modelforge_contracts.protocol import PROTOCOL_VERSION
 from modelforge_contracts.release_manifest import (
     ImageEntry,

@@ -1,0 +1,1 @@
+"""Who may use the admin API: the admin token and the console's sign-in sessions."""

@@ -1,0 +1,1 @@
+"""The model catalogue (WL-5c): immutable `name@version` entries."""

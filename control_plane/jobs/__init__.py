@@ -1,0 +1,1 @@
+"""Jobs: submission, cancellation, deletion, their events, and what agents report about them."""
