@@ -29,13 +29,16 @@ from control_plane.api import (
     agent,
     agent_work,
     artifacts,
+    audit,
     console,
     docs,
     jobs,
     metrics,
+    models,
     provisioning,
     public,
-    workloads,
+    secrets,
+    services,
 )
 from control_plane.api.agent_fast import AgentFastPath
 from control_plane.api.edge import Edge, JsonGuard, invalid_json
@@ -170,8 +173,11 @@ def create_app(
     app.include_router(docs.router)
     app.include_router(metrics.router)
     app.include_router(artifacts.router)
-    app.include_router(workloads.router)
-    app.include_router(workloads.agent_router)
+    app.include_router(models.router)
+    app.include_router(secrets.router)
+    app.include_router(services.router)
+    app.include_router(audit.router)
+    app.include_router(services.agent_router)
     app.include_router(provisioning.router)
     console.mount_console(app)
     return AgentFastPath(Edge(JsonGuard(app), ctx), ctx)

@@ -1,0 +1,135 @@
+"""The product's model services (WL-5a): deploy, list, read, events, restart, undeploy for users
+(admin token or console session), and the agents' service sync (node credential)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, status
+from sqlalchemy.orm import Session
+
+from control_plane.api.deps import (
+    AdminDep,
+    AuditDep,
+    ContextDep,
+    NodeDep,
+    SessionDep,
+    client_address,
+)
+from control_plane.api.routing import LaneRoute
+from control_plane.context import AppContext
+from control_plane.models import Service
+from control_plane.scheduling.waiting import explain
+from control_plane.schemas import DB_INT_MAX, ResourceId
+from control_plane.services import deployments
+from control_plane.workload_schemas import (
+    AgentServicesDesired,
+    AgentServicesSync,
+    ServiceCreate,
+    ServiceEventPublic,
+    ServicePublic,
+)
+
+router = APIRouter(
+    prefix="/api/v1", tags=["services"], dependencies=[AdminDep], route_class=LaneRoute
+)
+agent_router = APIRouter(prefix="/api/v1/agent", tags=["agent"], route_class=LaneRoute)
+
+#: How often an agent syncs its services.
+SYNC_INTERVAL_SECONDS = 2.0
+
+
+def _service_view(ctx: AppContext, session: Session, service: Service) -> ServicePublic:
+    # Why a pending service waits is read from the scheduler's fleet, built only when asked.
+    reason = deployments.waiting_reason(
+        session, service, lambda shape: explain(ctx.scheduler.fleet(session), shape)
+    )
+    return deployments.service_public(service, reason)
+
+
+@router.post("/services", status_code=status.HTTP_201_CREATED, response_model=ServicePublic)
+def deploy_service(
+    body: ServiceCreate, ctx: ContextDep, session: SessionDep, audit: AuditDep
+) -> ServicePublic:
+    audit("service.deploy", body.name, model=body.model, secrets=body.secrets)
+    service = deployments.deploy(session=session, clock=ctx.clock, request=body)
+    audit.target = f"{service.id} ({service.name})"
+    return _service_view(ctx, session, service)
+
+
+@router.get("/services", response_model=list[ServicePublic])
+def list_services(
+    ctx: ContextDep,
+    session: SessionDep,
+    state: Annotated[
+        str | None,
+        Query(pattern="^(pending|starting|healthy|unhealthy|restarting|stopped|failed)$"),
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+) -> list[ServicePublic]:
+    rows = deployments.list_services(session=session, state=state, limit=limit)
+    return [_service_view(ctx, session, row) for row in rows]
+
+
+@router.get("/services/{service_id}", response_model=ServicePublic)
+def get_service(service_id: ResourceId, ctx: ContextDep, session: SessionDep) -> ServicePublic:
+    service = deployments.get_service(session=session, service_id=service_id)
+    return _service_view(ctx, session, service)
+
+
+@router.get("/services/{service_id}/events", response_model=list[ServiceEventPublic])
+def service_events(
+    service_id: ResourceId,
+    session: SessionDep,
+    after: Annotated[int, Query(ge=0, le=DB_INT_MAX)] = 0,
+    limit: Annotated[int, Query(ge=1, le=5000)] = 1000,
+) -> list[ServiceEventPublic]:
+    rows = deployments.list_events(session=session, service_id=service_id, after=after, limit=limit)
+    return [deployments.event_public(row) for row in rows]
+
+
+@router.post("/services/{service_id}/restart", response_model=ServicePublic)
+def restart_service(
+    service_id: ResourceId, ctx: ContextDep, session: SessionDep, audit: AuditDep
+) -> ServicePublic:
+    audit("service.restart", service_id)
+    service = deployments.restart(session=session, clock=ctx.clock, service_id=service_id)
+    return _service_view(ctx, session, service)
+
+
+@router.delete("/services/{service_id}", response_model=ServicePublic)
+def undeploy_service(
+    service_id: ResourceId, ctx: ContextDep, session: SessionDep, audit: AuditDep
+) -> ServicePublic:
+    """Undeploy: its node's agent stops its whole process group at its next sync (seconds),
+    and its resources are free for other work at once."""
+    audit("service.undeploy", service_id)
+    service = deployments.undeploy(session=session, clock=ctx.clock, service_id=service_id)
+    return _service_view(ctx, session, service)
+
+
+# -- the agents' service sync -------------------------------------------------------------------
+
+
+@agent_router.post("/services/sync", response_model=AgentServicesDesired)
+async def sync_services(
+    body: AgentServicesSync, node: NodeDep, ctx: ContextDep, request: Request
+) -> AgentServicesDesired:
+    """The agent reports its services and gets those it must run, with their secrets."""
+
+    def work() -> AgentServicesDesired:
+        with ctx.session_factory.begin() as session:
+            desired = deployments.sync(
+                session=session,
+                clock=ctx.clock,
+                vault=ctx.vault,
+                node_id=node.node_id,
+                carried=node.labels,
+                seen_host=client_address(request),
+                body=body,
+            )
+        return AgentServicesDesired(services=desired, poll_interval_seconds=SYNC_INTERVAL_SECONDS)
+
+    # On the agent lane: agents' traffic never takes the pool every request's dependencies
+    # (health's included) share.
+    return await ctx.lanes.agent.run(work)
