@@ -14,24 +14,32 @@ from control_plane.api.deps import ContextDep, NodeDep
 from control_plane.api.ranges import artifact_response
 from control_plane.api.routing import LaneRoute
 from control_plane.artifacts import store as artifacts
+from control_plane.artifacts.schemas import (
+    ArtifactPublic,
+)
 from control_plane.context import AppContext
 from control_plane.errors import ModelForgeError
 from control_plane.fleet.credentials import NodePrincipal
-from control_plane.jobs import jobs
-from control_plane.scheduling.dispatch import node_key
-from control_plane.scheduling.placement import PlacedJob, labels_match
-from control_plane.schemas import (
+from control_plane.fleet.schemas import (
+    AssignedGpu,
+)
+from control_plane.jobs import reports as job_reports
+from control_plane.jobs.schemas import (
     AgentJobCancellations,
     AgentJobComplete,
     AgentJobControl,
     AgentJobReport,
     AgentJobWatch,
-    ArtifactPublic,
-    AssignedGpu,
-    Digest,
+)
+from control_plane.scheduling.dispatch import node_key
+from control_plane.scheduling.placement import PlacedJob, labels_match
+from control_plane.scheduling.schemas import (
     JobAssignment,
-    ResourceId,
     WorkClaim,
+)
+from control_plane.schemas import (
+    Digest,
+    ResourceId,
 )
 
 router = APIRouter(prefix="/api/v1/agent", tags=["agent"], route_class=LaneRoute)
@@ -77,7 +85,7 @@ async def claim_until_closed(
         if isinstance(placed, PlacedJob) and not _may_receive_secrets(placed, node):
             with contextlib.suppress(ModelForgeError):  # cancelled meanwhile: it ends anyway
                 await ctx.completions.record(
-                    jobs.Outcome(
+                    job_reports.Outcome(
                         job_id=placed.id,
                         node_id=node.node_id,
                         state="failed",
@@ -134,7 +142,9 @@ async def watch_jobs(body: AgentJobWatch, node: NodeDep, ctx: ContextDep) -> Age
     def check() -> list[str] | None:
         # Read-only: every agent reads again at every wake, and on SQLite waits for no writer.
         with ctx.read_session_factory() as session:
-            stop = jobs.cancellations(session=session, node_id=node.node_id, job_ids=body.job_ids)
+            stop = job_reports.cancellations(
+                session=session, node_id=node.node_id, job_ids=body.job_ids
+            )
         return stop or None
 
     async def attempt() -> list[str] | None:
@@ -152,7 +162,7 @@ def report_job(
     job_id: ResourceId, body: AgentJobReport, node: NodeDep, ctx: ContextDep
 ) -> AgentJobControl:
     with ctx.session_factory.begin() as session:
-        cancel = jobs.record_report(
+        cancel = job_reports.record_report(
             session=session,
             clock=ctx.clock,
             job_id=job_id,
@@ -171,9 +181,9 @@ async def complete_job(
     return AgentJobControl(cancel=False)
 
 
-def outcome(job_id: str, node_id: str, body: AgentJobComplete) -> jobs.Outcome:
+def outcome(job_id: str, node_id: str, body: AgentJobComplete) -> job_reports.Outcome:
     """The outcome an agent's completion reports (the route and the agents' fast path)."""
-    return jobs.Outcome(
+    return job_reports.Outcome(
         job_id=job_id,
         node_id=node_id,
         state=body.state,

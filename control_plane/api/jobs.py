@@ -13,20 +13,24 @@ from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
 from control_plane.api.ranges import artifact_response
 from control_plane.api.routing import LaneRoute
 from control_plane.artifacts import store as artifacts
+from control_plane.artifacts.schemas import (
+    ArtifactPublic,
+)
 from control_plane.audit import ADMIN_TOKEN_ACTOR, Audit
 from control_plane.context import AppContext
-from control_plane.jobs import jobs
-from control_plane.models import Job
-from control_plane.scheduling.dispatch import job_key
-from control_plane.schemas import (
-    DB_INT_MAX,
-    ArtifactPublic,
-    Digest,
+from control_plane.jobs import lifecycle
+from control_plane.jobs.schemas import (
     JobBatchCreate,
     JobBatchPublic,
     JobCreate,
     JobEventPublic,
     JobPublic,
+)
+from control_plane.models import Job
+from control_plane.scheduling.dispatch import job_key
+from control_plane.schemas import (
+    DB_INT_MAX,
+    Digest,
     ResourceId,
 )
 
@@ -39,13 +43,13 @@ router = APIRouter(prefix="/api/v1", tags=["jobs"], dependencies=[AdminDep], rou
 
 
 def _public(ctx: AppContext, job: Job, session: Session) -> JobPublic:
-    return jobs.job_public(job, ctx.scheduler.waiting_reason(job, session))
+    return lifecycle.job_public(job, ctx.scheduler.waiting_reason(job, session))
 
 
 @router.post("/jobs", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
 def submit_job(body: JobCreate, ctx: ContextDep, session: SessionDep, audit: AuditDep) -> JobPublic:
     audit("job.submit", body.model or "", secrets=body.secrets)
-    job = jobs.submit_job(session=session, clock=ctx.clock, request=body)
+    job = lifecycle.submit_job(session=session, clock=ctx.clock, request=body)
     audit.target = job.id
     view = _public(ctx, job, session)
     audit.succeeded(session)
@@ -60,7 +64,7 @@ def submit_jobs(
     """Up to 1,000 jobs in one transaction: all are queued, in the order given, or none (a bad
     one is named by its index, `jobs[<i>]`, and nothing is queued)."""
     audit("job.submit", f"batch of {len(body.jobs)}")
-    queued = jobs.submit_jobs(session=session, clock=ctx.clock, requests=body.jobs)
+    queued = lifecycle.submit_jobs(session=session, clock=ctx.clock, requests=body.jobs)
     audit.detail = {"jobs": len(queued), "first": queued[0].id, "last": queued[-1].id}
     views = JobBatchPublic(jobs=[_public(ctx, job, session) for job in queued])
     audit.succeeded(session)
@@ -84,13 +88,15 @@ def list_jobs(
 ) -> list[JobPublic]:
     """Newest first. Each `label=key=value` (repeatable) keeps the jobs that carry it."""
     wanted = dict(item.split("=", 1) for item in label or [])
-    rows = jobs.list_jobs(session=session, state=state, node_id=node_id, limit=limit, labels=wanted)
+    rows = lifecycle.list_jobs(
+        session=session, state=state, node_id=node_id, limit=limit, labels=wanted
+    )
     return [_public(ctx, job, session) for job in rows]
 
 
 @router.get("/jobs/{job_id}", response_model=JobPublic)
 def get_job(job_id: ResourceId, ctx: ContextDep, session: SessionDep) -> JobPublic:
-    return _public(ctx, jobs.get_job(session=session, job_id=job_id), session)
+    return _public(ctx, lifecycle.get_job(session=session, job_id=job_id), session)
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=JobPublic)
@@ -98,7 +104,7 @@ def cancel_job(
     job_id: ResourceId, ctx: ContextDep, session: SessionDep, audit: AuditDep
 ) -> JobPublic:
     audit("job.cancel", job_id)
-    job = jobs.cancel_job(session=session, clock=ctx.clock, job_id=job_id)
+    job = lifecycle.cancel_job(session=session, clock=ctx.clock, job_id=job_id)
     view = _public(ctx, job, session)
     audit.succeeded(session)
     session.commit()
@@ -108,13 +114,13 @@ def cancel_job(
 @router.delete("/jobs/{job_id}", status_code=status.HTTP_204_NO_CONTENT)
 def delete_job(job_id: ResourceId, session: SessionDep, audit: AuditDep) -> None:
     audit("job.delete", job_id)
-    jobs.delete_job(session=session, job_id=job_id)
+    lifecycle.delete_job(session=session, job_id=job_id)
 
 
 def _events(ctx: AppContext, job_id: str, after: int, limit: int) -> list[JobEventPublic]:
     # Read-only: a long poll reads again at every wake, and on SQLite waits for no writer.
     with ctx.read_session_factory() as session:
-        rows = jobs.list_events(session=session, job_id=job_id, after=after, limit=limit)
+        rows = lifecycle.list_events(session=session, job_id=job_id, after=after, limit=limit)
         return [JobEventPublic(seq=r.seq, at=r.at, kind=r.kind, data=r.data) for r in rows]
 
 

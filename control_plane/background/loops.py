@@ -29,7 +29,7 @@ from control_plane.errors import Busy, DatabaseUnavailable, StorageFull, refusal
 from control_plane.fleet.liveness import mark_alive
 from control_plane.fleet.nodes import sweep_liveness
 from control_plane.fleet.reports import prune_telemetry
-from control_plane.jobs import jobs
+from control_plane.jobs import reports as job_reports
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def prune(ctx: AppContext) -> int:
 
 def sweep_jobs(ctx: AppContext) -> int:
     with ctx.session_factory.begin() as session:
-        return jobs.sweep_jobs(
+        return job_reports.sweep_jobs(
             session=session,
             clock=ctx.clock,
             contact_timeout=timedelta(seconds=ctx.settings.job_contact_timeout_seconds),

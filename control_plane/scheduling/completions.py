@@ -3,7 +3,7 @@ transaction per outcome would cost more than the placement itself.
 
 `Completions.record` queues an outcome and waits for the commit of its group; one task takes
 everything queued while the previous group was committing (up to `GROUP_LIMIT`) into the next
-transaction (`services.jobs.complete_jobs`). An agent's request is answered only once its outcome
+transaction (`jobs.reports.complete_jobs`). An agent's request is answered only once its outcome
 is durable, and a refused outcome (not its job, no longer running) is refused to its own agent
 alone; a failed transaction fails its whole group, and the agents retry.
 """
@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import Clock
 from control_plane.errors import ModelForgeError
-from control_plane.jobs.jobs import Outcome, complete_jobs
+from control_plane.jobs.reports import Outcome, complete_jobs
 
 log = logging.getLogger(__name__)
 GROUP_LIMIT = 500

@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
 from control_plane.fleet.liveness import Liveness
-from control_plane.jobs.jobs import cancel_unstarted
+from control_plane.jobs.reports import cancel_unstarted
 from control_plane.models import JOB_EVENTS, JOBS, Job, JobEvent, Node, Service
 from control_plane.scheduling.dispatch import CAPACITY, job_key, jobs_changed, queued_key
 from control_plane.vault.vault import Vault, values_for

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from control_plane.jobs.jobs import Outcome, complete_jobs
+from control_plane.jobs.reports import Outcome, complete_jobs
 from tests.control_plane.test_jobs import _claim, _job, _node
 from tests.factories import ControlPlane, control_plane
 

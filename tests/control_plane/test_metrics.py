@@ -16,7 +16,7 @@ from pydantic import SecretStr, ValidationError
 from sqlalchemy import exc, select
 from sqlalchemy.orm import Session
 
-from control_plane.jobs import jobs
+from control_plane.jobs import lifecycle
 from control_plane.metrics import CONTENT_TYPE, MAX_ERROR_CODES, Metrics
 from control_plane.settings import Settings
 from tests.factories import (
@@ -127,7 +127,7 @@ def test_values_are_exact_after_real_requests(tmp_path: Path, database_url: str)
         # the liveness reader counts it, as the node views do.
         cp.clock.advance(30)
         assert cp.heartbeat(a.headers["Authorization"].removeprefix("Bearer ")).is_success
-        assert cp.client.app.answered == 3  # type: ignore[attr-defined]  # and 1 by the route
+        assert cp.client.app.heartbeats == 3  # type: ignore[attr-defined]  # and 1 by the route
         samples = _scrape(cp)
         assert _fleet(samples) == {
             "online": 1,
@@ -157,20 +157,20 @@ def test_outcomes_count_only_once_committed(tmp_path: Path, database_url: str) -
     with control_plane(tmp_path, database_url, metrics_token=SecretStr(METRICS_TOKEN)) as cp:
         job_id = _submit(cp)
         with cp.ctx.session_factory() as session:
-            jobs.cancel_job(session=session, clock=cp.clock, job_id=job_id)
+            lifecycle.cancel_job(session=session, clock=cp.clock, job_id=job_id)
             session.rollback()
             # The same session goes on and commits: the rolled-back outcome stays uncounted.
             session.execute(select(1))
             session.commit()
         with pytest.raises(RuntimeError), cp.ctx.session_factory.begin() as session:
-            jobs.cancel_job(session=session, clock=cp.clock, job_id=job_id)
+            lifecycle.cancel_job(session=session, clock=cp.clock, job_id=job_id)
             raise RuntimeError("the request failed after the job was cancelled")
         samples = _scrape(cp)
         assert _outcomes(samples) == {}
         assert _value(samples, "modelforge_jobs", state="queued") == 1
 
         with cp.ctx.session_factory.begin() as session:
-            jobs.cancel_job(session=session, clock=cp.clock, job_id=job_id)
+            lifecycle.cancel_job(session=session, clock=cp.clock, job_id=job_id)
             # Not before the commit (the counter itself: a scrape would wait for this
             # transaction's lock on SQLite).
             assert list(cp.ctx.metrics.jobs_finished.collect())[0].samples == []
