@@ -367,6 +367,12 @@ def rowcount(result: object) -> int:
     return int(getattr(result, "rowcount", 0) or 0)
 
 
+def ping(*, session: Session) -> None:
+    """One round trip to the database (`/api/v1/health`): raises, as any query would, when the
+    database does not answer, which the app answers `503 DATABASE_UNAVAILABLE`."""
+    session.execute(text("SELECT 1"))
+
+
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(bind=engine, expire_on_commit=False)
 

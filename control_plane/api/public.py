@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from sqlalchemy import text
 
 from control_plane import RELEASE_VERSION
 from control_plane.api.deps import ContextDep, SessionDep
 from control_plane.api.routing import LaneRoute
+from control_plane.db import ping
 from control_plane.schemas import Health, StorageHealth, VersionInfo
 from control_plane.storage import measure_room
 from modelforge_contracts import protocol
@@ -21,7 +21,7 @@ def health(ctx: ContextDep, session: SessionDep) -> Health:
     database handler), so a load balancer or orchestrator sees it. The data dir's free room
     rides along: below `MODELFORGE_STORAGE_LOW_FREE_BYTES` the storage is `low` and the status
     `degraded` — still 200, since reads and most requests still work."""
-    session.execute(text("SELECT 1"))
+    ping(session=session)
     room = measure_room(
         [ctx.settings.data_dir, ctx.artifacts.root],
         low_below_bytes=ctx.settings.storage_low_free_bytes,
