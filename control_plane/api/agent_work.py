@@ -14,15 +14,11 @@ from control_plane.api.deps import ContextDep, NodeDep
 from control_plane.api.ranges import artifact_response
 from control_plane.api.routing import LaneRoute
 from control_plane.artifacts import store as artifacts
-from control_plane.artifacts.schemas import (
-    ArtifactPublic,
-)
+from control_plane.artifacts.schemas import ArtifactPublic
 from control_plane.context import AppContext
 from control_plane.errors import ModelForgeError
 from control_plane.fleet.credentials import NodePrincipal
-from control_plane.fleet.schemas import (
-    AssignedGpu,
-)
+from control_plane.fleet.schemas import AssignedGpu
 from control_plane.jobs import reports as job_reports
 from control_plane.jobs.schemas import (
     AgentJobCancellations,
@@ -32,15 +28,10 @@ from control_plane.jobs.schemas import (
     AgentJobWatch,
 )
 from control_plane.scheduling.dispatch import node_key
-from control_plane.scheduling.placement import PlacedJob, labels_match
-from control_plane.scheduling.schemas import (
-    JobAssignment,
-    WorkClaim,
-)
-from control_plane.schemas import (
-    Digest,
-    ResourceId,
-)
+from control_plane.scheduling.placement import PlacedJob
+from control_plane.scheduling.schemas import JobAssignment, WorkClaim
+from control_plane.scheduling.shapes import labels_match
+from control_plane.schemas import Digest, ResourceId
 
 router = APIRouter(prefix="/api/v1/agent", tags=["agent"], route_class=LaneRoute)
 

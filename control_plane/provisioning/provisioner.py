@@ -51,7 +51,7 @@ from control_plane.models import (
 )
 from control_plane.provisioning import slurm
 from control_plane.provisioning.config import Profile, SlurmProvisioner
-from control_plane.scheduling.placement import Capacity, Shape, labels_match
+from control_plane.scheduling.shapes import Capacity, Shape, labels_match
 from control_plane.scheduling.waiting import Fleet, explain
 from control_plane.security import new_id, sha256_hex
 

@@ -1,4 +1,4 @@
-"""Scheduling: which queued jobs the nodes waiting for work get, in batches (SC-1, SC-2, SC-5).
+"""Placement: which queued jobs the nodes waiting for work get, in batches (SC-1, SC-2, SC-5).
 
 Only online, compatible nodes with an inventory get work. A job fits a node when the node
 carries the job's labels (`require`), or — with `prefer` — when no online node carrying them has
@@ -6,26 +6,21 @@ room; and when its resource requests fit the node's inventory minus what its run
 GPUs are counted as a set: a job is handed specific GPUs of its node (index and UUID) that no
 other running job there holds, and waits, queued, while fewer are free than it asks for.
 
-The queued jobs are kept in memory (`JobQueue`), grouped by *shape* (labels, policy, resources):
-a batch walks the shapes' oldest jobs in age order, so a job that fits a waiting node is placed
-however many jobs that fit none were queued before it (no head-of-line blocking), and among the
-jobs that fit a node the oldest goes first. `place_batch` commits one batch in one transaction:
-the waiting nodes' rows are locked (in id order, so replicas never deadlock), their free capacity
-is read once, the chosen jobs are locked with `FOR UPDATE SKIP LOCKED` and updated only while
-still `queued` — so a job is handed out exactly once, also with several replicas on one
-PostgreSQL, each scheduling the claims it holds.
-
-`read_fleet` and `explain` say why a queued job waits (SC-4), from what the scheduler last saw.
+`match` takes the queue (`queue.JobQueue`, by shape) oldest fitting job first for every waiting
+node. `place_batch` commits one batch in one transaction: the waiting nodes' rows are locked (in
+id order, so replicas never deadlock), their free capacity is read once, the chosen jobs are
+locked with `FOR UPDATE SKIP LOCKED` and updated only while still `queued` — so a job is handed
+out exactly once, also with several replicas on one PostgreSQL, each scheduling the claims it
+holds. The value types it matches with are in `shapes.py`; why a job waits is `waiting.py`'s.
 """
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import Any
 
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
@@ -35,203 +30,13 @@ from control_plane.fleet.liveness import Liveness
 from control_plane.jobs.reports import cancel_unstarted
 from control_plane.models import JOB_EVENTS, JOBS, Job, JobEvent, Node, Service
 from control_plane.scheduling.dispatch import CAPACITY, job_key, jobs_changed, queued_key
+from control_plane.scheduling.queue import JobQueue, QueuedJob
+from control_plane.scheduling.shapes import Capacity, Request, Shape, labels_match
 from control_plane.vault.vault import Vault, values_for
 
 #: Matching rounds in one batch: a job lost to another replica (or cancelled) is replaced by
 #: the next fitting one while the nodes' locks are held.
 _ROUNDS = 3
-
-
-class Request(NamedTuple):
-    cpus: float
-    gpus: int
-    memory_mb: int
-
-    @classmethod
-    def of(cls, resources: dict[str, Any]) -> Request:
-        return cls(
-            float(resources.get("cpus", 0)),
-            int(resources.get("gpus", 0)),
-            int(resources.get("memory_mb", 0)),
-        )
-
-
-@dataclass(frozen=True)
-class Capacity:
-    """What a node has left: cpus and memory by arithmetic, GPUs as the exact set of its
-    inventory's GPUs no running job holds, in index order."""
-
-    cpus: float
-    gpus: tuple[dict[str, Any], ...]
-    memory_mb: int
-
-    @classmethod
-    def of_inventory(cls, inventory: dict[str, Any]) -> Capacity:
-        return cls(
-            float(inventory.get("cpu_count", 0)),
-            _inventory_gpus(inventory),
-            int(inventory.get("memory_mb", 0)),
-        )
-
-    def fits(self, request: Request) -> bool:
-        return (
-            request.cpus <= self.cpus + 1e-9
-            and request.gpus <= len(self.gpus)
-            and request.memory_mb <= self.memory_mb
-        )
-
-    def pick_gpus(self, request: Request) -> list[dict[str, Any]]:
-        """The GPUs a job with `request` is handed: the free ones with the lowest indexes."""
-        return [dict(gpu) for gpu in self.gpus[: request.gpus]]
-
-    def minus(self, request: Request, held_gpus: list[Any] | None) -> Capacity:
-        held = {gpu.get("uuid") for gpu in held_gpus or []}
-        gpus = tuple(gpu for gpu in self.gpus if gpu["uuid"] not in held)
-        if held_gpus is None:
-            # A job running from before GPUs were assigned: it holds as many as it asked for,
-            # which ones unknown; count them off the end so the total stays right.
-            gpus = gpus[: max(0, len(gpus) - request.gpus)]
-        return Capacity(self.cpus - request.cpus, gpus, self.memory_mb - request.memory_mb)
-
-
-def labels_match(
-    wanted: dict[str, str] | tuple[tuple[str, str], ...], carried: dict[str, Any]
-) -> bool:
-    items = wanted.items() if isinstance(wanted, dict) else wanted
-    return all(carried.get(key) == value for key, value in items)
-
-
-def _inventory_gpus(inventory: dict[str, Any]) -> tuple[dict[str, Any], ...]:
-    gpus = [
-        {"index": int(gpu["index"]), "uuid": str(gpu["uuid"])}
-        for gpu in inventory.get("gpus") or []
-        if isinstance(gpu, dict) and "index" in gpu and gpu.get("uuid")
-    ]
-    return tuple(sorted(gpus, key=lambda gpu: gpu["index"]))
-
-
-# -- the queue in memory ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What decides where a job may run; jobs of one shape are interchangeable to the matcher."""
-
-    labels: tuple[tuple[str, str], ...]
-    prefer: bool
-    request: Request
-    #: Labels a node must carry whatever the policy: those of the job's secrets (WL-6a).
-    required: tuple[tuple[str, str], ...] = ()
-
-    @classmethod
-    def of(
-        cls,
-        labels: dict[str, Any],
-        worker_policy: str,
-        resources: dict[str, Any],
-        required: dict[str, Any] | None = None,
-    ) -> Shape:
-        return cls(
-            _label_items(labels),
-            worker_policy == "prefer",
-            Request.of(resources),
-            _label_items(required or {}),
-        )
-
-    def label_text(self) -> str:
-        return ", ".join(f"{key}={value}" for key, value in self.labels)
-
-    def admits(self, carried: dict[str, Any]) -> bool:
-        """Whether a node carrying `carried` may run it at all (its secrets' labels)."""
-        return labels_match(self.required, carried)
-
-
-def _label_items(labels: dict[str, Any]) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((str(k), str(v)) for k, v in labels.items()))
-
-
-@dataclass(frozen=True)
-class QueuedJob:
-    id: str
-    created_at: datetime
-    shape: Shape
-
-    @property
-    def order(self) -> tuple[datetime, str]:
-        return (self.created_at, self.id)
-
-
-QUEUED_COLUMNS = (
-    Job.id,
-    Job.created_at,
-    Job.labels,
-    Job.worker_policy,
-    Job.resources,
-    Job.required_labels,
-)
-
-
-def queued_job(row: Any) -> QueuedJob:
-    return QueuedJob(
-        row.id,
-        row.created_at,
-        Shape.of(row.labels, row.worker_policy, row.resources, row.required_labels),
-    )
-
-
-class JobQueue:
-    """The queued jobs, per shape in age order. Removal is lazy: a shape's list keeps dead
-    entries until they outnumber the live ones, and iteration skips them."""
-
-    def __init__(self) -> None:
-        self._jobs: dict[str, QueuedJob] = {}
-        self._by_shape: dict[Shape, list[QueuedJob]] = {}
-        self._dead: dict[Shape, int] = {}
-
-    def __len__(self) -> int:
-        return len(self._jobs)
-
-    def __contains__(self, job_id: object) -> bool:
-        return job_id in self._jobs
-
-    def get(self, job_id: str) -> QueuedJob | None:
-        return self._jobs.get(job_id)
-
-    def add(self, job: QueuedJob) -> None:
-        if job.id in self._jobs:
-            return
-        self._jobs[job.id] = job
-        jobs = self._by_shape.setdefault(job.shape, [])
-        if not jobs or jobs[-1].order <= job.order:
-            jobs.append(job)
-        else:  # another replica's submission that committed late
-            bisect.insort(jobs, job, key=lambda queued: queued.order)
-
-    def discard(self, job_id: str) -> None:
-        job = self._jobs.pop(job_id, None)
-        if job is None:
-            return
-        dead = self._dead[job.shape] = self._dead.get(job.shape, 0) + 1
-        jobs = self._by_shape[job.shape]
-        if dead * 2 > len(jobs):
-            live = [queued for queued in jobs if self._jobs.get(queued.id) is queued]
-            if live:
-                self._by_shape[job.shape] = live
-            else:
-                del self._by_shape[job.shape]
-            self._dead.pop(job.shape, None)
-
-    def ids(self) -> set[str]:
-        return set(self._jobs)
-
-    def shapes(self) -> Iterator[tuple[Shape, Iterator[QueuedJob]]]:
-        """Each shape with its live jobs, oldest first."""
-        for shape, jobs in self._by_shape.items():
-            yield shape, (job for job in jobs if self._jobs.get(job.id) is job)
-
-    def live_shapes(self) -> list[Shape]:
-        """The shapes that have queued jobs."""
-        return [s for s, jobs in self._by_shape.items() if len(jobs) > self._dead.get(s, 0)]
 
 
 # -- matching -----------------------------------------------------------------------------------

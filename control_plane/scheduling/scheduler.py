@@ -1,7 +1,7 @@
 """The scheduler of one control plane process (SC-1..SC-4): claims wait here, not in a race.
 
 A node's long-poll claim registers as a waiter and sleeps. One task matches the waiters to the
-queued jobs in batches (`services.scheduling.place_batch`, one transaction each) and answers only
+queued jobs in batches (`placement.place_batch`, one transaction each) and answers only
 the claims that got a job. It runs when something can change the answer: a claim arrives, a job
 is queued (`queued:<id>` wake-ups, from this replica or another), a running job ends
 (`capacity`), or once a second while claims and jobs are both waiting (a node that just came
@@ -29,21 +29,19 @@ from sqlalchemy.orm import Session, sessionmaker
 from control_plane.clock import Clock
 from control_plane.db import is_database_unavailable
 from control_plane.fleet.liveness import Liveness
+from control_plane.jobs.schemas import WaitingReason
 from control_plane.models import Job
 from control_plane.scheduling.dispatch import CAPACITY, Dispatcher, Keys
 from control_plane.scheduling.placement import (
-    QUEUED_COLUMNS,
     BatchResult,
-    JobQueue,
     PlacedJob,
-    Shape,
     free_capacity,
     place_batch,
-    queued_job,
     return_unanswered,
 )
+from control_plane.scheduling.queue import QUEUED_COLUMNS, JobQueue, queued_job
+from control_plane.scheduling.shapes import Shape
 from control_plane.scheduling.waiting import Fleet, explain, read_fleet
-from control_plane.schemas import WaitingReason
 from control_plane.vault.vault import Vault
 
 log = logging.getLogger(__name__)

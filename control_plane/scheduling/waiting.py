@@ -17,18 +17,13 @@ from sqlalchemy.orm import Session
 
 from control_plane.errors import InvalidRequest, NotFound
 from control_plane.fleet.liveness import Liveness
+from control_plane.jobs.schemas import WaitingReason
 from control_plane.models import Job, Node, Service
-from control_plane.scheduling.placement import (
-    QUEUED_COLUMNS,
-    Capacity,
-    Request,
-    Shape,
-    held_back,
-    labels_match,
-    queued_job,
-)
-from control_plane.schemas import QueuedWork, WaitingReason
-from control_plane.services import deployments
+from control_plane.scheduling.placement import held_back
+from control_plane.scheduling.queue import QUEUED_COLUMNS, queued_job
+from control_plane.scheduling.schemas import QueuedWork
+from control_plane.scheduling.shapes import Capacity, Request, Shape, labels_match
+from control_plane.services.placement import shape_of
 
 #: Node ids per `IN (…)` list when re-reading changed nodes.
 _READ_CHUNK = 500
@@ -321,7 +316,7 @@ def could_run_on(session: Session, node: Node, *, limit: int, scan: int = 5000) 
     )
     for service in services:
         try:
-            shape = deployments.shape_of(session, service)
+            shape = shape_of(session, service)
         except (NotFound, InvalidRequest):
             continue  # a secret it names is gone: no node can run it until it is set again
         if fits(shape):

@@ -11,13 +11,8 @@ from typing import Any
 from sqlalchemy import select, update
 
 from control_plane.models import Job
-from control_plane.scheduling.placement import (
-    QUEUED_COLUMNS,
-    JobQueue,
-    PlacedJob,
-    place_batch,
-    queued_job,
-)
+from control_plane.scheduling.placement import PlacedJob, place_batch
+from control_plane.scheduling.queue import QUEUED_COLUMNS, JobQueue, queued_job
 from tests.control_plane.test_jobs import _claim, _node, _submit
 from tests.factories import ControlPlane, control_plane
 
