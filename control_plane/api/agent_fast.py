@@ -3,7 +3,9 @@ requests every node sends all the time — a heartbeat, a work claim, a job's co
 without FastAPI's routing and dependency injection, when the credential already verified and is
 known active and the body is small and one the route's own model accepts. The served control
 plane puts it straight on Granian's RSGI interface (`api/rsgi.py`); in-process it is the
-outermost ASGI app.
+outermost ASGI app. Either way a request is read and answered through `agent_frame.py`, and
+`answer` decides one `agent_frame.Outcome`: a `Reply`, a `HandOn` to the routes, or
+`CLIENT_GONE`.
 
 It is not a second implementation: it validates with the routes' models, calls the same
 services (`judge_heartbeat` and `record_heartbeat`, which the route calls through
@@ -26,24 +28,32 @@ from collections.abc import Awaitable, Callable
 
 from pydantic import ValidationError
 
-from control_plane.api.agent_work import CLOSED, assignment, claim_until_closed, outcome
+from control_plane.api.agent_frame import (
+    CLIENT_GONE,
+    HandOn,
+    Outcome,
+    Reply,
+    read_bounded,
+)
+from control_plane.api.agent_work import assignment, outcome
 from control_plane.api.asgi import ASGIApp, Receive, Scope, Send, replay
-from control_plane.api.edge import SECURITY_HEADERS, check_json
+from control_plane.api.edge import check_json
 from control_plane.context import AppContext
 from control_plane.errors import ModelForgeError, ProtocolIncompatible
 from control_plane.fleet.credentials import NodePrincipal, revoked
 from control_plane.fleet.heartbeats import JudgedHeartbeat, judge_heartbeat, record_heartbeat
+from control_plane.fleet.schemas import HeartbeatRequest
+from control_plane.jobs.schemas import AgentJobComplete, AgentJobControl
+from control_plane.scheduling.claims import CLOSED, claim_until_closed
 from control_plane.scheduling.placement import PlacedJob
-from control_plane.schemas import AgentJobComplete, AgentJobControl, HeartbeatRequest, WorkClaim
+from control_plane.scheduling.schemas import WorkClaim
 
-PATH = "/api/v1/agent/heartbeat"
+HEARTBEAT_PATH = "/api/v1/agent/heartbeat"
 CLAIM_PATH = "/api/v1/agent/work/claim"
 _COMPLETE = re.compile(r"^/api/v1/agent/jobs/([A-Za-z0-9_-]{1,64})/complete$")
-#: What `answer` returns when the agent closed the connection first: nobody to answer.
-GONE = (0, b"")
-_NOT_CANCELLED = AgentJobControl(cancel=False).model_dump_json().encode()
-#: The most this seam reads before it hands the request on; a real heartbeat is ~150 bytes.
-FAST_BODY_LIMIT = 16 * 1024
+#: A completion's answer (the job goes on: not cancelled), and a claim's without work.
+_NOT_CANCELLED = Reply(200, AgentJobControl(cancel=False).model_dump_json().encode())
+_NO_WORK = Reply(204, b"")
 #: Heartbeat bodies judged once and answered from memory after: a node sends the same bytes
 #: every time until its health changes, so a fleet has a handful of distinct bodies. Bounded;
 #: only small bodies are kept.
@@ -60,7 +70,7 @@ def agent_request(method: str, path: str) -> AgentRequest | None:
     """Which of the agents' requests `method path` is, if one this seam answers."""
     if method != "POST":
         return None
-    if path == PATH or path == CLAIM_PATH:
+    if path == HEARTBEAT_PATH or path == CLAIM_PATH:
         return path, None
     completing = _COMPLETE.match(path)
     return None if completing is None else (path, completing.group(1))
@@ -70,16 +80,18 @@ class AgentFastPath:
     """Heartbeats, claims and completions answered here; everything else passed to `app`.
 
     `answer` is the seam itself, in terms of the request's parts; `__call__` puts it in front of
-    the ASGI app (the tests' in-process app), and `control_plane.api.rsgi.ServedApp` in front of
-    Granian's RSGI interface (the served control plane), so both answer alike.
+    `app`, the ASGI app behind it (the edge), and `control_plane.api.rsgi.ServedApp` in front of
+    Granian's RSGI interface (the served control plane); both frame the request and its
+    outcome with `agent_frame`, so both answer alike.
     """
 
     def __init__(self, app: ASGIApp, ctx: AppContext) -> None:
         self.app = app
         self.ctx = ctx
-        self._judged: dict[bytes, tuple[JudgedHeartbeat, bytes]] = {}
-        # Requests answered here, by kind (observability and tests).
-        self.answered = 0  # heartbeats
+        self._judged: dict[bytes, tuple[JudgedHeartbeat, Reply]] = {}
+        # Requests answered here, by kind (observability and tests): heartbeats accepted; claims
+        # and completions taken (some of them end refused).
+        self.heartbeats = 0
         self.claims = 0
         self.completions = 0
 
@@ -90,38 +102,22 @@ class AgentFastPath:
         if request is None:
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        size = 0
-        more = True
-        while more and size <= FAST_BODY_LIMIT:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away: nobody to answer
-            chunk = message.get("body", b"")
-            chunks.append(chunk)
-            size += len(chunk)
-            more = bool(message.get("more_body"))
-        body = b"".join(chunks)
-        answer: tuple[int, bytes] | None = None
-        if not more and size <= FAST_BODY_LIMIT:
+        read = await read_bounded(receive)
+        outcome: Outcome
+        if isinstance(read, bytes):  # complete, within the limit
             authorization = content_type = None
             for name, value in scope["headers"]:  # the first of each, as the routes read them
                 if name == b"authorization" and authorization is None:
                     authorization = value.decode("latin-1")
                 elif name == b"content-type" and content_type is None:
                     content_type = value.decode("latin-1")
-            answer = await self.answer(request, authorization, content_type, body, receive)
-            if answer is GONE:
-                return
-        if answer is None:
-            await self.app(scope, replay(body, receive, more=more), send)
-            return
-        status, reply = answer
-        headers = [(b"content-length", str(len(reply)).encode()), *SECURITY_HEADERS]
-        if reply:
-            headers.insert(0, (b"content-type", b"application/json"))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": reply})
+            outcome = await self.answer(request, authorization, content_type, read, receive)
+        else:
+            outcome = read  # handed on, or the client gone
+        if isinstance(outcome, Reply):
+            await outcome.send_asgi(send)
+        elif isinstance(outcome, HandOn):
+            await self.app(scope, replay(outcome.body, receive, more=outcome.more), send)
 
     async def answer(
         self,
@@ -130,15 +126,15 @@ class AgentFastPath:
         content_type: str | None,
         body: bytes,
         closed: WaitClosed,
-    ) -> tuple[int, bytes] | None:
-        """The status and JSON body (empty for 204) to answer with; `GONE` when the agent closed
-        the connection first; None when the routes must answer (the caller hands the request
-        on with `body`). `body` is complete; `closed` is awaited only after it was read."""
+    ) -> Outcome:
+        """The `Reply` to answer with; `CLIENT_GONE` when the agent closed the connection
+        first; the `HandOn` of `body` when the routes must answer. `body` is complete; `closed`
+        is awaited only after it was read."""
         principal = self._principal(authorization, content_type)
         if principal is None:
-            return None
+            return HandOn(body)
         path, job_id = request
-        if path == PATH:
+        if path == HEARTBEAT_PATH:
             return self._heartbeat(principal.node_id, body)
         if job_id is None:
             return await self._claim(principal, body, closed)
@@ -155,16 +151,16 @@ class AgentFastPath:
             return None
         return self.ctx.authority.cached_active(authorization[7:].strip())
 
-    def _heartbeat(self, node_id: str, body: bytes) -> tuple[int, bytes] | None:
-        """The encoded response when this heartbeat is certainly accepted, else None."""
+    def _heartbeat(self, node_id: str, body: bytes) -> Reply | HandOn:
+        """The encoded response when this heartbeat is certainly accepted, else the routes'."""
         known = self._judged.get(body)
         if known is None:
             try:
                 request = HeartbeatRequest.model_validate_json(body)
                 judged = judge_heartbeat(request, settings=self.ctx.settings)
             except (ValidationError, ProtocolIncompatible):
-                return None  # the route refuses it, and records a protocol refusal
-            known = judged, judged.response.model_dump_json().encode()
+                return HandOn(body)  # the route refuses it, and records a protocol refusal
+            known = judged, Reply(200, judged.response.model_dump_json().encode())
             if len(body) <= _JUDGED_BODY_LIMIT:
                 if len(self._judged) >= _JUDGED_MAX:
                     self._judged.clear()
@@ -174,50 +170,55 @@ class AgentFastPath:
         record_heartbeat(
             judged, node_id=node_id, buffer=ctx.heartbeats, clock=ctx.clock, metrics=ctx.metrics
         )
-        self.answered += 1
-        return 200, reply
+        self.heartbeats += 1
+        return reply
 
-    async def _claim(
-        self, principal: NodePrincipal, body: bytes, closed: WaitClosed
-    ) -> tuple[int, bytes] | None:
+    async def _claim(self, principal: NodePrincipal, body: bytes, closed: WaitClosed) -> Outcome:
         """The claim route's answer: a job, 204, or the refusal of a credential revoked while
-        it waited; `GONE` when the agent (or a balancer's timeout) closed the connection
+        it waited; `CLIENT_GONE` when the agent (or a balancer's timeout) closed the connection
         first — the claim is withdrawn, and a job placed for it meanwhile goes back to the
         queue."""
         try:
             claim = WorkClaim.model_validate_json(body)
         except ValidationError:
-            return None
+            return HandOn(body)
         authority = self.ctx.authority
         self.claims += 1
-        placed = await claim_until_closed(self.ctx, principal, claim.hold_seconds, closed)
+        placed = await claim_until_closed(
+            scheduler=self.ctx.scheduler,
+            authority=authority,
+            completions=self.ctx.completions,
+            node=principal,
+            hold=claim.hold_seconds,
+            closed=closed,
+        )
         if placed is CLOSED:
-            return GONE
+            return CLIENT_GONE
         if not isinstance(placed, PlacedJob):
             if not authority.still_active(principal):
                 return _refusal(revoked())
-            return 204, b""
-        return 200, assignment(self.ctx, placed).model_dump_json().encode()
+            return _NO_WORK
+        return Reply(200, assignment(self.ctx, placed).model_dump_json().encode())
 
-    async def _complete(self, node_id: str, job_id: str, body: bytes) -> tuple[int, bytes] | None:
+    async def _complete(self, node_id: str, job_id: str, body: bytes) -> Reply | HandOn:
         """The completion route's answer, once the outcome is committed."""
         if check_json(body) is not None:
-            return None  # the JSON guard refuses it
+            return HandOn(body)  # the JSON guard refuses it
         try:
             complete = AgentJobComplete.model_validate_json(body)
         except ValidationError:
-            return None
+            return HandOn(body)
         self.completions += 1
         try:
             await self.ctx.completions.record(outcome(job_id, node_id, complete))
         except ModelForgeError as refusal:
             return _refusal(refusal)
         except Exception:  # noqa: BLE001 - its group was not committed: the route tries again
-            return None  # and answers (503 while the database is unavailable) as routes do
-        return 200, _NOT_CANCELLED
+            return HandOn(body)  # and answers (503 while the database is unavailable) as routes do
+        return _NOT_CANCELLED
 
 
-def _refusal(error: ModelForgeError) -> tuple[int, bytes]:
+def _refusal(error: ModelForgeError) -> Reply:
     """The refusal as the routes render it (Starlette's JSONResponse: compact, UTF-8)."""
     body = json.dumps(error.to_body(), ensure_ascii=False, separators=(",", ":"))
-    return error.http_status, body.encode()
+    return Reply(error.http_status, body.encode())

@@ -3,10 +3,6 @@ reports, completion, and artifact transfer — all authenticated by the node cre
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import Awaitable, Callable
-
 from fastapi import APIRouter, Request, Response, status
 from fastapi.responses import FileResponse
 
@@ -16,8 +12,6 @@ from control_plane.api.routing import LaneRoute
 from control_plane.artifacts import store as artifacts
 from control_plane.artifacts.schemas import ArtifactPublic
 from control_plane.context import AppContext
-from control_plane.errors import ModelForgeError
-from control_plane.fleet.credentials import NodePrincipal
 from control_plane.fleet.schemas import AssignedGpu
 from control_plane.jobs import reports as job_reports
 from control_plane.jobs.schemas import (
@@ -27,10 +21,10 @@ from control_plane.jobs.schemas import (
     AgentJobReport,
     AgentJobWatch,
 )
+from control_plane.scheduling.claims import CLOSED, claim_until_closed
 from control_plane.scheduling.dispatch import node_key
 from control_plane.scheduling.placement import PlacedJob
 from control_plane.scheduling.schemas import JobAssignment, WorkClaim
-from control_plane.scheduling.shapes import labels_match
 from control_plane.schemas import Digest, ResourceId
 
 router = APIRouter(prefix="/api/v1/agent", tags=["agent"], route_class=LaneRoute)
@@ -52,61 +46,6 @@ def assignment(ctx: AppContext, job: PlacedJob) -> JobAssignment:
     )
 
 
-#: What `claim_until_closed` returns when the agent closed the connection first.
-CLOSED = object()
-
-
-async def claim_until_closed(
-    ctx: AppContext, node: NodePrincipal, hold: float, closed: Callable[[], Awaitable[object]]
-) -> PlacedJob | None | object:
-    """Wait for a job for `node` (the route and the agents' fast path): the job, None at the end
-    of the hold, or `CLOSED` when the connection closed first (a stopped agent, a balancer's
-    timeout) — the claim is withdrawn then, and a job placed for it meanwhile goes back to the
-    queue, so no job is handed to a claim nobody reads."""
-    waiting = asyncio.ensure_future(
-        ctx.scheduler.claim(node.node_id, hold, lambda: ctx.authority.still_active(node))
-    )
-    # The body is read: what `closed` waits for next is the disconnect (ASGI `receive`, or
-    # RSGI's `client_disconnect`).
-    closing = asyncio.ensure_future(closed())
-    await asyncio.wait((waiting, closing), return_when=asyncio.FIRST_COMPLETED)
-    if waiting.done():
-        closing.cancel()
-        placed = waiting.result()
-        if isinstance(placed, PlacedJob) and not _may_receive_secrets(placed, node):
-            with contextlib.suppress(ModelForgeError):  # cancelled meanwhile: it ends anyway
-                await ctx.completions.record(
-                    job_reports.Outcome(
-                        job_id=placed.id,
-                        node_id=node.node_id,
-                        state="failed",
-                        result=None,
-                        outputs={},
-                        error=(
-                            "SECRET_NOT_PERMITTED",
-                            "the node's signed credential does not carry the labels of the job's "
-                            f"secrets ({', '.join(placed.secret_names)}), or a secret was deleted "
-                            "or its labels changed after the job was queued; submit it again",
-                        ),
-                    )
-                )
-            return None
-        return placed
-    waiting.cancel()
-    (outcome,) = await asyncio.gather(waiting, return_exceptions=True)
-    if isinstance(outcome, PlacedJob):  # answered just as it was withdrawn
-        ctx.scheduler.give_back(outcome)
-    return CLOSED
-
-
-def _may_receive_secrets(placed: PlacedJob, node: NodePrincipal) -> bool:
-    """WL-6a, checked again at delivery: the secrets' values were read for this node at
-    placement, and its signed credential carries every label they require."""
-    if not placed.secret_names:
-        return True
-    return placed.secrets is not None and labels_match(placed.secret_labels, node.labels)
-
-
 @router.post(
     "/work/claim",
     response_model=JobAssignment,
@@ -116,7 +55,14 @@ async def claim_work(
     body: WorkClaim, node: NodeDep, ctx: ContextDep, request: Request
 ) -> JobAssignment | Response:
     """Long poll: answers with a job as soon as the scheduler places one on this node."""
-    placed = await claim_until_closed(ctx, node, body.hold_seconds, request.receive)
+    placed = await claim_until_closed(
+        scheduler=ctx.scheduler,
+        authority=ctx.authority,
+        completions=ctx.completions,
+        node=node,
+        hold=body.hold_seconds,
+        closed=request.receive,
+    )
     if placed is CLOSED:
         return Response(status_code=status.HTTP_204_NO_CONTENT)  # nobody reads it
     if not isinstance(placed, PlacedJob):
