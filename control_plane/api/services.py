@@ -21,8 +21,8 @@ from control_plane.context import AppContext
 from control_plane.models import Service
 from control_plane.scheduling.waiting import explain
 from control_plane.schemas import DB_INT_MAX, ResourceId
-from control_plane.services import deployments
-from control_plane.workload_schemas import (
+from control_plane.services import lifecycle, placement, sync
+from control_plane.services.schemas import (
     AgentServicesDesired,
     AgentServicesSync,
     ServiceCreate,
@@ -41,10 +41,10 @@ SYNC_INTERVAL_SECONDS = 2.0
 
 def _service_view(ctx: AppContext, session: Session, service: Service) -> ServicePublic:
     # Why a pending service waits is read from the scheduler's fleet, built only when asked.
-    reason = deployments.waiting_reason(
+    reason = placement.waiting_reason(
         session, service, lambda shape: explain(ctx.scheduler.fleet(session), shape)
     )
-    return deployments.service_public(service, reason)
+    return lifecycle.service_public(service, reason)
 
 
 @router.post("/services", status_code=status.HTTP_201_CREATED, response_model=ServicePublic)
@@ -52,7 +52,7 @@ def deploy_service(
     body: ServiceCreate, ctx: ContextDep, session: SessionDep, audit: AuditDep
 ) -> ServicePublic:
     audit("service.deploy", body.name, model=body.model, secrets=body.secrets)
-    service = deployments.deploy(session=session, clock=ctx.clock, request=body)
+    service = lifecycle.deploy(session=session, clock=ctx.clock, request=body)
     audit.target = f"{service.id} ({service.name})"
     return _service_view(ctx, session, service)
 
@@ -67,13 +67,13 @@ def list_services(
     ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> list[ServicePublic]:
-    rows = deployments.list_services(session=session, state=state, limit=limit)
+    rows = lifecycle.list_services(session=session, state=state, limit=limit)
     return [_service_view(ctx, session, row) for row in rows]
 
 
 @router.get("/services/{service_id}", response_model=ServicePublic)
 def get_service(service_id: ResourceId, ctx: ContextDep, session: SessionDep) -> ServicePublic:
-    service = deployments.get_service(session=session, service_id=service_id)
+    service = lifecycle.get_service(session=session, service_id=service_id)
     return _service_view(ctx, session, service)
 
 
@@ -84,8 +84,8 @@ def service_events(
     after: Annotated[int, Query(ge=0, le=DB_INT_MAX)] = 0,
     limit: Annotated[int, Query(ge=1, le=5000)] = 1000,
 ) -> list[ServiceEventPublic]:
-    rows = deployments.list_events(session=session, service_id=service_id, after=after, limit=limit)
-    return [deployments.event_public(row) for row in rows]
+    rows = lifecycle.list_events(session=session, service_id=service_id, after=after, limit=limit)
+    return [lifecycle.event_public(row) for row in rows]
 
 
 @router.post("/services/{service_id}/restart", response_model=ServicePublic)
@@ -93,7 +93,7 @@ def restart_service(
     service_id: ResourceId, ctx: ContextDep, session: SessionDep, audit: AuditDep
 ) -> ServicePublic:
     audit("service.restart", service_id)
-    service = deployments.restart(session=session, clock=ctx.clock, service_id=service_id)
+    service = lifecycle.restart(session=session, clock=ctx.clock, service_id=service_id)
     return _service_view(ctx, session, service)
 
 
@@ -104,7 +104,7 @@ def undeploy_service(
     """Undeploy: its node's agent stops its whole process group at its next sync (seconds),
     and its resources are free for other work at once."""
     audit("service.undeploy", service_id)
-    service = deployments.undeploy(session=session, clock=ctx.clock, service_id=service_id)
+    service = lifecycle.undeploy(session=session, clock=ctx.clock, service_id=service_id)
     return _service_view(ctx, session, service)
 
 
@@ -119,7 +119,7 @@ async def sync_services(
 
     def work() -> AgentServicesDesired:
         with ctx.session_factory.begin() as session:
-            desired = deployments.sync(
+            desired = sync.sync(
                 session=session,
                 clock=ctx.clock,
                 vault=ctx.vault,

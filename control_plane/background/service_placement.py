@@ -1,5 +1,6 @@
 """The service placement loop (WL-5a): every second, pending services get a node and services
-whose node went offline are put back to pending (control_plane.services.deployments)."""
+whose node went offline are put back to pending (control_plane.services.placement), their free
+capacity counted by the scheduler's `free_capacity`."""
 
 from __future__ import annotations
 
@@ -7,14 +8,18 @@ import asyncio
 
 from control_plane.background.loops import _every
 from control_plane.context import AppContext
-from control_plane.services import deployments
+from control_plane.scheduling.placement import free_capacity
+from control_plane.services import placement
 
 INTERVAL_SECONDS = 1.0
 
 
 def place_services(ctx: AppContext) -> int:
-    return deployments.place_pending(
-        session_factory=ctx.session_factory, clock=ctx.clock, liveness=ctx.liveness
+    return placement.place_pending(
+        session_factory=ctx.session_factory,
+        clock=ctx.clock,
+        liveness=ctx.liveness,
+        free_capacity=free_capacity,
     )
 
 

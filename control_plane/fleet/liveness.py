@@ -5,11 +5,12 @@ they never disagree about a node.
 
 A silence the control plane caused is not the node's: `ContactGrace` knows when the nodes could
 not reach this process (before its start, during a database outage), and every deadline counted
-from a node's last contact — liveness here, a running job's contact (`jobs.sweep_jobs`), a
-service's placement (`deployments`) — that had not yet expired when such a downtime began counts
-from its end instead, so each node gets one full timeout to reach a control plane that comes
-back. A deadline that had already expired is not extended: a node that died before the control
-plane stopped is offline right after it starts again.
+from a node's last contact — liveness here, a running job's contact
+(`jobs.reports.sweep_jobs`), a service's placement (`services.placement`) — that had not yet
+expired when such a downtime began counts from its end instead, so each node gets one full
+timeout to reach a control plane that comes back. A deadline that had already expired is not
+extended: a node that died before the control plane stopped is offline right after it starts
+again.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -29,14 +30,36 @@ from control_plane.clock import Clock
 from control_plane.models import ControlPlanePresence, Node
 from control_plane.schemas import NodeState
 
-if TYPE_CHECKING:  # heartbeats records state changes through nodes, which reads liveness
-    from control_plane.fleet.heartbeats import HeartbeatBuffer
-
 #: The one row of `control_plane_presence`.
 _PRESENCE_ROW = 1
 #: Downtimes kept in memory: more than any deadline can span in practice (an older one only
 #: matters to a node silent through all of those since).
 _KEPT_DOWNTIMES = 16
+
+
+@dataclass(frozen=True)
+class PendingHeartbeat:
+    """A heartbeat this process accepted and has not flushed yet (`heartbeats.HeartbeatBuffer`)."""
+
+    at: datetime
+    agent_version: str
+    protocol_version: int
+    health: dict[str, Any]
+
+    def as_view(self) -> dict[str, Any]:
+        return {
+            "agent_version": self.agent_version,
+            "protocol_version": self.protocol_version,
+            "health": self.health,
+        }
+
+
+class UnflushedHeartbeats(Protocol):
+    """What the liveness reader needs of `heartbeats.HeartbeatBuffer`: the reader sits below
+    the heartbeat writer (which records transitions through `nodes`, a reader of liveness), so
+    it knows the buffer only by this."""
+
+    def peek(self, node_id: str) -> PendingHeartbeat | None: ...
 
 
 class _Availability(Protocol):
@@ -179,7 +202,7 @@ def liveness_state(
 
 @dataclass(frozen=True)
 class Liveness:
-    buffer: HeartbeatBuffer
+    buffer: UnflushedHeartbeats
     thresholds: LivenessThresholds
 
     def last_seen(self, node_id: str, stored: datetime | None) -> datetime | None:

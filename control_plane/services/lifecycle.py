@@ -1,0 +1,218 @@
+"""Services as users see them: deploy, get, list, restart, undeploy, their events and their
+public views.
+
+A deployed service is `pending` until the placement loop gives it a node (`placement`); it is
+never deleted: undeploying it stops it (`stopped`) and keeps its record and events.
+`generation` grows with each restart asked for; the agent restarts a service whose generation
+changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+from pydantic import TypeAdapter, ValidationError
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from control_plane.artifacts.store import reference_artifacts
+from control_plane.catalog import catalog as models_catalog
+from control_plane.clock import Clock
+from control_plane.errors import Conflict, InvalidRequest, NotFound
+from control_plane.events import events_after
+from control_plane.fleet.schemas import AssignedGpu
+from control_plane.models import Service, ServiceEvent
+from control_plane.security import new_id
+from control_plane.services._changes import record_event
+from control_plane.services.schemas import (
+    Instances,
+    ServiceBatching,
+    ServiceCreate,
+    ServiceEventPublic,
+    ServiceHealth,
+    ServicePublic,
+)
+from control_plane.vault import vault as secrets_vault
+
+#: The built-in onnx runner's readiness path (Open Inference Protocol), its health check's
+#: path when none is given; the runtime worker defaults to the same.
+ONNX_HEALTH_PATH = "/v2/health/ready"
+
+
+def deploy(*, session: Session, clock: Clock, request: ServiceCreate) -> Service:
+    runner, weights, params = request.runner, request.weights, dict(request.params)
+    if request.model is not None:
+        model = models_catalog.resolve(session, request.model, named_by="The service")
+        weights, params = model.weights, {**model.params, **params}
+        if request.command is None:
+            if model.runner != "onnx":
+                raise InvalidRequest(
+                    f"Model {model.ref} has runner {model.runner}: the service needs a command.",
+                    "Give `command` (argv, with {weights} and {port}), or name an onnx model.",
+                    code="SERVICE_NEEDS_COMMAND",
+                )
+            runner = "onnx"
+    elif weights is not None:
+        reference_artifacts(session, [weights], required=True, named_by="The service")
+    secrets_vault.required_labels(session, list(request.secrets), named_by="The service")
+    params = _serving_params(params, request, runner)
+    health = (request.health or ServiceHealth()).model_dump()
+    if health["path"] is None:  # the runner's own: the onnx model server answers 404 on `/`
+        health["path"] = ONNX_HEALTH_PATH if runner == "onnx" else "/"
+    now = clock.now()
+    service = Service(
+        id=new_id("svc"),
+        name=request.name,
+        state="pending",
+        command=list(request.command) if request.command is not None else None,
+        runner=runner,
+        weights=weights,
+        model=request.model,
+        params=params,
+        env=dict(request.env),
+        secrets=list(request.secrets),
+        labels=dict(request.labels),
+        worker_policy=request.worker_policy,
+        resources=request.resources.model_dump(),
+        health=health,
+        restart=request.restart.model_dump(),
+        restarts=0,
+        generation=1,
+        created_at=now,
+        updated_at=now,
+        next_event_seq=1,
+    )
+    session.add(service)
+    record_event(session, service, now, "state", {"state": "pending"})
+    session.flush()
+    return service
+
+
+def _serving_params(
+    params: dict[str, Any], request: ServiceCreate, runner: str | None
+) -> dict[str, Any]:
+    """The onnx runner's `batching` and `instances` are kept with the service's params (where
+    a model's params may give them too), checked here, whichever gave them."""
+    if request.batching is not None:
+        params["batching"] = request.batching.model_dump()
+    if request.instances is not None:
+        params["instances"] = request.instances
+    if runner != "onnx":  # a command (the schema refuses batching and instances beside one)
+        return params
+    for field, check in (
+        ("batching", ServiceBatching.model_validate),
+        ("instances", TypeAdapter(Instances).validate_python),
+    ):
+        if params.get(field) is None:
+            continue
+        try:
+            check(params[field])
+        except ValidationError as exc:
+            _refuse_serving_params(field, exc)
+    return params
+
+
+def _refuse_serving_params(field: str, exc: ValidationError) -> NoReturn:
+    problem = exc.errors()[0]
+    location = [str(part) for part in problem["loc"]]
+    if problem["type"] == "extra_forbidden":  # a key it was sent, never quoted back
+        location[-1:] = ["<key>"]
+    where = ".".join([field, *location])
+    raise InvalidRequest(
+        f"The service's params (or its model's) give an invalid batching or instances "
+        f"({where}: {problem['msg']}).",
+        "Give `batching` and `instances` with the service (docs/services.md), or register "
+        "a model version with valid ones.",
+        code="INVALID_SERVING_OPTIONS",
+    )
+
+
+def get_service(*, session: Session, service_id: str, lock: bool = False) -> Service:
+    service = session.get(Service, service_id, with_for_update=lock)
+    if service is None:
+        raise NotFound(
+            "No service with this id.",
+            "List services with GET /api/v1/services.",
+            code="SERVICE_NOT_FOUND",
+        )
+    return service
+
+
+def list_services(*, session: Session, state: str | None, limit: int) -> list[Service]:
+    query = select(Service).order_by(Service.created_at.desc(), Service.id).limit(limit)
+    if state:
+        query = query.where(Service.state == state)
+    return list(session.scalars(query))
+
+
+def list_events(*, session: Session, service_id: str, after: int, limit: int) -> list[ServiceEvent]:
+    get_service(session=session, service_id=service_id)
+    return events_after(
+        session, ServiceEvent, ServiceEvent.service_id, service_id, after=after, limit=limit
+    )
+
+
+def restart(*, session: Session, clock: Clock, service_id: str) -> Service:
+    service = get_service(session=session, service_id=service_id, lock=True)
+    if service.state == "stopped":
+        raise Conflict(
+            "This service was undeployed.",
+            "Deploy it again with POST /api/v1/services.",
+            code="SERVICE_STOPPED",
+        )
+    now = clock.now()
+    service.generation += 1
+    service.updated_at = now
+    record_event(
+        session, service, now, "restart", {"requested": True, "generation": service.generation}
+    )
+    return service
+
+
+def undeploy(*, session: Session, clock: Clock, service_id: str) -> Service:
+    service = get_service(session=session, service_id=service_id, lock=True)
+    if service.state == "stopped":
+        return service  # undeploying twice changes nothing
+    now = clock.now()
+    service.state = "stopped"
+    service.stopped_at = service.updated_at = now
+    service.url = service.grpc_url = None
+    record_event(session, service, now, "state", {"state": "stopped", "reason": "undeployed"})
+    return service
+
+
+def service_public(service: Service, waiting_reason: dict[str, str] | None = None) -> ServicePublic:
+    return ServicePublic(
+        service_id=service.id,
+        name=service.name,
+        state=service.state,
+        node_id=service.node_id if service.state != "stopped" else None,
+        url=service.url,
+        grpc_url=service.grpc_url,
+        restarts=service.restarts,
+        last_exit=service.last_exit,
+        gpus=[AssignedGpu.model_validate(gpu) for gpu in service.assigned_gpus or []],
+        command=service.command,
+        runner=service.runner,
+        weights=service.weights,
+        model=service.model,
+        labels=service.labels,
+        worker_policy=service.worker_policy,
+        resources=service.resources,
+        health=service.health,
+        restart=service.restart,
+        env=service.env,
+        secrets=list(service.secrets or []),
+        generation=service.generation,
+        created_at=service.created_at,
+        updated_at=service.updated_at,
+        stopped_at=service.stopped_at,
+        waiting_reason=waiting_reason,
+        log_tail=list(service.log_tail or []),
+        batching=(service.params or {}).get("batching") if service.runner == "onnx" else None,
+        instances=(service.params or {}).get("instances") if service.runner == "onnx" else None,
+    )
+
+
+def event_public(event: ServiceEvent) -> ServiceEventPublic:
+    return ServiceEventPublic(seq=event.seq, at=event.at, kind=event.kind, data=event.data)

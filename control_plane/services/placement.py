@@ -1,0 +1,149 @@
+"""Where a service runs: the placement loop's work and why a pending service waits.
+
+A service is placed like a job — labels (`require`/`prefer`), free resources, specific GPUs
+(SC-5), and the labels of its secrets — but it holds no claim slot: `place_pending` assigns
+pending services to nodes (one transaction each, the chosen node's row locked as a job batch
+locks it, so the two never over-commit a node), and from then on it holds its resources and
+GPUs there (the scheduler's `free_capacity` counts them) until it is undeployed.
+
+A service whose node goes offline is placed again on another matching node; when the old node
+comes back its agent no longer finds it in its sync's answer and stops it, so it is not run
+twice.
+
+The scheduler sits above this package: what it knows (a node's free capacity, why a shape
+waits) is passed in, never imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from control_plane.clock import Clock
+from control_plane.errors import InvalidRequest, NotFound
+from control_plane.fleet.liveness import Liveness
+from control_plane.models import Node, Service
+from control_plane.scheduling.shapes import Capacity, Request, Shape, labels_match
+from control_plane.services._changes import DEPLOYED, record_event
+from control_plane.vault import vault as secrets_vault
+
+#: The scheduler's `free_capacity`: each listed node's inventory (by id) less what its running
+#: jobs and deployed services hold.
+FreeCapacity = Callable[[Session, dict[str, dict[str, Any]]], dict[str, Capacity]]
+
+
+def shape_of(session: Session, service: Service) -> Shape:
+    required = secrets_vault.required_labels(
+        session, list(service.secrets or []), named_by=f"Service {service.name}"
+    )
+    return Shape.of(service.labels, service.worker_policy, service.resources, required)
+
+
+def place_pending(
+    *, session_factory: Any, clock: Clock, liveness: Liveness, free_capacity: FreeCapacity
+) -> int:
+    """Give each pending service a node (oldest first), and put back in `pending` the services
+    whose node went offline. One transaction per service; returns how many were placed."""
+    with session_factory.begin() as session:
+        _replace_lost(session, clock, liveness)
+    placed = 0
+    with session_factory() as session:
+        pending = list(
+            session.scalars(
+                select(Service.id)
+                .where(Service.state == "pending")
+                .order_by(Service.created_at)
+                .limit(100)
+            )
+        )
+    for service_id in pending:
+        with session_factory.begin() as session:
+            placed += _place_one(session, clock, liveness, free_capacity, service_id)
+    return placed
+
+
+def _replace_lost(session: Session, clock: Clock, liveness: Liveness) -> None:
+    now = clock.now()
+    rows = session.execute(
+        select(Service.id, Service.node_id, Node.last_heartbeat_at)
+        .outerjoin(Node, Node.id == Service.node_id)
+        .where(Service.node_id.is_not(None), Service.state.in_(DEPLOYED))
+    ).all()
+    for service_id, node_id, last in rows:
+        if node_id is None:
+            continue
+        gone = last is None and session.get(Node, node_id) is None
+        if not gone and liveness.state_of(node_id, last, now) != "offline":
+            continue
+        service = session.get(Service, service_id, with_for_update=True)
+        if service is None or service.node_id != node_id or service.state not in DEPLOYED:
+            continue
+        service.state, service.node_id, service.assigned_gpus, service.url = (
+            "pending",
+            None,
+            None,
+            None,
+        )
+        service.grpc_url = None
+        service.updated_at = now
+        why = "its node was deleted" if gone else "its node went offline"
+        data = {"state": "pending", "reason": why, "node_id": node_id}
+        record_event(session, service, now, "state", data)
+
+
+def _place_one(
+    session: Session,
+    clock: Clock,
+    liveness: Liveness,
+    free_capacity: FreeCapacity,
+    service_id: str,
+) -> int:
+    service = session.get(Service, service_id, with_for_update=True)
+    if service is None or service.state != "pending":
+        return 0
+    try:
+        shape = shape_of(session, service)
+    except (NotFound, InvalidRequest):
+        return 0  # a secret is missing: the waiting reason says so; it waits
+    now = clock.now()
+    nodes = session.execute(
+        select(Node.id, Node.labels, Node.inventory, Node.compat_code, Node.last_heartbeat_at)
+        .where(Node.inventory.is_not(None), Node.compat_code.is_(None))
+        .order_by(Node.id)
+    ).all()
+    online = [
+        row
+        for row in nodes
+        if liveness.state_of(row.id, row.last_heartbeat_at, now) == "online"
+        and shape.admits(dict(row.labels or {}))
+    ]
+    carrying = [row for row in online if labels_match(shape.labels, dict(row.labels or {}))]
+    others = [row for row in online if row not in carrying] if shape.prefer else []
+    request = Request.of(service.resources)
+    for row in carrying + others:
+        # The node's row lock: a job batch holding it finishes first, then its jobs count.
+        session.execute(select(Node.id).where(Node.id == row.id).with_for_update())
+        free = free_capacity(session, {row.id: row.inventory})[row.id]
+        if not free.fits(request):
+            continue
+        gpus = free.pick_gpus(request)
+        service.state, service.node_id, service.assigned_gpus = "starting", row.id, gpus
+        service.placed_at = service.updated_at = now
+        record_event(
+            session, service, now, "state", {"state": "starting", "node_id": row.id, "gpus": gpus}
+        )
+        return 1
+    return 0
+
+
+def waiting_reason(session: Session, service: Service, explain: Any) -> dict[str, str] | None:
+    if service.state != "pending":
+        return None
+    try:
+        shape = shape_of(session, service)
+    except (NotFound, InvalidRequest) as exc:
+        return {"code": exc.code, "message": exc.message, "next_step": exc.next_step}
+    return dict(explain(shape).model_dump())
