@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from datetime import datetime
+from typing import NamedTuple, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -30,9 +31,7 @@ from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import Clock
-from control_plane.fleet.liveness import Liveness, liveness_state
 from control_plane.models import Artifact, Job, Node, Service
-from control_plane.schemas import NodeState
 
 #: The Prometheus text format (0.0.4), as the library writes it with `generate_latest`.
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -57,7 +56,9 @@ DISPATCH_LATENCY_BUCKETS = (
 #: node or job cannot grow the number of series without bound.
 MAX_ERROR_CODES = 100
 OTHER_CODE = "OTHER"
-NODE_STATES: tuple[NodeState, ...] = ("online", "stale", "offline")
+#: The liveness states (the fleet's `NodeState`) as label values; this floor module imports no
+#: domain.
+NODE_STATES: tuple[str, ...] = ("online", "stale", "offline")
 #: The job states counted at scrape time; finished jobs are counted as outcomes instead.
 ACTIVE_JOB_STATES = ("queued", "running")
 #: The service states counted at scrape time (WL-5a); undeployed (`stopped`) ones are not.
@@ -70,6 +71,14 @@ def job_finished(session: Session, *, state: str, code: str | None) -> None:
     """Count a job's outcome (`succeeded`, `failed`, `cancelled`, with its error code; none for
     a success) once `session` commits; a rolled-back outcome is never counted."""
     session.info.setdefault(_OUTCOMES, []).append((state, code or ""))
+
+
+class NodeStates(Protocol):
+    """How the scrape judges a node's liveness state: the fleet's one liveness reader
+    (`fleet.liveness.Liveness`), handed in by the app factory, since this floor module imports
+    no domain."""
+
+    def state_of(self, node_id: str, stored: datetime | None, now: datetime) -> str: ...
 
 
 class Metrics:
@@ -121,7 +130,7 @@ class Metrics:
         event.listen(session_factory, "after_rollback", _forget)
 
     def read_store(
-        self, *, session_factory: sessionmaker[Session], liveness: Liveness, clock: Clock
+        self, *, session_factory: sessionmaker[Session], liveness: NodeStates, clock: Clock
     ) -> None:
         """Add the values read from the database at each scrape."""
         self.registry.register(_StoreCollector(session_factory, liveness, clock))
@@ -152,7 +161,7 @@ class _ServiceSample(NamedTuple):
 
 
 class _StoreReading(NamedTuple):
-    nodes: dict[NodeState, int]
+    nodes: dict[str, int]
     needs_upgrade: int
     jobs: dict[str, int]
     artifact_bytes: int
@@ -169,7 +178,7 @@ class _StoreCollector:
     `DATABASE_UNAVAILABLE`, as `/api/v1/health` is."""
 
     def __init__(
-        self, session_factory: sessionmaker[Session], liveness: Liveness, clock: Clock
+        self, session_factory: sessionmaker[Session], liveness: NodeStates, clock: Clock
     ) -> None:
         self._session_factory = session_factory
         self._liveness = liveness
@@ -203,7 +212,7 @@ class _StoreCollector:
         return families
 
     def _read(self) -> _StoreReading:
-        nodes: dict[NodeState, int] = dict.fromkeys(NODE_STATES, 0)
+        nodes: dict[str, int] = dict.fromkeys(NODE_STATES, 0)
         needs_upgrade = 0
         # One short transaction, never committed: it changes nothing.
         with self._session_factory() as session:
@@ -213,8 +222,7 @@ class _StoreCollector:
             for node_id, stored, flagged in session.execute(
                 select(Node.id, Node.last_heartbeat_at, Node.compat_code.is_not(None))
             ):
-                last = self._liveness.last_seen(node_id, stored)
-                nodes[liveness_state(last, now, self._liveness.thresholds)] += 1
+                nodes[self._liveness.state_of(node_id, stored, now)] += 1
                 needs_upgrade += bool(flagged)
             jobs = {
                 state: int(count)

@@ -115,7 +115,7 @@ async def heartbeat(
     node: NodeDep,
     ctx: ContextDep,
 ) -> HeartbeatResponse:
-    # No database round trip (see services/heartbeats.py). The protocol was judged, and a
+    # No database round trip (see fleet/heartbeats.py). The protocol was judged, and a
     # refusal recorded, by `heartbeat_protocol` from the same JSON before `body` was validated.
     return accept_heartbeat(
         body,

@@ -199,19 +199,9 @@ class CredentialAuthority:
         valid for `lifetime` (the enrollment lifetime unless given)."""
         now = self._clock.now()
         expires_at = now + (lifetime or self.lifetime)
-        replaced = list(
-            session.scalars(
-                select(NodeCredential.jti).where(
-                    NodeCredential.node_id == node_id, NodeCredential.revoked_at.is_(None)
-                )
-            )
+        replaced = _revoke_active(
+            session, node_id=node_id, at=now, reason="replaced by a new credential"
         )
-        if replaced:
-            session.execute(
-                update(NodeCredential)
-                .where(NodeCredential.jti.in_(replaced))
-                .values(revoked_at=now, revoked_reason="replaced by a new credential")
-            )
         jti = new_id("jti")
         session.add(
             NodeCredential(
@@ -343,20 +333,8 @@ class CredentialAuthority:
     # -- revoke -----------------------------------------------------------------------------
 
     def revoke_for_node(self, session: Session, *, node_id: str, reason: str) -> list[str]:
-        now = self._clock.now()
-        jtis = list(
-            session.scalars(
-                select(NodeCredential.jti).where(
-                    NodeCredential.node_id == node_id, NodeCredential.revoked_at.is_(None)
-                )
-            )
-        )
+        jtis = _revoke_active(session, node_id=node_id, at=self._clock.now(), reason=reason)
         if jtis:
-            session.execute(
-                update(NodeCredential)
-                .where(NodeCredential.jti.in_(jtis))
-                .values(revoked_at=now, revoked_reason=reason)
-            )
             # The node's waiting claims and watches end once this commits (refused).
             jobs_changed(session, [node_key(node_id)])
         self.forget(jtis)
@@ -397,6 +375,25 @@ class CredentialAuthority:
             self._load_keys(session)
         self.forget(revoked)
         self._refreshed_at = now
+
+
+def _revoke_active(session: Session, *, node_id: str, at: datetime, reason: str) -> list[str]:
+    """Revoke every active credential of `node_id` in `session`; their `jti`s (the caller
+    `forget`s them once it is done)."""
+    jtis = list(
+        session.scalars(
+            select(NodeCredential.jti).where(
+                NodeCredential.node_id == node_id, NodeCredential.revoked_at.is_(None)
+            )
+        )
+    )
+    if jtis:
+        session.execute(
+            update(NodeCredential)
+            .where(NodeCredential.jti.in_(jtis))
+            .values(revoked_at=at, revoked_reason=reason)
+        )
+    return jtis
 
 
 def expired() -> CredentialExpired:

@@ -42,6 +42,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import Clock
 from control_plane.fleet.compatibility import judge_protocol
+from control_plane.fleet.liveness import PendingHeartbeat
 from control_plane.fleet.nodes import record_event
 from control_plane.metrics import Metrics
 from control_plane.models import Node
@@ -51,21 +52,6 @@ from modelforge_contracts.protocol import accepted
 
 log = logging.getLogger(__name__)
 _CHUNK = 500
-
-
-@dataclass(frozen=True)
-class PendingHeartbeat:
-    at: datetime
-    agent_version: str
-    protocol_version: int
-    health: dict[str, Any]
-
-    def as_view(self) -> dict[str, Any]:
-        return {
-            "agent_version": self.agent_version,
-            "protocol_version": self.protocol_version,
-            "health": self.health,
-        }
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Nodes: liveness transitions, duplicate identities, views, deletion.
 
-Liveness is computed by the one liveness reader (`services/liveness.py`) every time a node is
+Liveness is computed by the one liveness reader (`fleet/liveness.py`) every time a node is
 read, so the API never calls a silent node online; the background sweep only records the
 transitions as events.
 """
