@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from release._ustar import UstarEntry
+from release.errors import ReleaseError
 
 
-class EntryError(Exception):
+class EntryError(ReleaseError):
     """An entry the verifier refuses; the message names the entry and what is wrong with it."""
 
 

@@ -22,7 +22,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
+from release.errors import ReleaseError
+
 CHUNK = 1 << 20
+
+
+class UnwritableEntryError(ReleaseError, ValueError):
+    """A tree holds something a layer cannot carry (a socket, a fifo, a device); still a
+    ValueError, as it was before the release tool had one error class."""
 
 
 def canonical_json(value: object) -> bytes:
@@ -125,5 +132,5 @@ def write_tree(
                     tar.addfile(info, stream)
             else:
                 name = os.fsdecode(absolute)
-                raise ValueError(f"{name}: not a file, directory or symlink")
+                raise UnwritableEntryError(f"{name}: not a file, directory or symlink")
     return "sha256:" + sha256_file(out)

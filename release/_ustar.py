@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Protocol
 
+from release.errors import ReleaseError
+
 BLOCK = 512
 RECORD = 20 * BLOCK
 #: The largest size eleven octal digits hold (8 GiB - 1): a larger entry needs a PAX header.
@@ -69,7 +71,7 @@ _EMPTY = (  # (what, start, end) of the fields `write_images_tar` leaves empty
 )
 
 
-class UstarError(Exception):
+class UstarError(ReleaseError):
     """The tar holds something beyond plain ustar; the message names entry, offset and why."""
 
 

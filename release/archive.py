@@ -32,6 +32,7 @@ from modelforge_contracts.release_manifest import ManifestError, parse_json
 from release._entries import EntryError, EntryIndex, clean, resolve
 from release._tar import CHUNK, canonical_json
 from release._ustar import UstarEntry, UstarError, UstarReader, UstarWriter, Writable, read_index
+from release.errors import ReleaseError
 
 if TYPE_CHECKING:
     from release.images import BuiltImage
@@ -40,7 +41,7 @@ MANIFEST = "manifest.json"
 _MAX_JSON_BYTES = 4 << 20
 
 
-class ArchiveError(Exception):
+class ArchiveError(ReleaseError):
     """The images tar does not hold what it claims; the message names image, entry and field."""
 
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from release.errors import ReleaseError
+
 CHUNK_SIZE = 1024 * 1024
 SHA256_PLACEHOLDER = "@SHA256@"
 VERSION_PLACEHOLDER = "@VERSION@"
@@ -38,7 +40,7 @@ _PATH_COMPONENT = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9._+-]*")
 _VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z._+-]*")
 
 
-class ChecksumError(Exception):
+class ChecksumError(ReleaseError):
     """A bundle file is missing or its SHA-256 differs from SHA256SUMS; names the file."""
 
     def __init__(self, message: str, *, file_name: str) -> None:
@@ -46,7 +48,7 @@ class ChecksumError(Exception):
         self.file_name = file_name
 
 
-class SumsFormatError(Exception):
+class SumsFormatError(ReleaseError):
     """SHA256SUMS or SHA256SUMS.template is malformed; names the line."""
 
 

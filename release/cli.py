@@ -222,28 +222,14 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from modelforge_contracts.release_manifest import ManifestError
-    from release.checksums import ChecksumError, SumsFormatError
-    from release.signing import SignatureError, SigningKeyError
+    from release.errors import ReleaseError
 
     args = parser().parse_args(argv)
-    known: tuple[type[Exception], ...] = (
-        ChecksumError,
-        SumsFormatError,
-        ManifestError,
-        SignatureError,
-        SigningKeyError,
-        OSError,
-    )
     try:
-        from release.archive import ArchiveError
-        from release.cosign_key import CosignKeyError
-        from release.docker import DockerError
-        from release.state import StateError
-        from release.verify import VerificationError
-
-        known += (ArchiveError, CosignKeyError, DockerError, StateError, VerificationError)
         args.run(args)
-    except known as exc:
+    # Every error of the tool is a ReleaseError; ManifestError comes from the contracts (which
+    # import nothing of the tool) and OSError from a file a command reads or writes.
+    except (ReleaseError, ManifestError, OSError) as exc:
         _say(f"modelforge-release {args.command}: {exc}")
         return 1
     return 0

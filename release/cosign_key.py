@@ -30,6 +30,8 @@ from typing import Any
 import nacl.exceptions
 import nacl.secret
 
+from release.errors import ReleaseError
+
 PEM_TYPE = "ENCRYPTED SIGSTORE PRIVATE KEY"
 #: The older name cosign still reads.
 LEGACY_PEM_TYPE = "ENCRYPTED COSIGN PRIVATE KEY"
@@ -41,7 +43,7 @@ _NONCE_BYTES = nacl.secret.SecretBox.NONCE_SIZE  # 24
 _MAX_ENVELOPE_BYTES = 64 << 10
 
 
-class CosignKeyError(Exception):
+class CosignKeyError(ReleaseError):
     """The file is not a cosign key this module can open; the message carries no secret."""
 
 

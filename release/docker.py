@@ -22,6 +22,7 @@ from typing import IO, Any, cast
 
 from modelforge_contracts.release_manifest import Manifest, check_images
 from release import archive, state
+from release.errors import ReleaseError
 from release.verify import VerifiedBundle
 
 #: The Compose variable that selects each image (compose/*.yml).
@@ -32,7 +33,7 @@ IMAGE_VARIABLES = {
 }
 
 
-class DockerError(Exception):
+class DockerError(ReleaseError):
     """Docker or Compose refused, or what they produced does not match the release."""
 
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from release.errors import ReleaseError
+
 #: glibc's system search path on Debian bookworm x86-64 (`ld.so --help`), after ld.so.cache.
 SYSTEM_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib", "/usr/lib")
 LD_SO_CACHE = "/etc/ld.so.cache"
@@ -45,7 +47,7 @@ _WHITEOUT = ".wh."
 _OPAQUE = ".wh..wh..opq"
 
 
-class ElfFormatError(Exception):
+class ElfFormatError(ReleaseError):
     """A file that starts like an ELF file but whose headers cannot be read."""
 
 

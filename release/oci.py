@@ -29,6 +29,7 @@ from typing import Any
 
 from release import sbom
 from release._tar import rfc3339, write_tree
+from release.errors import ReleaseError
 
 ARCHITECTURE = "amd64"
 OS = "linux"
@@ -46,7 +47,7 @@ _PLATFORMS = (
 )
 
 
-class ImageBuildError(Exception):
+class ImageBuildError(ReleaseError):
     """A build step failed; the message names the step and, for a command, its log."""
 
 

@@ -28,17 +28,18 @@ from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
 from modelforge_contracts.files import write_private
 from release import cosign_key
+from release.errors import ReleaseError
 
 BUNDLE_MEDIA_TYPE = "application/vnd.dev.sigstore.bundle.v0.3+json"
 _DIGEST_ALGORITHM = "SHA2_256"  # the protobuf-specs HashAlgorithm name for SHA-256
 _MAX_KEY_BYTES = 64 << 10
 
 
-class SigningKeyError(Exception):
+class SigningKeyError(ReleaseError):
     """A key could not be generated, read or used; the message never carries key material."""
 
 
-class SignatureError(Exception):
+class SignatureError(ReleaseError):
     """A signature or Sigstore bundle does not verify; the message names what failed."""
 
 

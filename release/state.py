@@ -19,6 +19,7 @@ from pathlib import Path
 
 from modelforge_contracts.files import write_private
 from modelforge_contracts.release_manifest import ManifestError, parse_json, read_limited
+from release.errors import ReleaseError
 
 STATE_DIR_VARIABLE = "MODELFORGE_RELEASE_STATE_DIR"
 RECORD_FILE = "loaded-images.json"
@@ -26,7 +27,7 @@ _MAX_RECORD_BYTES = 1 << 20
 _VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z._+-]*")
 
 
-class StateError(Exception):
+class StateError(ReleaseError):
     """The record of a load is missing or unusable; the message says what to run."""
 
 

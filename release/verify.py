@@ -31,6 +31,7 @@ from modelforge_contracts.release_manifest import (
     read_limited,
 )
 from release import archive, checksums, signing
+from release.errors import ReleaseError
 
 SUMS_FILE = "SHA256SUMS"
 SIGNATURE_FILE = "SHA256SUMS.sig"
@@ -44,7 +45,7 @@ _MAX_SIGSTORE_BYTES = 1 << 20
 _MAX_KEY_BYTES = 64 << 10
 
 
-class VerificationError(Exception):
+class VerificationError(ReleaseError):
     """The bundle must not be used; the message says what failed."""
 
 
