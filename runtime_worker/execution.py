@@ -167,6 +167,41 @@ def prepare_jobs_directory(path: Path) -> int:
     return removed
 
 
+def start_supervisor(
+    *, workdir: Path, env: dict[str, str], inherited_fd: int
+) -> subprocess.Popen[bytes]:
+    """Start a supervisor (runtime_worker.supervisor) for one job or one service start: in
+    `workdir`, with `env`, in a session of its own, its output on one pipe, and `inherited_fd`
+    (the write end of a pipe the worker reads) passed on under the same number. Its orders
+    follow with `hand_over`. This process's copy of `inherited_fd` is closed here, whether the
+    supervisor started or not."""
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "runtime_worker.supervisor"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+            env=env,
+            pass_fds=(inherited_fd,),
+            start_new_session=True,
+        )
+    finally:
+        os.close(inherited_fd)
+
+
+def hand_over(process: subprocess.Popen[bytes], envelope: dict[str, Any]) -> None:
+    """Give a supervisor its orders: `envelope` as one JSON document on its stdin, then EOF."""
+    stdin = process.stdin
+    if stdin is None:
+        return
+    try:
+        stdin.write(json.dumps(envelope).encode())
+        stdin.close()
+    except BrokenPipeError:
+        pass  # the supervisor is gone already: its exit status, or missing report, says so
+
+
 def stop_job(process: subprocess.Popen[bytes]) -> None:
     """Ask the job's supervisor to end it (SIGTERM) and wait; one that does not answer in time
     is killed with its process group."""
@@ -278,17 +313,7 @@ def run_job(
             **gpu_environment(spec),
         },
     )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "runtime_worker.supervisor"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        cwd=workdir,
-        env=env,
-        pass_fds=(write_fd,),
-        start_new_session=True,
-    )
-    os.close(write_fd)
+    process = start_supervisor(workdir=workdir, env=env, inherited_fd=write_fd)
     with _running_lock:
         _running[process.pid] = process
     pipe: queue.Queue[records.Record] = queue.Queue()
@@ -300,14 +325,7 @@ def run_job(
     ]
     for reader in readers:
         reader.start()
-    stdin = process.stdin
-    if stdin is not None:
-        envelope = {"worker_pid": os.getpid(), "hide": hide, "spec": spec}
-        try:
-            stdin.write(json.dumps(envelope).encode())
-            stdin.close()
-        except BrokenPipeError:
-            pass  # the supervisor is gone already; its exit status tells the rest
+    hand_over(process, {"worker_pid": os.getpid(), "hide": hide, "spec": spec})
 
     started = last_output = time.monotonic()
     timeout = float(spec.get("timeout_seconds") or 3600)

@@ -35,7 +35,6 @@ import select
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -49,7 +48,14 @@ from modelforge_contracts.text import clean_line
 from runtime_worker._service_spec import ONNX_HEALTH_PATH as ONNX_HEALTH_PATH
 from runtime_worker._service_spec import HealthCheck, ServiceSpec
 from runtime_worker._service_spec import InvalidService as InvalidService
-from runtime_worker.execution import Redactor, job_environment, readable, stop_job
+from runtime_worker.execution import (
+    Redactor,
+    hand_over,
+    job_environment,
+    readable,
+    start_supervisor,
+    stop_job,
+)
 from runtime_worker.supervisor import remove_tree
 
 log = logging.getLogger("modelforge.runtime_worker.services")
@@ -314,24 +320,13 @@ class Service:
         workdir = Path(tempfile.mkdtemp(prefix=f"{spec.service_id}-", dir=self._jobs_dir))
         read_fd, write_fd = os.pipe()
         try:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "runtime_worker.supervisor"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                cwd=workdir,
-                env=env,
-                pass_fds=(write_fd,),
-                start_new_session=True,
-            )
+            process = start_supervisor(workdir=workdir, env=env, inherited_fd=write_fd)
         except OSError as exc:
             os.close(read_fd)
             remove_tree(workdir)
             raise _StartFailed(
                 "SERVICE_START_FAILED", f"cannot start its supervisor ({exc})"
             ) from None
-        finally:
-            os.close(write_fd)
         reader = threading.Thread(
             target=self._read_output, args=(process.stdout,), daemon=True, name="service-output"
         )
@@ -343,12 +338,7 @@ class Service:
             "argv": argv,
             "report_fd": write_fd,
         }
-        try:
-            if process.stdin is not None:
-                process.stdin.write(json.dumps(envelope).encode())
-                process.stdin.close()
-        except BrokenPipeError:
-            pass  # the supervisor is gone already; its report (none) says so
+        hand_over(process, envelope)
         report = _read_report(read_fd)
         if not isinstance(report.get("pid"), int):
             self._finish(run)
