@@ -164,6 +164,21 @@ class ControlPlane:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
+    def probe(self, credential: str) -> str:
+        """One heartbeat, described: what a failing run's requests were answered."""
+        import httpx
+
+        try:
+            response = httpx.post(
+                self.base + HEARTBEAT_PATH,
+                headers={"Authorization": f"Bearer {credential}"},
+                content=HEARTBEAT_BODY,
+                timeout=10.0,
+            )
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return f"{response.status_code} {response.text[:300]}"
+
     def stop(self, timeout: float = 30.0) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -55,9 +55,7 @@ import asyncio
 import json
 import os
 import re
-import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -65,15 +63,10 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import fleet
+from fleet import HEARTBEAT_BODY, HEARTBEAT_PATH, ControlPlane
 
-HEARTBEAT_PATH = "/api/v1/agent/heartbeat"
-HEARTBEAT_BODY = (
-    b'{"protocol_version":1,"agent_version":"0.1.0",'
-    b'"health":{"status":"healthy","preflight":"passed"}}'
-)
 TARGET_RATIO = 1.0
 VERIFY_DELAY_S = 1.5
 #: PostgreSQL's backends report their table statistics within this long (an idle one: 10 s).
@@ -139,24 +132,13 @@ class LoadResult:
 # -- PostgreSQL -------------------------------------------------------------------------------
 
 
-class Postgres:
-    def __init__(self, host: str, port: int, user: str, database: str) -> None:
-        self.host, self.port, self.user, self.database = host, port, user, database
+class Postgres(fleet.Postgres):
+    """The benchmark's database, with the pgbench baseline's table and the heartbeats read back."""
 
-    def url(self, database: str | None = None, driver: str = "") -> str:
-        scheme = f"postgresql+{driver}" if driver else "postgresql"
-        return f"{scheme}://{self.user}@{self.host}:{self.port}/{database or self.database}"
-
-    def _connect(self, database: str) -> Any:
-        import psycopg
-
-        return psycopg.connect(self.url(database), autocommit=True)
-
-    def recreate(self, nodes: int) -> None:
-        with self._connect("postgres") as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
-            conn.execute(f'CREATE DATABASE "{self.database}"')
-        with self._connect(self.database) as conn:
+    def recreate_with_baseline(self, nodes: int) -> None:
+        """A fresh database holding `bench_nodes`, the `nodes` rows pgbench updates."""
+        self.recreate()
+        with self.connect() as conn:
             conn.execute("CREATE TABLE bench_nodes (id integer PRIMARY KEY, last_seen timestamptz)")
             conn.execute(
                 "INSERT INTO bench_nodes SELECT g, NULL FROM generate_series(1, %s) AS g",
@@ -164,13 +146,9 @@ class Postgres:
             )
             conn.execute("VACUUM ANALYZE bench_nodes")
 
-    def drop(self) -> None:
-        with self._connect("postgres") as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
-
     def heartbeat_counts(self, since: datetime) -> tuple[int, int, int]:
         """(nodes, nodes with last_heartbeat_at set, nodes written at or after `since`)."""
-        with self._connect(self.database) as conn:
+        with self.connect() as conn:
             row = conn.execute(
                 "SELECT count(*), count(last_heartbeat_at), "
                 "count(*) FILTER (WHERE last_heartbeat_at >= %s) FROM nodes",
@@ -182,7 +160,7 @@ class Postgres:
     def credential_reads(self) -> int:
         """Index and sequential scans of `node_credentials` so far, as the statistics collector
         has them (a backend reports at most every second, an idle one within ten)."""
-        with self._connect(self.database) as conn:
+        with self.connect() as conn:
             row = conn.execute(
                 "SELECT seq_scan + coalesce(idx_scan, 0) FROM pg_stat_user_tables"
                 " WHERE relname = 'node_credentials'"
@@ -226,84 +204,6 @@ def run_pgbench(
     return float(match.group(1)), other
 
 
-# -- control plane ----------------------------------------------------------------------------
-
-
-class ControlPlane:
-    def __init__(self, pg: Postgres, workdir: Path, port: int) -> None:
-        self.port = port
-        self.database = pg.database
-        self.base = f"http://127.0.0.1:{port}"
-        self.admin_token = "mfa_bench_" + secrets.token_urlsafe(24)
-        self.log_path = workdir / "control-plane.log"
-        exe = shutil.which("modelforge-control-plane") or str(
-            Path(sys.executable).parent / "modelforge-control-plane"
-        )
-        env = os.environ | {
-            "MODELFORGE_DATA_DIR": str(workdir / "data"),
-            "MODELFORGE_DATABASE_URL": pg.url(driver="psycopg"),
-            "MODELFORGE_ADMIN_TOKEN": self.admin_token,
-            "MODELFORGE_PORT": str(port),
-            "MODELFORGE_LOG_LEVEL": "warning",
-        }
-        self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [exe], env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def wait_healthy(self, timeout: float = 60.0) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"control plane exited ({self.proc.returncode}):\n{self.log()}")
-            try:
-                if httpx.get(self.base + "/api/v1/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise SystemExit(f"control plane not healthy after {timeout:.0f} s:\n{self.log()}")
-
-    def worker_pid(self) -> int:
-        """The Granian worker process (a child of the supervisor) that runs the app."""
-        children = [
-            pid
-            for pid in fleet.all_pids()
-            if fleet.ppid(pid) == self.proc.pid and "granian" not in fleet.comm(pid).lower()
-        ] or [pid for pid in fleet.all_pids() if fleet.ppid(pid) == self.proc.pid]
-        return children[0] if children else self.proc.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def probe(self, credential: str) -> str:
-        """One heartbeat, described: what a failing run's requests were answered."""
-        import httpx
-
-        try:
-            response = httpx.post(
-                self.base + HEARTBEAT_PATH,
-                headers={"Authorization": f"Bearer {credential}"},
-                content=HEARTBEAT_BODY,
-                timeout=10.0,
-            )
-        except httpx.HTTPError as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return f"{response.status_code} {response.text[:300]}"
-
-    def stop(self, timeout: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-
 def _postgres_cpu_s() -> float:
     """CPU seconds of all PostgreSQL server processes, exited backends included (the postmaster's
     reaped-children times), so that short-lived pgbench backends are accounted for."""
@@ -317,28 +217,6 @@ def _postgres_cpu_s() -> float:
             continue
         total += sum(int(v) for v in fields[11:15]) / _CLK_TCK  # utime stime cutime cstime
     return total
-
-
-async def _warm_up(base: str, credentials: list[str], concurrency: int) -> int:
-    """One heartbeat per node; returns how many were not answered 200."""
-    import httpx
-
-    gate = asyncio.Semaphore(concurrency)
-    headers = {"Content-Type": "application/json"}
-
-    async def one(client: httpx.AsyncClient, credential: str) -> bool:
-        async with gate:
-            response = await client.post(
-                HEARTBEAT_PATH,
-                headers=headers | {"Authorization": f"Bearer {credential}"},
-                content=HEARTBEAT_BODY,
-            )
-            return response.status_code == 200
-
-    limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=60.0) as client:
-        results = await asyncio.gather(*(one(client, c) for c in credentials))
-    return sum(1 for ok in results if not ok)
 
 
 # -- load generators --------------------------------------------------------------------------
@@ -624,7 +502,7 @@ def main(argv: list[str]) -> int:
 
     with tempfile.TemporaryDirectory(prefix="mf-bench-") as tmp:
         workdir = Path(tmp)
-        pg.recreate(args.nodes)
+        pg.recreate_with_baseline(args.nodes)
         server: ControlPlane | None = None
         try:
             server = ControlPlane(pg, workdir, fleet.free_port())
@@ -647,7 +525,8 @@ def main(argv: list[str]) -> int:
             time.sleep(STATS_DELAY_S)  # every backend has reported its scans
             reads = pg.credential_reads()
             t = time.perf_counter()
-            failed = asyncio.run(_warm_up(server.base, credentials, args.enroll_concurrency))
+            warm_up = fleet.heartbeat_all(server.base, credentials, args.enroll_concurrency)
+            failed = asyncio.run(warm_up).failed
             warm_up_s = time.perf_counter() - t
             time.sleep(STATS_DELAY_S)  # let the warm-up batch flush and the scans be reported
             reads = pg.credential_reads() - reads
