@@ -10,21 +10,10 @@ from fastapi import APIRouter, Query, Request, Response, status
 
 from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
 from control_plane.api.routing import LaneRoute
-from control_plane.console_schemas import (
-    GpuPoint,
-    NodeImage,
-    NodeImageRequest,
-    NodeSetup,
-    NodeSetupRequest,
-    TelemetryPoint,
-)
 from control_plane.context import AppContext
-from control_plane.fleet import enrollments, node_setup, nodes
-from control_plane.fleet.readiness import assess_readiness
-from control_plane.fleet.reports import telemetry_history
-from control_plane.models import Node, NodeCredential, NodeEnrollment
-from control_plane.scheduling.waiting import could_run_on
-from control_plane.schemas import (
+from control_plane.fleet import enrollments, node_admin, node_setup, nodes, readiness
+from control_plane.fleet.reports import telemetry_points
+from control_plane.fleet.schemas import (
     CredentialPublic,
     CredentialRevocation,
     EnrollmentCreate,
@@ -32,11 +21,18 @@ from control_plane.schemas import (
     EnrollmentPublic,
     KeyRotation,
     NodeEventPublic,
+    NodeImage,
+    NodeImageRequest,
     NodePublic,
-    QueuedWork,
+    NodeSetup,
+    NodeSetupRequest,
     Readiness,
-    ResourceId,
+    TelemetryPoint,
 )
+from control_plane.models import Node, NodeCredential, NodeEnrollment
+from control_plane.scheduling.schemas import QueuedWork
+from control_plane.scheduling.waiting import could_run_on
+from control_plane.schemas import ResourceId
 
 router = APIRouter(
     prefix="/api/v1/admin", tags=["admin"], dependencies=[AdminDep], route_class=LaneRoute
@@ -59,18 +55,7 @@ def _enrollment_public(ctx: AppContext, row: NodeEnrollment) -> EnrollmentPublic
 
 
 def _node_views(ctx: AppContext, session: SessionDep, rows: list[Node]) -> list[NodePublic]:
-    now = ctx.clock.now()
-    duplicates = nodes.duplicates_of(session, rows)
-    expiries = nodes.credential_expiries(session, [row.id for row in rows])
-    views = []
-    liveness = ctx.liveness
-    for row in rows:
-        view = nodes.node_public(
-            row, now=now, liveness=liveness, duplicates=duplicates.get(row.id, [])
-        )
-        view.credential_expires_at = expiries.get(row.id)
-        views.append(view)
-    return views
+    return nodes.node_views(session=session, nodes=rows, now=ctx.clock.now(), liveness=ctx.liveness)
 
 
 @router.post(
@@ -128,17 +113,7 @@ def revoke_enrollment(
 @router.post("/node-images/check", response_model=NodeImage)
 def check_node_image(body: NodeImageRequest, ctx: ContextDep) -> NodeImage:
     """The wizard checks the image before any token is minted; changes nothing."""
-    image = _choose_image(ctx, body)
-    return NodeImage(image=image.reference, checked_against=image.checked_against)
-
-
-def _choose_image(ctx: AppContext, body: NodeImageRequest) -> node_setup.ImageChoice:
-    return node_setup.choose_image(
-        image_source=body.image_source,
-        manifest_entry=body.manifest_entry,
-        registry_image=body.registry_image,
-        release_manifest=ctx.settings.release_manifest,
-    )
+    return node_setup.check_image(request=body, release_manifest=ctx.settings.release_manifest)
 
 
 @router.post("/node-enrollments/{enrollment_id}/node-setup", response_model=NodeSetup)
@@ -150,24 +125,12 @@ def generate_node_setup(
     session: SessionDep,
 ) -> NodeSetup:
     """The wizard's `.env` and commands for this enrollment; changes nothing."""
-    row = enrollments.get_enrollment(session=session, enrollment_id=enrollment_id)
-    origin = node_setup.check_api_origin(body.api_origin, request.headers.get("origin"))
-    image = _choose_image(ctx, body)
-    env_file, start, recreate = node_setup.render(
-        enrollment_id=row.id,
-        display_name=row.display_name,
-        api_origin=origin,
-        accelerator_mode=body.accelerator_mode,
-        image=image,
-    )
-    return NodeSetup(
-        enrollment_id=row.id,
-        node_id=row.node_id,
-        image=image.reference,
-        checked_against=image.checked_against,
-        env_file=env_file,
-        start_command=start,
-        recreate_command=recreate,
+    return node_setup.setup_for_enrollment(
+        session=session,
+        enrollment_id=enrollment_id,
+        request=body,
+        request_origin=request.headers.get("origin"),
+        release_manifest=ctx.settings.release_manifest,
     )
 
 
@@ -184,10 +147,9 @@ def get_node(node_id: ResourceId, ctx: ContextDep, session: SessionDep) -> NodeP
 @router.delete("/nodes/{node_id}", status_code=status.HTTP_204_NO_CONTENT)
 def delete_node(node_id: ResourceId, ctx: ContextDep, session: SessionDep, audit: AuditDep) -> None:
     audit("node.delete", node_id)
-    nodes.get_node(session=session, node_id=node_id)
-    ctx.authority.revoke_for_node(session, node_id=node_id, reason="node deleted")
-    nodes.delete_node(session=session, node_id=node_id)
-    ctx.heartbeats.discard(node_id)
+    node_admin.remove_node(
+        session=session, authority=ctx.authority, heartbeats=ctx.heartbeats, node_id=node_id
+    )
 
 
 @router.get("/nodes/{node_id}/events", response_model=list[NodeEventPublic])
@@ -219,36 +181,17 @@ def node_telemetry(
 ) -> list[TelemetryPoint]:
     """Utilisation, memory, temperature and power per GPU over the last `minutes` (the
     console's charts)."""
-    nodes.get_node(session=session, node_id=node_id)
     since = ctx.clock.now() - timedelta(minutes=minutes)
-    points = []
-    for row in telemetry_history(session=session, node_id=node_id, since=since):
-        sample = row.sample or {}
-        gpus = [
-            GpuPoint(
-                index=gpu.get("index", 0),
-                uuid=gpu.get("uuid", ""),
-                utilization_percent=gpu.get("utilization_percent"),
-                memory_used_mb=gpu.get("memory_used_mb"),
-                memory_total_mb=gpu.get("memory_total_mb"),
-                temperature_c=gpu.get("temperature_c"),
-                power_draw_w=gpu.get("power_draw_w"),
-                power_limit_w=gpu.get("power_limit_w"),
-            )
-            for gpu in sample.get("gpus") or []
-        ]
-        cpu = (sample.get("host") or {}).get("cpu_percent")
-        points.append(TelemetryPoint(at=row.at, cpu_percent=cpu, gpus=gpus))
-    return points
+    return telemetry_points(session=session, node_id=node_id, since=since)
 
 
 @router.get("/nodes/{node_id}/readiness", response_model=Readiness)
 def node_readiness(node_id: ResourceId, ctx: ContextDep, session: SessionDep) -> Readiness:
-    view = _node_views(ctx, session, [nodes.get_node(session=session, node_id=node_id)])[0]
-    return assess_readiness(
-        view,
+    return readiness.node_readiness(
+        session=session,
+        node_id=node_id,
         now=ctx.clock.now(),
-        stale_after=ctx.thresholds.stale_after,
+        liveness=ctx.liveness,
         telemetry_max_age=ctx.telemetry_max_age,
         inventory_max_age=timedelta(seconds=ctx.settings.inventory_max_age_seconds),
     )
@@ -259,18 +202,10 @@ def revoke_node_credential(
     node_id: ResourceId, ctx: ContextDep, session: SessionDep, audit: AuditDep
 ) -> CredentialRevocation:
     audit("node.credential.revoke", node_id)
-    nodes.get_node(session=session, node_id=node_id)
-    revoked = ctx.authority.revoke_for_node(
-        session, node_id=node_id, reason="revoked by an administrator"
+    revoked = node_admin.revoke_node_credentials(
+        session=session, clock=ctx.clock, authority=ctx.authority, node_id=node_id
     )
-    nodes.record_event(
-        session,
-        node_id=node_id,
-        at=ctx.clock.now(),
-        kind="credential_revoked",
-        reason=f"{len(revoked)} credential(s) revoked by an administrator",
-    )
-    return CredentialRevocation(node_id=node_id, revoked=len(revoked))
+    return CredentialRevocation(node_id=node_id, revoked=revoked)
 
 
 @router.get("/credentials", response_model=list[CredentialPublic])

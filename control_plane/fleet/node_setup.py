@@ -13,9 +13,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from sqlalchemy.orm import Session
+
 from control_plane import RELEASE_VERSION
 from control_plane.errors import InvalidRequest
 from control_plane.fleet import start_script
+from control_plane.fleet.enrollments import get_enrollment
+from control_plane.fleet.schemas import NodeImage, NodeImageRequest, NodeSetup, NodeSetupRequest
 from modelforge_contracts.protocol import PROTOCOL_VERSION
 from modelforge_contracts.release_manifest import (
     ImageEntry,
@@ -51,6 +55,52 @@ class ImageChoice:
     checked_against: str
     #: Bundle mode: the same release's runtime worker (`release load` verified it on the node).
     worker_image: str | None = None
+
+
+def check_image(*, request: NodeImageRequest, release_manifest: Path | None) -> NodeImage:
+    """The wizard checks the image before any token is minted; changes nothing."""
+    image = _image_for(request, release_manifest)
+    return NodeImage(image=image.reference, checked_against=image.checked_against)
+
+
+def setup_for_enrollment(
+    *,
+    session: Session,
+    enrollment_id: str,
+    request: NodeSetupRequest,
+    request_origin: str | None,
+    release_manifest: Path | None,
+) -> NodeSetup:
+    """The wizard's `.env` and commands for an enrollment, pointing the node at the console's
+    own origin (`request_origin`: the browser's `Origin` header); changes nothing."""
+    enrollment = get_enrollment(session=session, enrollment_id=enrollment_id)
+    origin = check_api_origin(request.api_origin, request_origin)
+    image = _image_for(request, release_manifest)
+    env_file, start, recreate = render(
+        enrollment_id=enrollment.id,
+        display_name=enrollment.display_name,
+        api_origin=origin,
+        accelerator_mode=request.accelerator_mode,
+        image=image,
+    )
+    return NodeSetup(
+        enrollment_id=enrollment.id,
+        node_id=enrollment.node_id,
+        image=image.reference,
+        checked_against=image.checked_against,
+        env_file=env_file,
+        start_command=start,
+        recreate_command=recreate,
+    )
+
+
+def _image_for(request: NodeImageRequest, release_manifest: Path | None) -> ImageChoice:
+    return choose_image(
+        image_source=request.image_source,
+        manifest_entry=request.manifest_entry,
+        registry_image=request.registry_image,
+        release_manifest=release_manifest,
+    )
 
 
 def check_api_origin(api_origin: str, request_origin: str | None) -> str:

@@ -19,8 +19,8 @@ from control_plane.clock import Clock
 from control_plane.db import rowcount
 from control_plane.errors import NotFound
 from control_plane.fleet.liveness import Liveness, counted_from, liveness_state
+from control_plane.fleet.schemas import DuplicateIdentity, NeedsUpgrade, NodePublic
 from control_plane.models import Node, NodeCredential, NodeEvent
-from control_plane.schemas import DuplicateIdentity, NeedsUpgrade, NodePublic
 
 
 def fingerprint_hash(fingerprint: dict[str, Any] | None) -> str | None:
@@ -146,6 +146,21 @@ def node_public(
         telemetry=node.telemetry,
         telemetry_at=node.telemetry_at,
     )
+
+
+def node_views(
+    *, session: Session, nodes: list[Node], now: datetime, liveness: Liveness
+) -> list[NodePublic]:
+    """The API views of `nodes`, in order: each with the nodes sharing its fingerprint and its
+    active credential's expiry, read for all of them at once."""
+    duplicates = duplicates_of(session, nodes)
+    expiries = credential_expiries(session, [node.id for node in nodes])
+    views = []
+    for node in nodes:
+        view = node_public(node, now=now, liveness=liveness, duplicates=duplicates.get(node.id, []))
+        view.credential_expires_at = expiries.get(node.id)
+        views.append(view)
+    return views
 
 
 def list_events(*, session: Session, node_id: str, limit: int) -> list[NodeEvent]:

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+from sqlalchemy.orm import Session
+
 from control_plane.errors import ProtocolIncompatible
 from control_plane.fleet.compatibility import judge_protocol
-from control_plane.schemas import NodePublic, Readiness, ReadinessCheck
+from control_plane.fleet.liveness import Liveness
+from control_plane.fleet.nodes import get_node, node_views
+from control_plane.fleet.schemas import NodePublic, Readiness, ReadinessCheck
 
 
 def _check(name: str, status: str, detail: str, next_step: str = "") -> ReadinessCheck:
@@ -18,6 +22,27 @@ def _check(name: str, status: str, detail: str, next_step: str = "") -> Readines
 
 def _age(since: datetime | None, now: datetime) -> str:
     return "never" if since is None else f"{max(0.0, (now - since).total_seconds()):.0f} s ago"
+
+
+def node_readiness(
+    *,
+    session: Session,
+    node_id: str,
+    now: datetime,
+    liveness: Liveness,
+    telemetry_max_age: timedelta,
+    inventory_max_age: timedelta,
+) -> Readiness:
+    """The readiness of a stored node, judged from the view the API shows of it."""
+    node = get_node(session=session, node_id=node_id)
+    view = node_views(session=session, nodes=[node], now=now, liveness=liveness)[0]
+    return assess_readiness(
+        view,
+        now=now,
+        stale_after=liveness.thresholds.stale_after,
+        telemetry_max_age=telemetry_max_age,
+        inventory_max_age=inventory_max_age,
+    )
 
 
 def assess_readiness(

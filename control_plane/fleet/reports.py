@@ -13,6 +13,7 @@ from control_plane.clock import Clock
 from control_plane.db import rowcount
 from control_plane.errors import ProtocolIncompatible
 from control_plane.fleet.nodes import get_node, record_event
+from control_plane.fleet.schemas import GpuPoint, TelemetryPoint
 from control_plane.models import Node, TelemetrySample
 
 
@@ -79,6 +80,31 @@ def telemetry_history(
         .limit(limit)
     )
     return list(reversed(list(rows)))
+
+
+def telemetry_points(*, session: Session, node_id: str, since: datetime) -> list[TelemetryPoint]:
+    """Utilisation, memory, temperature and power per GPU, and the host's CPU, of a node's
+    samples since `since`, oldest first (the console's charts); NODE_NOT_FOUND for no node."""
+    get_node(session=session, node_id=node_id)
+    points = []
+    for row in telemetry_history(session=session, node_id=node_id, since=since):
+        sample = row.sample or {}
+        gpus = [
+            GpuPoint(
+                index=gpu.get("index", 0),
+                uuid=gpu.get("uuid", ""),
+                utilization_percent=gpu.get("utilization_percent"),
+                memory_used_mb=gpu.get("memory_used_mb"),
+                memory_total_mb=gpu.get("memory_total_mb"),
+                temperature_c=gpu.get("temperature_c"),
+                power_draw_w=gpu.get("power_draw_w"),
+                power_limit_w=gpu.get("power_limit_w"),
+            )
+            for gpu in sample.get("gpus") or []
+        ]
+        cpu = (sample.get("host") or {}).get("cpu_percent")
+        points.append(TelemetryPoint(at=row.at, cpu_percent=cpu, gpus=gpus))
+    return points
 
 
 def prune_telemetry(*, session: Session, clock: Clock, retention: timedelta) -> int:
