@@ -11,6 +11,9 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from control_plane.access.console_sessions import SignInThrottle
+from control_plane.clock import Clock
+from control_plane.errors import AdminAuthError
 from control_plane.security import new_admin_token, sha256_hex
 from control_plane.settings import Settings
 from modelforge_contracts.files import write_private
@@ -32,6 +35,29 @@ class AdminTokenSource:
 
     def matches(self, presented: str) -> bool:
         return hmac.compare_digest(sha256_hex(presented), self._digest)
+
+
+def check_presented(
+    *,
+    source: AdminTokenSource,
+    throttle: SignInThrottle,
+    clock: Clock,
+    address: str,
+    presented: str,
+    then: str,
+) -> None:
+    """The one check of a presented admin token (header or console sign-in), throttled per
+    client address: refused with 429 after too many wrong ones, before the token is compared,
+    so that a right token answers the same as a wrong one until the wait is over."""
+    throttle.check(address, clock.now(), then=then)
+    if not source.matches(presented):
+        throttle.failed(address, clock.now())
+        raise AdminAuthError(
+            "The admin token is not valid.",
+            f"Use the token from {source.origin}.",
+            code="ADMIN_TOKEN_INVALID",
+        )
+    throttle.succeeded(address)
 
 
 def resolve_admin_token(settings: Settings) -> AdminTokenSource:

@@ -9,7 +9,7 @@ from fastapi import Depends, Header, Request
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
-from control_plane.access import console_sessions
+from control_plane.access import admin_token, console_sessions
 from control_plane.access.console_sessions import SignedIn
 from control_plane.audit import ADMIN_TOKEN_ACTOR, Audit, console_actor
 from control_plane.context import AppContext
@@ -87,19 +87,16 @@ def client_address(request: Request) -> str:
 
 
 def check_admin_token(request: Request, ctx: AppContext, token: str, *, then: str) -> None:
-    """The one check of a presented admin token (header or console sign-in), throttled per
-    client address: refused with 429 after too many wrong ones, before the token is compared,
-    so that a right token answers the same as a wrong one until the wait is over."""
-    address = client_address(request)
-    ctx.sign_in_throttle.check(address, ctx.clock.now(), then=then)
-    if not ctx.admin_token.matches(token):
-        ctx.sign_in_throttle.failed(address, ctx.clock.now())
-        raise AdminAuthError(
-            "The admin token is not valid.",
-            f"Use the token from {ctx.admin_token.origin}.",
-            code="ADMIN_TOKEN_INVALID",
-        )
-    ctx.sign_in_throttle.succeeded(address)
+    """A presented admin token (header or console sign-in), checked by
+    `access.admin_token.check_presented`, throttled per client address."""
+    admin_token.check_presented(
+        source=ctx.admin_token,
+        throttle=ctx.sign_in_throttle,
+        clock=ctx.clock,
+        address=client_address(request),
+        presented=token,
+        then=then,
+    )
 
 
 AdminDep = Depends(require_admin)

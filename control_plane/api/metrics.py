@@ -7,16 +7,15 @@ route and no other: nothing else reads it. Neither token is ever logged or echoe
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request, Response
 
+from control_plane.access import metrics_token
 from control_plane.api.deps import ContextDep, check_admin_token
 from control_plane.api.routing import LaneRoute
 from control_plane.errors import AdminAuthError
 from control_plane.metrics import CONTENT_TYPE
-from control_plane.security import sha256_hex
 
 router = APIRouter(tags=["observability"], route_class=LaneRoute)
 
@@ -43,21 +42,7 @@ def require_metrics_reader(
             "`authorization: {credentials_file: …}`), or the X-ModelForge-Admin-Token header.",
             code="METRICS_TOKEN_MISSING",
         )
-    configured = ctx.settings.metrics_token
-    # Digests of both sides: equal lengths, so the comparison's time says nothing. Not
-    # throttled like the admin token (a Prometheus server with an old token would otherwise
-    # lock its address out of the console); settings require 16 characters or more.
-    if configured is None or not hmac.compare_digest(
-        sha256_hex(presented.strip()), sha256_hex(configured.get_secret_value().strip())
-    ):
-        raise AdminAuthError(
-            "The metrics token is not valid."
-            if configured is not None
-            else "No metrics token is configured on this control plane.",
-            "Use the value of MODELFORGE_METRICS_TOKEN, or set it and restart; or send the "
-            "admin token in the X-ModelForge-Admin-Token header.",
-            code="METRICS_TOKEN_INVALID",
-        )
+    metrics_token.check_presented(presented=presented, configured=ctx.settings.metrics_token)
 
 
 @router.get(
