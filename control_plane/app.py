@@ -41,7 +41,8 @@ from control_plane.api import (
     services,
 )
 from control_plane.api.agent_fast import AgentFastPath
-from control_plane.api.edge import Edge, JsonGuard, invalid_json
+from control_plane.api.edge import invalid_json
+from control_plane.api.front import Front, compose_front
 from control_plane.api.rsgi import ServedApp
 from control_plane.background.loops import start_loops, stop_loops
 from control_plane.background.service_placement import start_service_placement
@@ -73,8 +74,8 @@ _WORKER_THREADS = 8
 
 
 def create_served_app() -> ServedApp:
-    """What `modelforge-control-plane` serves (Granian's factory, RSGI): `create_app()` behind
-    the RSGI front (`api/rsgi.py`), setting the objects alive once it has started aside from
+    """What `modelforge-control-plane` serves (Granian's factory, RSGI): the front's RSGI app
+    (`Front.served`, `api/rsgi.py`), setting the objects alive once it has started aside from
     the garbage collector (`gc.freeze`).
 
     Those — modules, the ORM's and the schemas' classes, the app, the settings — live as long as
@@ -82,20 +83,26 @@ def create_served_app() -> ServedApp:
     waiting, 100–170 ms with the event loop stopped, every second or two, in the dispatch
     latency's tail. Only this process does it: a process that builds apps and throws them away
     (the tests) would keep what it froze for ever."""
-    return ServedApp(create_app(set_aside_startup_objects=True))
+    return create_front(set_aside_startup_objects=True).served()
 
 
 def create_app(
+    settings: Settings | None = None, *, clock: Clock | None = None, run_loops: bool = True
+) -> AgentFastPath:
+    """The served ASGI app, in-process (the tests'): the front's outermost seam, the agents'
+    fast path, in front of the edge, the JSON guard and the FastAPI app (`api/front.py`)."""
+    return create_front(settings, clock=clock, run_loops=run_loops).asgi
+
+
+def create_front(
     settings: Settings | None = None,
     *,
     clock: Clock | None = None,
     run_loops: bool = True,
     set_aside_startup_objects: bool = False,
-) -> AgentFastPath:
-    """The served ASGI app: the heartbeat fast path, which answers the common heartbeat itself
-    (reading at most 16 KiB, with the same security headers), then for everything else the edge
-    (`.app`: body limits, security headers), the JSON guard and the FastAPI app (`.app.app.app`).
-    """
+) -> Front:
+    """The context, the FastAPI app with its routes, error mapping and lifespan, and the seams
+    in front of it (`api/front.compose_front`), each a named layer of the `Front`."""
     settings = settings or Settings()
     clock = clock or SystemClock()
     prepare_data_dir(settings.data_dir)
@@ -180,7 +187,7 @@ def create_app(
     app.include_router(services.agent_router)
     app.include_router(provisioning.router)
     console.mount_console(app)
-    return AgentFastPath(Edge(JsonGuard(app), ctx), ctx)
+    return compose_front(app, ctx)
 
 
 def _start(ctx: AppContext) -> None:

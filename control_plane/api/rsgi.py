@@ -3,7 +3,8 @@
 Heartbeats are most of what a fleet sends, and Granian's ASGI bridge (a scope dict, message
 dicts and two awaitables per request) cost each one more than the answer itself. So the served
 app speaks RSGI: the agents' requests the fast path answers (`AgentFastPath.answer`) are read
-and answered straight through RSGI's protocol object, and everything else — including an agent
+and answered straight through RSGI's protocol object (framed by `agent_frame`, as the fast
+path's ASGI seam frames them), and everything else — including an agent
 request the fast path hands on — is served by the ASGI app (the edge, the JSON guard, FastAPI)
 through `serve_asgi`, a bridge with ASGI's semantics: the request body streamed as it arrives,
 the response sent whole or streamed, `http.disconnect` once the client has gone. The ASGI
@@ -22,9 +23,9 @@ import logging
 import re
 from typing import Any
 
-from control_plane.api.agent_fast import FAST_BODY_LIMIT, GONE, AgentFastPath, agent_request
+from control_plane.api.agent_fast import AgentFastPath, agent_request
+from control_plane.api.agent_frame import FAST_BODY_LIMIT, RSGI_JSON_HEADERS, HandOn, Reply
 from control_plane.api.asgi import ASGIApp, Message, Scope
-from control_plane.api.edge import SECURITY_HEADERS
 from control_plane.errors import InternalError
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,8 @@ _ASGI = {"version": "3.0", "spec_version": "2.3"}
 # What hyper can send: a header name is a token, a value visible ASCII, spaces and tabs.
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
-_SECURITY = [(name.decode(), value.decode()) for name, value in SECURITY_HEADERS]
-_JSON = [("content-type", "application/json"), *_SECURITY]
+# Its own 500 carries the headers of the fast path's JSON replies.
+_JSON = RSGI_JSON_HEADERS
 #: The app's own 500 (`errors.InternalError`), rendered as its routes render it.
 _FAILED = json.dumps(InternalError().to_body(), separators=(",", ":")).encode()
 
@@ -69,12 +70,14 @@ class ASGIOverRSGI:
 
 
 class ServedApp(ASGIOverRSGI):
-    """The RSGI app Granian runs: the agents' fast path answers its requests itself, in front
-    of the ASGI app."""
+    """The RSGI app Granian runs: the agents' fast path `fast` answers its requests itself, in
+    front of the ASGI app (`fast` again, the outermost seam); a request it hands on goes, with
+    the body it read, to `edge`, the ASGI app behind it. `api/front.py` composes it."""
 
-    def __init__(self, fast: AgentFastPath) -> None:
+    def __init__(self, fast: AgentFastPath, edge: ASGIApp) -> None:
         super().__init__(fast)
         self.fast = fast
+        self.edge = edge
 
     async def __rsgi__(self, scope: Any, protocol: Any) -> None:
         request = agent_request(scope.method, scope.path)
@@ -94,7 +97,7 @@ class ServedApp(ASGIOverRSGI):
         except RuntimeError:  # RSGIProtocolClosed: the agent went away in the middle of its body
             return
         try:
-            answer = await self.fast.answer(
+            outcome = await self.fast.answer(
                 request,
                 headers.get("authorization"),
                 headers.get("content-type"),
@@ -105,13 +108,11 @@ class ServedApp(ASGIOverRSGI):
             log.error("unexpected %s while serving an agent", type(exc).__name__, exc_info=exc)
             protocol.response_bytes(500, _JSON, _FAILED)
             return
-        if answer is GONE:
-            return  # the agent closed the connection: nobody to answer
-        if answer is None:
-            await serve_asgi(self.fast.app, scope, protocol, self.lifespan.state, body=body)
-            return
-        status, reply = answer
-        protocol.response_bytes(status, _JSON if reply else _SECURITY, reply)
+        if isinstance(outcome, Reply):
+            outcome.send_rsgi(protocol)
+        elif isinstance(outcome, HandOn):
+            await serve_asgi(self.edge, scope, protocol, self.lifespan.state, body=outcome.body)
+        # else CLIENT_GONE: the agent closed the connection, nobody to answer
 
 
 async def serve_asgi(

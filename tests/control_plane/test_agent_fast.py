@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.api.agent_fast import FAST_BODY_LIMIT, AgentFastPath
+from control_plane.api.agent_fast import AgentFastPath
+from control_plane.api.agent_frame import FAST_BODY_LIMIT
 from control_plane.api.edge import Edge
 from modelforge_contracts import protocol
 from tests.control_plane.test_jobs import _claim, _node, _submit
@@ -32,9 +33,9 @@ def test_fast_and_full_paths_answer_alike(tmp_path: Path, database_url: str) -> 
         credential = enrolled["credential"]
         first = cp.heartbeat(credential)  # unknown jti: the full path reads its status
         fast = _fast_path(cp)
-        assert fast.answered == 0
+        assert fast.heartbeats == 0
         second = cp.heartbeat(credential)
-        assert fast.answered == 1
+        assert fast.heartbeats == 1
         assert first.status_code == second.status_code == 200
         assert first.json() == second.json()
         for header in ("content-type", "content-security-policy", "x-content-type-options"):
@@ -62,11 +63,11 @@ def test_everything_uncertain_takes_the_full_path(tmp_path: Path, database_url: 
         for body, status, code in cases:
             response = cp.client.post("/api/v1/agent/heartbeat", headers=headers, json=body)
             assert (response.status_code, response.json()["error"]["code"]) == (status, code)
-        assert fast.answered == 0
+        assert fast.heartbeats == 0
         cp.client.post(f"/api/v1/admin/nodes/{node_id}/credential/revoke", headers=cp.admin)
         revoked = cp.heartbeat(credential)
         assert revoked.json()["error"]["code"] == "CREDENTIAL_REVOKED"
-        assert fast.answered == 0
+        assert fast.heartbeats == 0
 
 
 def _padded(size: int) -> bytes:
@@ -88,7 +89,7 @@ def test_a_large_heartbeat_is_answered_like_a_small_one(
         large = cp.client.post("/api/v1/agent/heartbeat", headers=headers, content=body)
         assert large.status_code == 200, large.text
         assert large.json() == small.json()
-        assert _fast_path(cp).answered == (1 if size <= FAST_BODY_LIMIT else 0)
+        assert _fast_path(cp).heartbeats == (1 if size <= FAST_BODY_LIMIT else 0)
 
 
 def test_the_answer_names_the_agents_protocol(
@@ -106,7 +107,7 @@ def test_the_answer_names_the_agents_protocol(
                 "protocol_version": spoken,
                 "accepted": [1, 2],
             }
-        assert _fast_path(cp).answered == 3
+        assert _fast_path(cp).heartbeats == 3
 
 
 @pytest.mark.parametrize("depth", [100, 1_000, 100_000])
@@ -136,7 +137,7 @@ def test_the_edge_bounds_heartbeats_and_heads_their_answers(
         cp.heartbeat(credential)
         fast = _fast_path(cp)
         answered = cp.heartbeat(credential)
-        assert fast.answered == 1
+        assert fast.heartbeats == 1
         assert "default-src 'none'" in answered.headers["content-security-policy"]
         headers = {**cp.agent(credential), "content-type": "application/json"}
         body = _padded(65 * 1024)
@@ -154,7 +155,7 @@ def test_the_edge_bounds_heartbeats_and_heads_their_answers(
         )
         response = cp.client.post("/api/v1/agent/heartbeat", headers=headers, content=nan)
         assert (response.status_code, response.json()["error"]["code"]) == (422, "JSON_NOT_FINITE")
-        assert fast.answered == 1
+        assert fast.heartbeats == 1
 
 
 def test_claims_and_completions_take_the_fast_path_and_answer_alike(
@@ -260,7 +261,7 @@ def test_heartbeat_bodies_judged_once_are_recorded_per_node(
         for _ in range(3):
             assert cp.heartbeat(first["credential"]).status_code == 200
             assert cp.heartbeat(second["credential"], **degraded).status_code == 200
-        assert fast.answered == 6
+        assert fast.heartbeats == 6
         cp.flush()
         assert cp.node(first["node_id"])["health"] == {"status": "healthy", "preflight": "passed"}
         assert cp.node(second["node_id"])["health"] == {"preflight": "passed", **degraded}
@@ -269,7 +270,7 @@ def test_heartbeat_bodies_judged_once_are_recorded_per_node(
             cp.heartbeat(first["credential"], message=f"note {index}").text for index in range(300)
         }
         assert len(answers) == 1
-        assert fast.answered == 306
+        assert fast.heartbeats == 306
         assert len(fast._judged) <= 256
         cp.flush()
         assert cp.node(first["node_id"])["health"]["message"] == "note 299"
@@ -295,4 +296,4 @@ def test_the_first_of_repeated_headers_counts_as_on_the_route(
             ]
             response = cp.client.post("/api/v1/agent/heartbeat", headers=headers, content=body)
             assert response.status_code == status, response.text
-        assert fast.answered == 1  # the second went to the route, which refused it
+        assert fast.heartbeats == 1  # the second went to the route, which refused it
