@@ -20,8 +20,7 @@ from control_plane.errors import ProtocolIncompatible
 from control_plane.fleet import enrollments, reports
 from control_plane.fleet.compatibility import judge_protocol
 from control_plane.fleet.heartbeats import accept_heartbeat
-from control_plane.schemas import (
-    Accepted,
+from control_plane.fleet.schemas import (
     EnrollRequest,
     EnrollResponse,
     HeartbeatRequest,
@@ -29,6 +28,7 @@ from control_plane.schemas import (
     InventoryRequest,
     TelemetryRequest,
 )
+from control_plane.schemas import Accepted
 
 router = APIRouter(prefix="/api/v1/agent", tags=["agent"], route_class=LaneRoute)
 

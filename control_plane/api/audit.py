@@ -11,8 +11,7 @@ from fastapi import APIRouter, Query
 from control_plane import audit as audit_log
 from control_plane.api.deps import AdminDep, SessionDep
 from control_plane.api.routing import LaneRoute
-from control_plane.schemas import DB_INT_MAX
-from control_plane.workload_schemas import AuditEntryPublic
+from control_plane.schemas import DB_INT_MAX, AuditEntryPublic
 
 router = APIRouter(
     prefix="/api/v1/admin", tags=["admin"], dependencies=[AdminDep], route_class=LaneRoute

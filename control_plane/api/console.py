@@ -16,6 +16,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from control_plane.access import console_sessions
+from control_plane.access.schemas import ConsoleSessionInfo, SignInRequest
 from control_plane.api.deps import (
     SESSION_COOKIE,
     ContextDep,
@@ -24,7 +25,6 @@ from control_plane.api.deps import (
     console_session,
 )
 from control_plane.api.routing import LaneRoute
-from control_plane.console_schemas import ConsoleSessionInfo, SignInRequest
 from control_plane.errors import AdminAuthError
 
 CONSOLE_DIST = Path(__file__).resolve().parent.parent / "console" / "dist"

@@ -13,9 +13,7 @@ from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
 from control_plane.api.ranges import artifact_response
 from control_plane.api.routing import LaneRoute
 from control_plane.artifacts import store as artifacts
-from control_plane.artifacts.schemas import (
-    ArtifactPublic,
-)
+from control_plane.artifacts.schemas import ArtifactPublic
 from control_plane.audit import ADMIN_TOKEN_ACTOR, Audit
 from control_plane.context import AppContext
 from control_plane.jobs import lifecycle
@@ -28,11 +26,7 @@ from control_plane.jobs.schemas import (
 )
 from control_plane.models import Job
 from control_plane.scheduling.dispatch import job_key
-from control_plane.schemas import (
-    DB_INT_MAX,
-    Digest,
-    ResourceId,
-)
+from control_plane.schemas import DB_INT_MAX, Digest, ResourceId
 
 #: `key=value`: a job list keeps the jobs that carry it.
 LabelFilter = Annotated[str, StringConstraints(pattern=r"^[^=]{1,100}=.{0,200}$")]

@@ -10,8 +10,8 @@ from fastapi import APIRouter, Query, status
 from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
 from control_plane.api.routing import LaneRoute
 from control_plane.catalog import catalog as models_catalog
+from control_plane.catalog.schemas import ModelCreate, ModelPublic
 from control_plane.schemas import ResourceId
-from control_plane.workload_schemas import ModelCreate, ModelPublic
 
 router = APIRouter(
     prefix="/api/v1", tags=["models"], dependencies=[AdminDep], route_class=LaneRoute

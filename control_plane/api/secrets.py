@@ -10,7 +10,7 @@ from fastapi import APIRouter, Path, status
 from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
 from control_plane.api.routing import LaneRoute
 from control_plane.vault import vault as secrets_vault
-from control_plane.workload_schemas import SecretPublic, SecretPut
+from control_plane.vault.schemas import SecretPublic, SecretPut
 
 router = APIRouter(
     prefix="/api/v1/admin/secrets", tags=["secrets"], dependencies=[AdminDep], route_class=LaneRoute

@@ -131,3 +131,9 @@ class ArtifactSweepReport(BaseModel):
     kept: list[KeptArtifact]
     removed_files: list[RemovedFile]
     bytes_freed: int
+
+
+class ArtifactPublic(BaseModel):
+    digest: str
+    size_bytes: int
+    created_at: datetime

@@ -12,11 +12,11 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from control_plane.artifacts.store import reference_artifacts
+from control_plane.catalog.schemas import ModelCreate, ModelPublic
 from control_plane.clock import Clock
 from control_plane.errors import Conflict, NotFound
 from control_plane.models import Model
 from control_plane.security import new_id
-from control_plane.workload_schemas import ModelCreate, ModelPublic
 
 
 def create_model(*, session: Session, clock: Clock, request: ModelCreate) -> Model:

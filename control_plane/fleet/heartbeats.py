@@ -44,9 +44,9 @@ from control_plane.clock import Clock
 from control_plane.fleet.compatibility import judge_protocol
 from control_plane.fleet.liveness import PendingHeartbeat
 from control_plane.fleet.nodes import record_event
+from control_plane.fleet.schemas import Compatibility, HeartbeatRequest, HeartbeatResponse
 from control_plane.metrics import Metrics
 from control_plane.models import Node
-from control_plane.schemas import Compatibility, HeartbeatRequest, HeartbeatResponse
 from control_plane.settings import Settings
 from modelforge_contracts.protocol import accepted
 

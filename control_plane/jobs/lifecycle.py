@@ -16,16 +16,9 @@ from control_plane.catalog import catalog as models_catalog
 from control_plane.clock import Clock
 from control_plane.errors import Conflict, InvalidRequest, NotFound
 from control_plane.events import events_after
-from control_plane.fleet.schemas import (
-    AssignedGpu,
-)
+from control_plane.fleet.schemas import AssignedGpu
 from control_plane.jobs._changes import FINISHED, RunningJob, append_events, finish
-from control_plane.jobs.schemas import (
-    JobCreate,
-    JobError,
-    JobPublic,
-    WaitingReason,
-)
+from control_plane.jobs.schemas import JobCreate, JobError, JobPublic, WaitingReason
 from control_plane.models import JOB_EVENTS, JOBS, Job, JobEvent
 from control_plane.scheduling.dispatch import job_key, jobs_changed, queued_key
 from control_plane.security import new_id

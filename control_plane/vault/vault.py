@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 from control_plane.clock import Clock
 from control_plane.errors import InvalidRequest, ModelForgeError, NotFound
 from control_plane.models import Secret
-from control_plane.workload_schemas import SecretPublic, SecretPut
+from control_plane.vault.schemas import SecretPublic, SecretPut
 from modelforge_contracts.files import write_private
 
 KEYS_DIR = "secret-keys"

@@ -12,10 +12,10 @@ from pydantic import SecretStr
 
 from control_plane.access.admin_token import resolve_admin_token
 from control_plane.access.console_sessions import SignedIn
+from control_plane.access.schemas import SignInRequest
 from control_plane.clock import ManualClock
-from control_plane.console_schemas import SignInRequest
 from control_plane.fleet import enrollments
-from control_plane.schemas import EnrollmentMinted, EnrollRequest, EnrollResponse
+from control_plane.fleet.schemas import EnrollmentMinted, EnrollRequest, EnrollResponse
 from control_plane.settings import Settings
 from tests.factories import ADMIN_TOKEN, control_plane
 

@@ -1,5 +1,5 @@
-"""Request and response bodies of the second stage's workloads: services (WL-5a), models
-(WL-5c), secrets (WL-6a), the audit log (AU-1), and the agents' service sync."""
+"""The model services' request and response bodies (WL-5a): deployment, the service and event
+views, and the agents' service sync."""
 
 from __future__ import annotations
 
@@ -8,66 +8,26 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from control_plane.catalog.schemas import ModelRef
+from control_plane.fleet.schemas import AssignedGpu
 from control_plane.schemas import (
     DB_INT_MAX,
-    AssignedGpu,
     Digest,
     JobResources,
     Labels,
     Line,
-    ModelRef,
-    SecretNames,
+    Name,
     StrictModel,
     Text,
 )
+from control_plane.vault.schemas import SecretNames
 
-Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")]
-Runner = Literal["onnx", "command"]
 EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")]
 EnvValue = Annotated[Line, StringConstraints(max_length=4096)]
 Argument = Annotated[Line, StringConstraints(min_length=1, max_length=4096)]
 
 
-# -- models -------------------------------------------------------------------------------------
-
-
-class ModelCreate(StrictModel):
-    name: Name
-    version: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$")]
-    runner: Runner = "onnx"
-    weights: Digest
-    params: dict[str, Any] = Field(default_factory=dict)
-
-
-class ModelPublic(BaseModel):
-    model_id: str
-    name: str
-    version: str
-    ref: str
-    runner: str
-    weights: str
-    params: dict[str, Any]
-    created_at: datetime
-
-
-# -- secrets ------------------------------------------------------------------------------------
-
-
-class SecretPut(StrictModel):
-    value: Annotated[str, StringConstraints(min_length=1, max_length=65536)] = Field(repr=False)
-    labels: Labels = Field(default_factory=dict)
-
-
-class SecretPublic(BaseModel):
-    """A secret as the API shows it: never its value."""
-
-    name: str
-    labels: dict[str, str]
-    created_at: datetime
-    updated_at: datetime
-
-
-# -- services -----------------------------------------------------------------------------------
+# -- deployment --------------------------------------------------------------------------------
 
 
 class ServiceHealth(StrictModel):
@@ -158,6 +118,9 @@ class ServiceCreate(StrictModel):
         return self
 
 
+# -- views -------------------------------------------------------------------------------------
+
+
 ServiceState = Literal[
     "pending", "starting", "healthy", "unhealthy", "restarting", "stopped", "failed"
 ]
@@ -205,7 +168,7 @@ class ServiceEventPublic(BaseModel):
     data: Any
 
 
-# -- the agents' service sync -------------------------------------------------------------------
+# -- the agents' service sync ------------------------------------------------------------------
 
 
 class AgentServiceEvent(StrictModel):
@@ -257,16 +220,3 @@ class AgentServiceSpec(BaseModel):
 class AgentServicesDesired(BaseModel):
     services: list[AgentServiceSpec]
     poll_interval_seconds: float
-
-
-# -- audit --------------------------------------------------------------------------------------
-
-
-class AuditEntryPublic(BaseModel):
-    id: int
-    at: datetime
-    actor: str
-    action: str
-    target: str
-    outcome: str
-    detail: dict[str, Any]
