@@ -1,2 +1,4 @@
-"""HTTP transport only: thin routers that validate, call a service with keyword arguments and
-return a schema. No business rules live here, and nothing here ever echoes a secret."""
+"""HTTP transport only: one router per resource (`services`, `models`, `secrets`, `audit`,
+`jobs`, `admin`: nodes and enrollments, …); each route parses, makes one call into its domain
+with keyword arguments and returns a schema. No query and no business rule (filters,
+permissions, state checks) lives here, and nothing here ever echoes a secret."""
