@@ -38,7 +38,6 @@ class AppContext:
     admin_token: AdminTokenSource
     authority: CredentialAuthority
     heartbeats: HeartbeatBuffer = field(default_factory=HeartbeatBuffer)
-    dispatcher: Dispatcher = field(default_factory=Dispatcher)
     #: This app's Prometheus instruments and registry (`GET /metrics`).
     metrics: Metrics = field(default_factory=Metrics)
     sign_in_throttle: SignInThrottle = field(default_factory=SignInThrottle)
@@ -46,6 +45,8 @@ class AppContext:
     database: DatabaseAvailability = field(default_factory=DatabaseAvailability)
     #: The threads blocking routes run on, one share per kind of request (`lanes.py`).
     lanes: WorkerLanes = field(init=False)
+    #: Wakes long polls and the scheduler when jobs change, across replicas.
+    dispatcher: Dispatcher = field(init=False)
     #: Matches this process's waiting claims to queued jobs (started in the app's lifespan).
     scheduler: Scheduler = field(init=False)
     #: Commits agents' job outcomes in groups (started in the app's lifespan).
@@ -58,6 +59,7 @@ class AppContext:
     contact_grace: ContactGrace = field(init=False)
 
     def __post_init__(self) -> None:
+        self.dispatcher = Dispatcher(clock=self.clock)
         self.lanes = WorkerLanes.create(queue_seconds=self.settings.request_queue_seconds)
         self.contact_grace = ContactGrace(clock=self.clock, database=self.database)
         self.vault = Vault(self.settings.data_dir)

@@ -32,6 +32,8 @@ from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from control_plane.clock import Clock, wait_until
+
 log = logging.getLogger(__name__)
 CHANNEL = "modelforge_jobs"
 #: A running job ended: some node has room again.
@@ -76,9 +78,11 @@ def jobs_changed(session: Session, keys: Iterable[str], *, replicas: bool = True
 
 
 class Dispatcher:
-    def __init__(self) -> None:
+    def __init__(self, *, clock: Clock) -> None:
+        #: What a long poll's hold counts in.
+        self._clock = clock
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._waiters: dict[str, set[asyncio.Future[None]]] = {}
         self._listeners: list[Callable[[Keys], None]] = []
         #: Written into every NOTIFY, so this process skips its own.
         self.origin = secrets.token_hex(8)
@@ -105,7 +109,8 @@ class Dispatcher:
         else:
             woken = [e for key in keys for e in self._waiters.pop(key, ())]
         for waiter in woken:
-            waiter.set()
+            if not waiter.done():
+                waiter.set_result(None)
         for listener in self._listeners:
             try:
                 listener(keys)
@@ -115,22 +120,20 @@ class Dispatcher:
     async def poll(
         self, hold: float, attempt: Callable[[], Awaitable[T | None]], keys: Collection[str]
     ) -> T | None:
-        """Try now; then again whenever one of `keys` changes, until `hold` seconds have passed.
-        The subscription is in place before each attempt, so no change slips between them."""
-        deadline = time.monotonic() + hold
+        """Try now; then again whenever one of `keys` changes, until `hold` seconds have passed on
+        the clock. The subscription is in place before each attempt, so no change slips between
+        them."""
+        deadline = self._clock.monotonic() + hold
+        loop = asyncio.get_running_loop()
         while True:
-            changed = asyncio.Event()
+            changed: asyncio.Future[None] = loop.create_future()
             for key in keys:
                 self._waiters.setdefault(key, set()).add(changed)
             try:
                 found = await attempt()
-                remaining = deadline - time.monotonic()
-                if found is not None or remaining <= 0:
+                if found is not None or deadline - self._clock.monotonic() <= 0:
                     return found
-                try:
-                    await asyncio.wait_for(changed.wait(), remaining)
-                except TimeoutError:
-                    pass
+                await wait_until(self._clock, deadline, changed)
             finally:
                 for key in keys:
                     waiting = self._waiters.get(key)

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-import time
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -26,12 +25,13 @@ from anyio import CapacityLimiter, to_thread
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from control_plane.clock import Clock
+from control_plane.clock import Clock, wait_until
 from control_plane.db import is_database_unavailable
 from control_plane.fleet.liveness import Liveness
 from control_plane.jobs.schemas import WaitingReason
 from control_plane.models import Job
 from control_plane.scheduling.dispatch import CAPACITY, Dispatcher, Keys
+from control_plane.scheduling.fleet_view import FleetView
 from control_plane.scheduling.placement import (
     BatchResult,
     PlacedJob,
@@ -41,7 +41,7 @@ from control_plane.scheduling.placement import (
 )
 from control_plane.scheduling.queue import QUEUED_COLUMNS, JobQueue, queued_job
 from control_plane.scheduling.shapes import Shape
-from control_plane.scheduling.waiting import Fleet, explain, read_fleet
+from control_plane.scheduling.waiting import Fleet
 from control_plane.vault.vault import Vault
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,6 @@ log = logging.getLogger(__name__)
 RESYNC_SECONDS = 30.0
 #: While claims and jobs both wait, a batch runs at least this often (nodes come online).
 TICK_SECONDS = 1.0
-#: How old the fleet view behind `waiting_reason` and `prefer` may be.
-FLEET_MAX_AGE_SECONDS = 1.0
 _CHUNK = 1000
 #: A batch locks at most max(this, 2 x queued jobs) waiting nodes: one submitted job with a
 #: thousand claims waiting costs a batch over a few nodes, not over all of them.
@@ -113,10 +111,7 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._limiter: CapacityLimiter | None = None
-        self._fleet: Fleet | None = None
-        self._fleet_lock = threading.Lock()
-        self._fleet_read = 0.0
-        self._reasons: tuple[Fleet | None, dict[Shape, WaitingReason]] = (None, {})
+        self._view = FleetView(session_factory=session_factory, clock=clock, liveness=liveness)
         #: Batches run (committed or not); tests count them.
         self.batches = 0
 
@@ -129,7 +124,9 @@ class Scheduler:
         self._limiter = CapacityLimiter(1)
         self._dispatcher.subscribe(self._heard)
         self._task = asyncio.create_task(self._run(), name="scheduler")
-        self._refresher = asyncio.create_task(self._refresh_fleet(), name="fleet view")
+        self._refresher = asyncio.create_task(
+            self._view.keep_fresh(lambda: bool(self._waiting)), name="fleet view"
+        )
 
     async def stop(self) -> None:
         """Let the round in progress finish (its claims are answered, what it committed is
@@ -163,15 +160,14 @@ class Scheduler:
         waiter = _Waiter(node_id, loop.create_future(), self._clock.now(), still_valid)
         self._waiting.setdefault(node_id, []).append(waiter)
         self._wake.set()
+        deadline = self._clock.monotonic() + hold
         try:
-            try:
-                return await asyncio.wait_for(asyncio.shield(waiter.future), hold)
-            except TimeoutError:
+            if not await wait_until(self._clock, deadline, waiter.future):
                 # The scheduler answers: None unless the batch now running (or, for a claim
                 # that never waited through one, the next) places a job for it.
                 waiter.expired = True
                 self._wake.set()
-                return await waiter.future
+            return await waiter.future
         except asyncio.CancelledError:
             placed = waiter.future.result() if _holds_job(waiter.future) else None
             if placed is not None:
@@ -207,37 +203,12 @@ class Scheduler:
 
     def waiting_reason(self, job: Job, session: Session) -> WaitingReason | None:
         """For a queued job: why it waits, from a fleet view at most a second old (read with
-        `session` when it is older: on SQLite a second connection would wait for this one).
-        Thread-safe; one read a second serves every caller."""
-        if job.state != "queued":
-            return None
-        shape = Shape.of(job.labels, job.worker_policy, job.resources, job.required_labels)
-        fleet = self.fleet(session)
-        with self._fleet_lock:
-            if self._reasons[0] is not fleet:
-                self._reasons = (fleet, {})
-            reason = self._reasons[1].get(shape)
-            if reason is None:
-                reason = self._reasons[1][shape] = explain(fleet, shape)
-            return reason
+        `session` when it is older). Thread-safe."""
+        return self._view.waiting_reason(job, session)
 
     def fleet(self, session: Session | None = None) -> Fleet:
-        """Every node as seen at most `FLEET_MAX_AGE_SECONDS` ago, read with `session` if one
-        is given, else in a session of its own. The lock only guards the cached view, never a
-        read: on SQLite a transaction waits for another's, which may be waiting for this."""
-        with self._fleet_lock:
-            fleet = self._fleet
-            if fleet is not None and time.monotonic() - self._fleet_read <= FLEET_MAX_AGE_SECONDS:
-                return fleet
-        now, liveness, previous = self._clock.now(), self._liveness(), self._fleet
-        if session is not None:
-            fleet = read_fleet(session, now=now, liveness=liveness, previous=previous)
-        else:
-            with self._session_factory() as own:
-                fleet = read_fleet(own, now=now, liveness=liveness, previous=previous)
-        with self._fleet_lock:
-            self._fleet, self._fleet_read = fleet, time.monotonic()
-        return fleet
+        """Every node as seen at most a second ago (`FleetView.current`). Thread-safe."""
+        return self._view.current(session)
 
     # -- the batch task ----------------------------------------------------------------------
 
@@ -265,7 +236,7 @@ class Scheduler:
             self._wake.set()
 
     async def _run(self) -> None:
-        last_resync = 0.0
+        last_resync = -math.inf
         failures = 0
         while True:
             try:
@@ -288,11 +259,11 @@ class Scheduler:
                 left, self._left = self._left, set()
                 for job_id in left:
                     self._queue.discard(job_id)
-                if self._resync or time.monotonic() - last_resync > RESYNC_SECONDS:
+                if self._resync or self._clock.monotonic() - last_resync > RESYNC_SECONDS:
                     self._resync = False
                     self._arrived.clear()
                     await to_thread.run_sync(self._read_queue, limiter=self._limiter)
-                    last_resync = time.monotonic()
+                    last_resync = self._clock.monotonic()
                 elif self._arrived:
                     arrived, self._arrived = self._arrived, set()
                     await to_thread.run_sync(self._read_arrived, arrived, limiter=self._limiter)
@@ -315,19 +286,6 @@ class Scheduler:
                         exc_info=failures == 1,
                     )
                 await asyncio.sleep(min(1.0, 0.05 * failures))
-
-    async def _refresh_fleet(self) -> None:
-        """While claims wait: keep the fleet view at most about a second old, off the batches'
-        path (its own thread)."""
-        while True:
-            await asyncio.sleep(FLEET_MAX_AGE_SECONDS / 2)
-            if not self._waiting or time.monotonic() - self._fleet_read < FLEET_MAX_AGE_SECONDS:
-                continue
-            try:
-                await to_thread.run_sync(self.fleet)
-            except Exception as exc:  # the batches and the API read it themselves meanwhile
-                if not is_database_unavailable(exc):
-                    log.warning("reading the fleet view failed (%s)", type(exc).__name__)
 
     def _answer_revoked(self) -> None:
         """None for claims whose credential was revoked meanwhile (the route refuses them)."""
@@ -410,7 +368,7 @@ class Scheduler:
         shapes (offline, incompatible, too small, other labels), then one transaction."""
         # The view kept fresh by `_refresh_fleet`, never read on a batch's path (a thousand
         # nodes take a while); labels and sizes are all `may_take` needs of it.
-        fleet = self._fleet or self.fleet()
+        fleet = self._view.last or self._view.current()
         shapes = self._queue.live_shapes()
         waiting = {
             node_id: slots for node_id, slots in waiting.items() if fleet.may_take(node_id, shapes)

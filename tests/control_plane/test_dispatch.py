@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
+from control_plane.clock import ManualClock, SystemClock
 from control_plane.db import make_engine, make_session_factory
 from control_plane.scheduling.dispatch import CHANNEL, Dispatcher, Keys, jobs_changed
 
@@ -22,7 +23,7 @@ class _Boom(Exception):
 def test_wakes_after_commit_and_never_after_rollback(database_url: str) -> None:
     engine = make_engine(database_url)
     factory = make_session_factory(engine)
-    dispatcher = Dispatcher()
+    dispatcher = Dispatcher(clock=SystemClock())
     dispatcher.attach(factory)
     heard: list[Keys] = []
     dispatcher.subscribe(heard.append)
@@ -70,7 +71,7 @@ def test_wakes_after_commit_and_never_after_rollback(database_url: str) -> None:
 def test_a_change_wakes_only_the_waiters_on_its_keys(database_url: str) -> None:
     engine = make_engine(database_url)
     factory = make_session_factory(engine)
-    dispatcher = Dispatcher()
+    dispatcher = Dispatcher(clock=SystemClock())
     dispatcher.attach(factory)
     attempts: dict[str, list[float]] = {"job:a": [], "job:b": []}
 
@@ -102,10 +103,41 @@ def test_a_change_wakes_only_the_waiters_on_its_keys(database_url: str) -> None:
     assert dispatcher.waiting == 0
 
 
+def test_a_hold_is_counted_on_the_injected_clock() -> None:
+    """A long poll's hold ends when the clock passes it, at once when a ManualClock is moved
+    (here from another thread, as a test does), and never by real time alone."""
+    clock = ManualClock()
+    dispatcher = Dispatcher(clock=clock)
+    attempts: list[float] = []
+
+    async def scenario() -> tuple[bool, bool, str | None, int]:
+        dispatcher.bind(asyncio.get_running_loop())
+
+        async def attempt() -> str | None:
+            attempts.append(clock.monotonic())
+            return None
+
+        poll = asyncio.create_task(dispatcher.poll(5.0, attempt, ["job:a"]))
+        await asyncio.sleep(0.3)  # real time passes; the clock does not
+        waited_real_time = not poll.done()
+        await asyncio.to_thread(clock.advance, 4.9)
+        await asyncio.sleep(0.05)
+        waited_short_of_the_hold = not poll.done()
+        await asyncio.to_thread(clock.advance, 0.2)
+        found = await asyncio.wait_for(poll, 1.0)
+        return waited_real_time, waited_short_of_the_hold, found, dispatcher.waiting
+
+    waited_real_time, waited_short_of_the_hold, found, still_waiting = asyncio.run(scenario())
+    assert waited_real_time and waited_short_of_the_hold
+    assert found is None and still_waiting == 0
+    # Tried at the start and once more as its hold ended on the clock: nothing else woke it.
+    assert len(attempts) == 2 and attempts[0] == 0.0 and attempts[1] >= 5.0
+
+
 def test_other_replicas_hear_only_committed_changes_and_their_keys(pg_database_url: str) -> None:
     engine = make_engine(pg_database_url)
     factory = make_session_factory(engine)
-    dispatcher = Dispatcher()
+    dispatcher = Dispatcher(clock=SystemClock())
     dispatcher.attach(factory)
     conninfo = make_url(pg_database_url).set(drivername="postgresql").render_as_string(False)
     many = [f"queued:job_{i:024d}" for i in range(1000)]  # ~35 KB: more than one NOTIFY

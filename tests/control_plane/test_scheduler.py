@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from sqlalchemy import event
 
+from control_plane.scheduling.fleet_view import MAX_AGE_SECONDS
 from control_plane.scheduling.placement import PlacedJob, return_unanswered
 from control_plane.scheduling.waiting import read_fleet
 from tests.control_plane.test_jobs import _claim, _job, _node, _submit
@@ -107,6 +108,7 @@ def test_one_submission_costs_one_batch_not_one_per_waiting_claim(
             finally:
                 event.remove(cp.ctx.engine, "before_cursor_execute", count)
             assert scheduler.waiting == 99  # the others still wait: never woken to retry
+            cp.clock.advance(6)  # their holds end
             answers = [claim.result(timeout=20) for claim in claims]
         got = [answer for answer in answers if answer is not None]
         assert [answer["job_id"] for answer in got] == [job["job_id"]]
@@ -191,9 +193,11 @@ def _placed(cp: ControlPlane, job: dict[str, Any], node: dict[str, str]) -> Plac
 
 
 def _wait_reason(cp: ControlPlane, job_id: str, code: str, text: str) -> dict[str, Any]:
-    """The reason follows the fleet within about a second (the scheduler's fleet view)."""
+    """The reason follows the fleet once the scheduler's fleet view is older than its limit (a
+    second on the control plane's clock)."""
     deadline = time.monotonic() + 5
     while True:
+        cp.clock.advance(MAX_AGE_SECONDS + 0.1)  # the view is too old: read again
         reason = _reason(cp, job_id)
         if reason is not None and reason["code"] == code:
             assert text in reason["message"], reason
@@ -214,18 +218,25 @@ def test_a_claim_whose_hold_ends_during_its_batch_still_gets_the_job(
         placed = threading.Event()
         original = scheduler._place  # noqa: SLF001 - a slow batch, to end the hold inside it
 
+        def hold_ended() -> bool:
+            waiters = list(scheduler._waiting.values())  # noqa: SLF001
+            return any(waiter.expired for claims in waiters for waiter in list(claims))
+
         def slow_place(waiting: dict[str, int]) -> Any:
             result = original(waiting)
             if result.placed:
                 placed.set()
-                time.sleep(5.0)  # longer than the claim's hold
+                cp.clock.advance(5.0)  # longer than the claim's hold
+                while not hold_ended():
+                    time.sleep(0.01)
             return result
 
         scheduler._place = slow_place  # type: ignore[method-assign]  # noqa: SLF001
         try:
             with ThreadPoolExecutor(max_workers=1) as pool:
-                # A hold long enough that the submission lands inside it on a loaded machine
-                # (1.5 s ran out before the placement once in CI), shorter than the batch.
+                # The hold is on the control plane's clock: it ends when the batch moves the
+                # clock, never before the submission lands (1.5 s of real time once ran out
+                # first in CI).
                 claim = pool.submit(_long_claim, cp, node, 3.0)
                 while scheduler.waiting == 0:
                     time.sleep(0.01)
