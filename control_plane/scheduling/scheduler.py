@@ -366,7 +366,7 @@ class Scheduler:
     def _place(self, waiting: dict[str, int]) -> BatchResult:
         """In a worker thread: skip the nodes the fleet view says can take none of the queued
         shapes (offline, incompatible, too small, other labels), then one transaction."""
-        # The view kept fresh by `_refresh_fleet`, never read on a batch's path (a thousand
+        # The view kept fresh by `FleetView.keep_fresh`, never read on a batch's path (a thousand
         # nodes take a while); labels and sizes are all `may_take` needs of it.
         fleet = self._view.last or self._view.current()
         shapes = self._queue.live_shapes()
