@@ -141,6 +141,7 @@ def cmd_up(args: argparse.Namespace) -> None:
         public_key=args.key,
         services=args.services,
         say=_say,
+        allow_old_engine=args.allow_old_docker,
     )
 
 
@@ -211,6 +212,11 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--compose-file", "-f", type=Path, action="append", required=True)
     up.add_argument("--project", "-p", default="modelforge")
     up.add_argument("services", nargs="*")
+    up.add_argument(
+        "--allow-old-docker",
+        action="store_true",
+        help="start even on a Docker Engine older than 24 (unsupported)",
+    )
     up.set_defaults(run=cmd_up)
 
     down = sub.add_parser("down", help="stop a stack started by `up`")

@@ -212,6 +212,25 @@ def check_image_ids(manifest: Manifest, found: Sequence[InspectedImage]) -> None
         raise DockerError("\n".join(problems))
 
 
+#: The oldest Docker Engine major version a ModelForge node or control plane is run on.
+MIN_ENGINE_MAJOR = 24
+
+
+def engine_version() -> str:
+    """The Docker Engine's version, as the engine itself reports it (`docker version`'s server
+    part, read from the engine's API: the client's own version says nothing of the engine)."""
+    reported = run(["docker", "version", "--format", "{{.Server.Version}}"]).stdout.strip()
+    if not reported:
+        raise DockerError("`docker version` reported no engine version")
+    return reported.splitlines()[0][:64]
+
+
+def engine_major(version: str) -> int | None:
+    """The major number of an engine version ("20.10.24+dfsg1" -> 20); None if it has none."""
+    digits = version.removeprefix("v").split(".", 1)[0]
+    return int(digits) if digits.isdigit() else None
+
+
 def compose_command() -> list[str]:
     """`docker compose` (v2) when present, else Debian's `docker-compose` (v1)."""
     try:

@@ -12,6 +12,10 @@ service can trigger a registry pull or run a release image under another service
 then Compose starts, with `--no-build` (and `--pull never` on v2) and the release tags set
 explicitly; afterwards every created container must run the image ID planned for its service.
 On any mismatch after a start the stack is stopped and `up` fails.
+
+Before it asks the engine anything else, `up` refuses a Docker Engine older than 24 (the
+version the engine reports), unless told to start on it anyway (`allow_old_engine`: a host
+whose distribution ships an older engine, at the operator's own risk), which it then says.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ from modelforge_contracts.release_manifest import Manifest, ManifestError, check
 from release import state
 from release.docker import (
     IMAGE_VARIABLES,
+    MIN_ENGINE_MAJOR,
     DockerError,
     compose_command,
+    engine_major,
+    engine_version,
     inspect_image,
     inspect_json,
     run,
@@ -58,6 +65,7 @@ def up(
     public_key: Path,
     services: Sequence[str] = (),
     say: Callable[[str], None] = print,
+    allow_old_engine: bool = False,
 ) -> dict[str, str]:
     """Start the stack from verified, loaded images only. Returns container name -> image ID."""
     manifest, manifest_sha256 = verify_release_manifest(directory, public_key)
@@ -68,6 +76,7 @@ def up(
             f"`load` verified and loaded), found {manifest_sha256}; run `modelforge-release "
             "load` with this bundle first"
         )
+    _check_engine(allow_old_engine, say)
     env = dict(os.environ)
     for entry in manifest.images.values():
         if entry.name in IMAGE_VARIABLES:
@@ -105,6 +114,25 @@ def down(compose_files: Sequence[Path], *, project: str) -> None:
     for variable in IMAGE_VARIABLES.values():
         env.setdefault(variable, "unused:local")
     run(_compose(compose_files, project) + ["down"], env=env, capture=False)
+
+
+def _check_engine(allow_old: bool, say: Callable[[str], None]) -> None:
+    version = engine_version()
+    major = engine_major(version)
+    if major is not None and major >= MIN_ENGINE_MAJOR:
+        return
+    found = (
+        f"the Docker Engine is {version}, older than {MIN_ENGINE_MAJOR}"
+        if major is not None
+        else f"the Docker Engine reports version {version!r}, not a Docker Engine version"
+    )
+    if allow_old:
+        say(f"warning: {found}; starting on it anyway (--allow-old-docker), unsupported")
+        return
+    raise DockerError(
+        f"{found}: ModelForge needs Docker Engine {MIN_ENGINE_MAJOR} or later (docs/nodes.md); "
+        "upgrade the engine, or pass --allow-old-docker to start on it anyway, unsupported"
+    )
 
 
 def _compose(files: Sequence[Path], project: str) -> list[str]:

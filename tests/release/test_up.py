@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -193,3 +194,121 @@ def test_targets_follow_profiles_requests_and_dependencies() -> None:
     assert _targets({"postgres": {"profiles": ["postgres"]}, "a": {}}, [], "") == {"a"}
     assert _targets({"postgres": {"profiles": ["postgres"]}}, [], "x,postgres") == {"postgres"}
     assert _targets(declared, ["node-agent"], "") == {"node-agent", "runtime-worker"}
+
+
+def _substitute_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answer: str) -> Path:
+    """A `docker` first on PATH: it writes down each call, answers `docker version` with
+    `answer` (a shell command), has Compose v2 (which runs nothing) and no images.
+    Returns the file of calls."""
+    folder = tmp_path / "engine-bin"
+    folder.mkdir()
+    calls = tmp_path / "docker-calls"
+    script = folder / "docker"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {calls}\n'
+        'case "$1" in\n'
+        f"  version) {answer} ;;\n"
+        "  compose) exit 0 ;;\n"
+        "esac\n"
+        "echo 'substitute engine: no such object' >&2\n"
+        "exit 1\n"
+    )
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    return calls
+
+
+def test_up_refuses_a_docker_engine_older_than_24_before_anything_else(
+    signed: tuple[Path, Path, Path],
+    loaded: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    calls = _substitute_engine(tmp_path, monkeypatch, "echo 20.10.24+dfsg1; exit 0")
+
+    code, err = _up(loaded, signed[2], capsys)
+
+    assert code == 1
+    assert err.splitlines() == [
+        "modelforge-release up: the Docker Engine is 20.10.24+dfsg1, older than 24: ModelForge "
+        "needs Docker Engine 24 or later (docs/nodes.md); upgrade the engine, or pass "
+        "--allow-old-docker to start on it anyway, unsupported"
+    ]
+    # The engine was asked its own version (not the client's), and nothing else: no Compose.
+    assert calls.read_text().splitlines() == ["version --format {{.Server.Version}}"]
+
+
+@pytest.mark.parametrize("version", ["24.0.7", "28.2.2", "v27.1.0"])
+def test_up_goes_on_with_a_docker_engine_of_24_or_later(
+    signed: tuple[Path, Path, Path],
+    loaded: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    version: str,
+) -> None:
+    calls = _substitute_engine(tmp_path, monkeypatch, f"echo {version}; exit 0")
+
+    code, err = _up(loaded, signed[2], capsys)
+
+    assert code == 1  # the substitute engine holds no release image
+    assert "older than" not in err and f"{VERSION} is not loaded" in err
+    made = calls.read_text().splitlines()
+    assert made[0] == "version --format {{.Server.Version}}"
+    assert any(call.startswith("image inspect modelforge-") for call in made[1:])
+
+
+def test_up_starts_on_an_old_engine_only_when_told_and_says_so(
+    signed: tuple[Path, Path, Path],
+    loaded: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    calls = _substitute_engine(tmp_path, monkeypatch, "echo 20.10.24; exit 0")
+    capsys.readouterr()
+
+    code = main(
+        ["up", str(loaded), "--key", str(signed[2]), "-f", str(COMPOSE), "--allow-old-docker"]
+    )
+
+    err = capsys.readouterr().err
+    assert code == 1  # went on, to the images the substitute engine does not hold
+    assert (
+        "warning: the Docker Engine is 20.10.24, older than 24; starting on it anyway "
+        "(--allow-old-docker), unsupported"
+    ) in err
+    assert f"{VERSION} is not loaded" in err
+    assert any(call.startswith("image inspect ") for call in calls.read_text().splitlines())
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        (
+            "echo 'Cannot connect to the Docker daemon at unix:///var/run/docker.sock.' >&2; "
+            "exit 1",
+            "`docker version --format` failed (exit 1): Cannot connect to the Docker daemon",
+        ),
+        ("echo podman; exit 0", "the Docker Engine reports version 'podman', not a Docker"),
+        ("exit 0", "`docker version` reported no engine version"),
+    ],
+)
+def test_up_stops_when_the_engine_version_cannot_be_read(
+    signed: tuple[Path, Path, Path],
+    loaded: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    answer: str,
+    message: str,
+) -> None:
+    calls = _substitute_engine(tmp_path, monkeypatch, answer)
+
+    code, err = _up(loaded, signed[2], capsys)
+
+    assert code == 1
+    assert message in err and len(err.splitlines()) == 1
+    assert calls.read_text().splitlines() == ["version --format {{.Server.Version}}"]
