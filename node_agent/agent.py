@@ -8,6 +8,9 @@ its loops until stopped, each on its own thread and schedule:
 - the work slots and the cancellation watch (node_agent.work), once the node has reported itself;
 - beside them the services this node must run (node_agent.services), synced with the control
   plane every poll interval it gives and kept in line on the runtime worker;
+- with a maximum idle time (`MODELFORGE_AGENT_MAX_IDLE_SECONDS`), the idle watch: once the
+  node has had no job and no service for that long since the slots started (node_agent.idle),
+  it logs why and stops the agent, which exits with 0;
 - the runtime worker watch (node_agent.worker_link), asking the worker every second whether it
   is there. A lost worker is reported at once: the heartbeat and the inventory are sent then,
   not at their next interval (health `degraded`, naming the worker; no worker in the
@@ -39,6 +42,7 @@ from node_agent.client import ControlPlane
 from node_agent.config import AgentSettings, ConfigError, group_id
 from node_agent.hardening import private_paths, share_socket
 from node_agent.identity import Identity, IdentityStore
+from node_agent.idle import Activity
 from node_agent.inventory import Overrides, collect_inventory, collect_telemetry, machine_id
 from node_agent.local_api import serve_local_api
 from node_agent.preflight import PreflightResult
@@ -53,6 +57,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("modelforge.node_agent")
 #: How often the runtime worker watch asks the worker whether it is there.
 _WORKER_WATCH_EVERY = 1.0
+#: How often the idle watch looks: an idle exit comes at most this late.
+_IDLE_WATCH_EVERY = 0.5
 #: The control plane takes a health message of at most this many characters.
 _HEALTH_MESSAGE_MAX = 500
 
@@ -68,6 +74,7 @@ class Agent:
         overrides: Overrides,
         stop: threading.Event,
         parallel: int = 1,
+        max_idle_seconds: float = 0.0,
     ) -> None:
         self.settings = settings
         self.preflight = preflight
@@ -76,6 +83,10 @@ class Agent:
         self.overrides = overrides
         self.stop = stop
         self.parallel = parallel
+        #: 0: never idle out.
+        self.max_idle_seconds = max_idle_seconds
+        #: Jobs in hand and services; its clock starts over when the slots start.
+        self.activity = Activity()
         self.heartbeat_interval = 10.0
         self.telemetry_interval = 15.0
         self.inventory_interval = 900.0
@@ -222,6 +233,9 @@ class Agent:
                 if self.stop.is_set():
                     return
             hidden = private_paths(self.settings.state_volume, self.settings.enrollment_token_file)
+            # Idle is counted from here: time spent enrolling or waiting for the control plane
+            # is not time the node could have worked.
+            self.activity = Activity()
             WorkRunner(
                 control_plane=self.control_plane,
                 worker_socket=self.settings.worker_socket,
@@ -231,6 +245,7 @@ class Agent:
                 worker_compatible=self.worker_compatible,
                 private_paths=hidden,
                 worker=self.worker,
+                activity=self.activity,
             ).start()
             control_plane = self.control_plane
             ServiceKeeper(
@@ -243,7 +258,10 @@ class Agent:
                 private_paths=hidden,
                 service_host=self.settings.service_host,
                 worker=self.worker,
+                activity=self.activity,
             ).start()
+            if self.max_idle_seconds > 0:
+                self._loop("idle watch", self._idle_watch, lambda: _IDLE_WATCH_EVERY)
             while not self.stop.wait(1.0):
                 pass
         finally:
@@ -294,6 +312,17 @@ class Agent:
                     return
 
         threading.Thread(target=forever, daemon=True, name=name).start()
+
+    def _idle_watch(self) -> None:
+        idle = self.activity.idle_for()
+        if idle >= self.max_idle_seconds:
+            log.info(
+                "no job and no service for %.0f s (maximum idle time %g s, "
+                "MODELFORGE_AGENT_MAX_IDLE_SECONDS): stopping",
+                idle,
+                self.max_idle_seconds,
+            )
+            self.stop.set()
 
     def _watch_worker(self) -> None:
         self.worker.watch_once()

@@ -1,7 +1,11 @@
 """`python3 -m node_agent`: validate configuration, run the NVIDIA preflight, then the agent.
 
-Exit codes: 0 stopped by a signal, 2 configuration or state volume, 3 preflight failed,
-4 credential revoked or rejected, 5 protocol refused (426), 6 enrollment refused.
+Exit codes: 0 stopped by a signal or idle for its maximum idle time, 2 configuration or state
+volume, 3 preflight failed, 4 credential revoked or rejected, 5 protocol refused (426),
+6 enrollment refused.
+
+What the node offers and its idle exit come from `MODELFORGE_AGENT_PARALLEL`, `_CPUS`, `_GPUS`,
+`_RAM_MB` and `_MAX_IDLE_SECONDS` (node_agent.config); a flag given overrides its variable.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import logging
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from types import FrameType
+from typing import TypeVar
 
 from pydantic import ValidationError
 
@@ -28,12 +34,23 @@ from node_agent.preflight import EXIT_PREFLIGHT, run_preflight
 from node_agent.retry import EXIT_CONFIG, AgentStopped
 
 log = logging.getLogger("modelforge.node_agent")
+T = TypeVar("T")
 
 
 def _positive(value: str) -> int:
     number = int(value)
     if number < 0:
         raise argparse.ArgumentTypeError("must be 0 or more")
+    return number
+
+
+def _seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a number of seconds") from None
+    if not 0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError("must be 0 or more seconds")
     return number
 
 
@@ -48,14 +65,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run only the bounded NVIDIA preflight (no network), exit 0 or 3",
     )
     parser.add_argument("--json", action="store_true", help="with --preflight: print JSON")
-    parser.add_argument("--cpus", type=_positive, help="advertise this many CPUs")
-    parser.add_argument("--gpus", type=_positive, help="advertise at most this many GPUs")
-    parser.add_argument("--ram-mb", type=_positive, help="advertise this much memory (MB)")
+    # Each default is None: unset, the MODELFORGE_AGENT_* variable (or detection) decides.
+    parser.add_argument(
+        "--cpus", type=_positive, help="advertise this many CPUs (MODELFORGE_AGENT_CPUS)"
+    )
+    parser.add_argument(
+        "--gpus",
+        type=_positive,
+        help="advertise at most this many GPUs, 0: none (MODELFORGE_AGENT_GPUS)",
+    )
+    parser.add_argument(
+        "--ram-mb", type=_positive, help="advertise this much memory (MB) (MODELFORGE_AGENT_RAM_MB)"
+    )
     parser.add_argument(
         "--parallel",
         type=_positive,
-        default=1,
-        help="run at most this many jobs at once (default 1)",
+        help="run at most this many jobs at once (MODELFORGE_AGENT_PARALLEL, default 1)",
+    )
+    parser.add_argument(
+        "--max-idle-seconds",
+        type=_seconds,
+        help="exit (code 0) after this long with no job or service, 0: never "
+        "(MODELFORGE_AGENT_MAX_IDLE_SECONDS, default 0)",
     )
     parser.add_argument("--version", action="version", version=AGENT_VERSION)
     return parser.parse_args(argv)
@@ -112,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    overrides = Overrides(cpus=args.cpus, gpus=args.gpus, ram_mb=args.ram_mb)
+    offer = node_offer(args, settings)
     control_plane = connect(
         settings.control_plane_url,
         tls_verify=settings.tls_verify,
@@ -127,15 +158,44 @@ def main(argv: list[str] | None = None) -> int:
                 preflight=result,
                 store=store,
                 control_plane=control_plane,
-                overrides=overrides,
+                overrides=offer.overrides,
                 stop=stop,
-                parallel=max(1, args.parallel),
+                parallel=offer.parallel,
+                max_idle_seconds=offer.max_idle_seconds,
             ).run()
     except AgentStopped as exc:
         return _die(exc.exit_code, exc.explanation)
     except (StateVolumeError, ConfigError) as exc:
         return _die(EXIT_CONFIG, str(exc))
     return 0
+
+
+@dataclass(frozen=True)
+class NodeOffer:
+    """What the node offers and how long it may idle: each flag given, else its variable."""
+
+    overrides: Overrides
+    parallel: int
+    max_idle_seconds: float
+
+
+def node_offer(args: argparse.Namespace, settings: AgentSettings) -> NodeOffer:
+    return NodeOffer(
+        overrides=Overrides(
+            cpus=_first(args.cpus, settings.cpus),
+            gpus=args.gpus,
+            ram_mb=_first(args.ram_mb, settings.ram_mb),
+            gpus_variable=settings.gpus,  # below SLURM_GPUS_ON_NODE (node_agent.inventory)
+        ),
+        # `--parallel 0` has always meant one slot; the variable refuses 0.
+        parallel=max(1, args.parallel) if args.parallel is not None else settings.parallel,
+        max_idle_seconds=_first(args.max_idle_seconds, settings.max_idle_seconds),
+    )
+
+
+def _first(flag: T | None, variable: T) -> T:
+    """The flag when it was given, else the variable's value."""
+    return flag if flag is not None else variable
 
 
 def _preflight_only(as_json: bool) -> int:

@@ -22,6 +22,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 DEFAULT_WORKER_SOCKET = Path("/run/modelforge/runtime-worker.sock")
 DEFAULT_AGENT_SOCKET = Path("/run/modelforge/agent.sock")
 _PLACEHOLDER_SUFFIXES = (".example", ".invalid", ".localdomain.example")
+#: Each work slot holds a long-poll connection and a thread.
+_MAX_PARALLEL = 256
+#: As many as an inventory may list.
+_MAX_GPUS = 64
 
 
 class PreflightSettings(BaseSettings):
@@ -71,6 +75,19 @@ class AgentSettings(PreflightSettings):
     )
     request_timeout_seconds: float = Field(default=10.0, gt=0, le=300)
     service_host: str | None = None
+    # What the node offers and how long it stays idle. A command-line flag (`--parallel`,
+    # `--cpus`, `--gpus`, `--ram-mb`, `--max-idle-seconds`) overrides each (node_agent.cli).
+    #: Jobs run at once: one work slot (a held claim) each.
+    parallel: int = Field(default=1, ge=1, le=_MAX_PARALLEL)
+    #: CPUs offered, over what is detected (the host, or the Slurm allocation).
+    cpus: int | None = Field(default=None, ge=1, le=100_000)
+    #: At most this many GPUs offered; 0: none. Below SLURM_GPUS_ON_NODE in the detection
+    #: order (node_agent.inventory.offered_gpus).
+    gpus: int | None = Field(default=None, ge=0, le=_MAX_GPUS)
+    #: Memory offered (MB), over what is detected (the host, or the Slurm allocation).
+    ram_mb: int | None = Field(default=None, ge=1)
+    #: Exit (code 0) after this long with no job or service; 0: never.
+    max_idle_seconds: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _check(self) -> Self:

@@ -1,5 +1,12 @@
 """What this node has and how busy it is: psutil for the host, NVML for GPUs,
-the Slurm allocation when the agent runs inside one, explicit overrides on top."""
+the Slurm allocation when the agent runs inside one, explicit overrides on top.
+
+CPUs and memory: the flag, else the variable (`MODELFORGE_AGENT_CPUS`, `_RAM_MB`), else the Slurm
+allocation's, else the host's. GPUs in the order of the remote-worker document: which ones are
+those NVML sees (inside a Slurm allocation only those `SLURM_JOB_GPUS` names); how many, the
+first set of `--gpus`, `SLURM_GPUS_ON_NODE`, `MODELFORGE_AGENT_GPUS`, else all of them. A count
+is an upper bound: a GPU NVML does not show cannot be offered.
+"""
 
 from __future__ import annotations
 
@@ -21,9 +28,14 @@ _MACHINE_ID_FILES = (Path("/etc/machine-id"), Path("/var/lib/dbus/machine-id"))
 
 @dataclass(frozen=True)
 class Overrides:
+    """What the operator set. `cpus` and `ram_mb`: the flag, else the variable, over anything
+    detected. `gpus` (`--gpus`) is above everything; `gpus_variable` (`MODELFORGE_AGENT_GPUS`)
+    is below `SLURM_GPUS_ON_NODE`: inside an allocation, what Slurm gave the job stands."""
+
     cpus: int | None = None
     gpus: int | None = None
     ram_mb: int | None = None
+    gpus_variable: int | None = None
 
 
 def machine_id() -> str | None:
@@ -47,6 +59,7 @@ def slurm_allocation(environ: dict[str, str] | None = None) -> dict[str, str] | 
         "cpus_on_node": "SLURM_CPUS_ON_NODE",
         "mem_per_node_mb": "SLURM_MEM_PER_NODE",
         "gpus": "SLURM_JOB_GPUS",
+        "gpus_on_node": "SLURM_GPUS_ON_NODE",
         "partition": "SLURM_JOB_PARTITION",
     }
     return {name: env[var] for name, var in keys.items() if env.get(var)}
@@ -62,6 +75,26 @@ def slurm_gpu_indices(value: str) -> set[int] | None:
             return None
         indices.update(range(int(first), int(last or first) + 1))
     return indices
+
+
+def offered_gpus(
+    gpus: list[GpuInfo], overrides: Overrides, slurm: dict[str, str] | None
+) -> list[GpuInfo]:
+    """The GPUs this node offers, of those NVML sees (`gpus`), in the detection order above."""
+    listed = list(gpus)
+    allocated = slurm_gpu_indices(slurm["gpus"]) if slurm and "gpus" in slurm else None
+    if allocated is not None:
+        # NVML lists every GPU of a shared node; the job may use only those Slurm gave it.
+        listed = [gpu for gpu in listed if gpu.index in allocated]
+    on_node = (slurm or {}).get("gpus_on_node", "")
+    for count in (
+        overrides.gpus,
+        int(on_node) if on_node.isdigit() else None,  # not a count: the next one decides
+        overrides.gpus_variable,
+    ):
+        if count is not None:
+            return listed[:count]
+    return listed
 
 
 def _os_name() -> str:
@@ -89,17 +122,11 @@ def collect_inventory(
             cpus = min(cpus, int(slurm["cpus_on_node"]))
         if slurm.get("mem_per_node_mb", "").isdigit():
             memory_mb = min(memory_mb, int(slurm["mem_per_node_mb"]))
-    listed = list(gpus)
-    allocated = slurm_gpu_indices(slurm["gpus"]) if slurm and "gpus" in slurm else None
-    if allocated is not None:
-        # NVML lists every GPU of a shared node; the job may use only those Slurm gave it.
-        listed = [gpu for gpu in listed if gpu.index in allocated]
+    listed = offered_gpus(gpus, overrides, slurm)
     if overrides.cpus is not None:
         cpus = overrides.cpus
     if overrides.ram_mb is not None:
         memory_mb = overrides.ram_mb
-    if overrides.gpus is not None:
-        listed = listed[: overrides.gpus]
     inventory: dict[str, Any] = {
         "hostname": hostname,
         "os": _os_name(),

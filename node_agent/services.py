@@ -40,6 +40,7 @@ from modelforge_contracts.ipc import UnixHTTPConnection
 from node_agent._worker_loss import ServicesDown
 from node_agent.artifact_cache import ArtifactError
 from node_agent.client import ControlPlane
+from node_agent.idle import Activity
 from node_agent.retry import AgentStopped, ControlPlaneError, Interrupted
 from node_agent.worker_link import WorkerWatch, wait_or_wake
 
@@ -96,8 +97,14 @@ class ServiceKeeper:
         private_paths: list[str] | None = None,
         service_host: str | None = None,
         worker: WorkerWatch | None = None,
+        activity: Activity | None = None,
     ) -> None:
         self.control_plane = control_plane
+        #: Told how many services this node has, for the idle exit.
+        self.activity = activity or Activity()
+        #: The services the worker ran, and those the control plane wanted here, when last told.
+        self._ran: set[str] = set()
+        self._wanted: set[str] = set()
         self.worker_socket = worker_socket
         self.agent_socket = agent_socket
         #: The local path of an artifact digest (the agent: its cache, filled from the control
@@ -156,6 +163,9 @@ class ServiceKeeper:
         except WorkerUnavailable as exc:
             view = None
             self.worker.unanswered(str(exc), busy=exc.busy)
+        if view is not None:
+            self._ran = _service_ids(view.get("services"))
+            self.activity.services(len(self._ran | self._wanted))
         body, delivered = self.report(view)
         try:
             answer = self.control_plane.sync_services(body)
@@ -170,6 +180,8 @@ class ServiceKeeper:
         desired = answer.get("services")
         if not isinstance(desired, list):
             return
+        self._wanted = _service_ids(desired)
+        self.activity.services(len(self._ran | self._wanted))
         self._services_down.want(desired)
         if view is not None:
             self.reconcile(desired, view)
@@ -362,6 +374,17 @@ class ServiceKeeper:
         finally:
             connection.close()
         return response.status, answer if isinstance(answer, dict) else {}
+
+
+def _service_ids(services: Any) -> set[str]:
+    """The ids in a list of services (the worker's statuses, or the control plane's specs)."""
+    if not isinstance(services, list):
+        return set()
+    return {
+        entry["service_id"]
+        for entry in services
+        if isinstance(entry, dict) and isinstance(entry.get("service_id"), str)
+    }
 
 
 def _interval(value: Any) -> float:

@@ -34,6 +34,7 @@ from modelforge_contracts import job_records as records
 from modelforge_contracts.ipc import UnixHTTPConnection
 from node_agent._report_spool import ReportSpool
 from node_agent.client import ControlPlane
+from node_agent.idle import Activity
 from node_agent.retry import AgentStopped, ControlPlaneError, Interrupted
 from node_agent.worker_link import WorkerWatch
 
@@ -96,10 +97,13 @@ class WorkRunner:
         worker_compatible: threading.Event | None = None,
         private_paths: list[str] | None = None,
         worker: WorkerWatch | None = None,
+        activity: Activity | None = None,
     ) -> None:
         self.control_plane = control_plane
         #: Whether the worker is there (the agent's watch); None: always assumed.
         self.worker = worker
+        #: Told of each job in hand, for the idle exit.
+        self.activity = activity or Activity()
         self.worker_socket = worker_socket
         self.agent_socket = agent_socket
         self.parallel = parallel
@@ -132,7 +136,11 @@ class WorkRunner:
             try:
                 assignment = self.control_plane.claim(_HOLD)
                 if assignment:
-                    self._serve(assignment)
+                    self.activity.job_claimed()
+                    try:
+                        self._serve(assignment)
+                    finally:
+                        self.activity.job_ended()
             except (AgentStopped, Interrupted):
                 return  # the agent stops; the retry rule recorded why
             except ControlPlaneError as exc:

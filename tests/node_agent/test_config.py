@@ -156,3 +156,53 @@ def test_an_unknown_socket_group_is_refused(
     assert "MODELFORGE_AGENT_SOCKET_GROUP" in result.stderr
     assert "no group 'no-such-group-modelforge'" in result.stderr
     assert recording_server.requests == []
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "problem"),
+    [
+        ("MODELFORGE_AGENT_PARALLEL", "0", "greater than or equal to 1"),
+        ("MODELFORGE_AGENT_PARALLEL", "257", "less than or equal to 256"),
+        ("MODELFORGE_AGENT_PARALLEL", "three", "valid integer"),
+        ("MODELFORGE_AGENT_CPUS", "0", "greater than or equal to 1"),
+        ("MODELFORGE_AGENT_CPUS", "1.5", "valid integer"),
+        ("MODELFORGE_AGENT_GPUS", "-1", "greater than or equal to 0"),
+        ("MODELFORGE_AGENT_GPUS", "65", "less than or equal to 64"),
+        ("MODELFORGE_AGENT_GPUS", "all", "valid integer"),
+        ("MODELFORGE_AGENT_RAM_MB", "0", "greater than or equal to 1"),
+        ("MODELFORGE_AGENT_RAM_MB", "16G", "valid integer"),
+        ("MODELFORGE_AGENT_MAX_IDLE_SECONDS", "-5", "greater than or equal to 0"),
+        ("MODELFORGE_AGENT_MAX_IDLE_SECONDS", "inf", "finite number"),
+        ("MODELFORGE_AGENT_MAX_IDLE_SECONDS", "soon", "valid number"),
+    ],
+)
+def test_a_bad_resource_or_idle_variable_is_refused_naming_it(
+    tmp_path: Path, recording_server: RecordingServer, variable: str, value: str, problem: str
+) -> None:
+    env = agent_env(tmp_path / "state", url=recording_server.url, **{variable: value})
+    result = run_agent(env)
+    assert result.returncode == 2, result.stderr
+    (line,) = _problems(result.stderr)
+    assert line.startswith(f"{variable}: ") and problem in line
+    assert value not in line.removeprefix(f"{variable}: ")  # the value is never echoed
+    assert recording_server.requests == []
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--parallel", "-1"),
+        ("--cpus", "many"),
+        ("--gpus", "-2"),
+        ("--ram-mb", "1.5"),
+        ("--max-idle-seconds", "-1"),
+        ("--max-idle-seconds", "nan"),
+    ],
+)
+def test_a_bad_flag_is_refused_naming_it(
+    tmp_path: Path, recording_server: RecordingServer, flag: str, value: str
+) -> None:
+    result = run_agent(agent_env(tmp_path / "state", url=recording_server.url), flag, value)
+    assert result.returncode == 2
+    assert f"argument {flag}: " in result.stderr
+    assert recording_server.requests == []

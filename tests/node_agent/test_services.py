@@ -23,6 +23,7 @@ from modelforge_contracts.errors import error_body
 from node_agent.artifact_cache import ArtifactCache
 from node_agent.client import ControlPlane
 from node_agent.config import AgentSettings
+from node_agent.idle import Activity
 from node_agent.services import ServiceKeeper
 from tests.e2e.node import wait_until
 from tests.node_agent.conftest import (
@@ -294,3 +295,28 @@ def test_a_service_host_that_is_not_a_host_stops_the_start(
 def test_a_host_name_or_address_is_a_service_host(host: str) -> None:
     settings = AgentSettings(control_plane_url="https://cp.lan", service_host=host)
     assert settings.service_host == host
+
+
+def test_a_service_wanted_or_running_keeps_the_node_from_idling(
+    worker_socket: Path, tmp_path: Path, control_plane: ControlPlaneStandIn
+) -> None:
+    now = [100.0]
+    activity = Activity(clock=lambda: now[0])
+    control_plane.desired = [wanted("svc_a")]
+    client = control_plane_client(control_plane.server.url)
+    try:
+        keeper = keeper_for(worker_socket, ArtifactCache(tmp_path / "cache", 1024**2), client)
+        keeper.activity = activity
+        keeper.sync_once()  # wanted here: busy before the worker runs it
+        now[0] += 50
+        assert activity.idle_for() == 0
+        wait_state(keeper, "svc_a", "healthy")
+        control_plane.desired = []
+        keeper.sync_once()  # no longer wanted, but it ran when the worker was asked: busy
+        assert activity.idle_for() == 0
+        assert "svc_a" not in running(keeper)  # stopped by that round
+        keeper.sync_once()  # nothing wanted, nothing running: idle from now on
+        now[0] += 7
+        assert activity.idle_for() == 7
+    finally:
+        client.close()
