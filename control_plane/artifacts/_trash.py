@@ -1,6 +1,6 @@
-"""The trash of the artifact sweep (control_plane.services.artifact_sweep, whose docstring says
-why): a file the sweep deletes is first moved to `trash/<hex>.<random>` inside the artifact root,
-put back when the transaction rolls back or the file turns out to be a fresh upload (never over a
+"""The trash of the artifact sweep (control_plane.artifacts.sweep, whose docstring says why): a
+file the sweep deletes is first moved to `trash/<hex>.<random>` inside the artifact root, put
+back when the transaction rolls back or the file turns out to be a fresh upload (never over a
 file that is there again), unlinked once the transaction commits, and trash left by a sweep that
 crashed is put back or unlinked by the next one.
 

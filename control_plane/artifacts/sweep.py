@@ -29,8 +29,7 @@ How the sweep never races an upload of the same digest
     commits, and otherwise (it saw the old row and inserted nothing) by the sweep, which after
     its commit records again every deleted digest whose file is back. Trash left by a crash is
     resolved by the next sweep: put back if the row still exists, unlinked if not. The trash
-    itself (moving aside, putting back, unlinking, leftovers) is
-    control_plane.services._artifact_trash.
+    itself (moving aside, putting back, unlinking, leftovers) is control_plane.artifacts._trash.
 
 Files without a row older than the grace period (an upload that crashed between its rename and
 its insert, or one killed while streaming to `tmp/`) are removed too, the same way. A dry run
