@@ -82,6 +82,13 @@ def setup_for_enrollment(
         api_origin=origin,
         accelerator_mode=request.accelerator_mode,
         image=image,
+        offer=start_script.AgentOffer(
+            parallel=request.parallel,
+            cpus=request.cpus,
+            gpus=request.gpus,
+            ram_mb=request.ram_mb,
+            max_idle_seconds=request.max_idle_seconds,
+        ),
     )
     return NodeSetup(
         enrollment_id=enrollment.id,
@@ -291,6 +298,7 @@ def render(
     api_origin: str,
     accelerator_mode: str,
     image: ImageChoice,
+    offer: start_script.AgentOffer | None = None,
 ) -> tuple[str, str, str]:
     """The `.env` (non-secret), the start command and the token-removing recreation command."""
     start = start_script.NodeStart(
@@ -301,6 +309,7 @@ def render(
         image=image.reference,
         entry=image.entry,
         worker_image=image.worker_image,
+        offer=offer or start_script.AgentOffer(),
     )
     return (
         start_script.env_file(start),

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, StringConstraints, field_validator
 
 from control_plane.schemas import (
+    DB_INT_MAX,
     Hostname,
     Labels,
     Line,
@@ -287,6 +288,11 @@ class TelemetryPoint(BaseModel):
 
 # -- the Enroll node wizard --------------------------------------------------------------------
 
+#: The node agent's bound on MODELFORGE_AGENT_PARALLEL (a work slot is a held claim and a thread).
+AGENT_MAX_PARALLEL = 256
+#: The longest idle exit the wizard writes: a year (0 writes "never").
+AGENT_MAX_IDLE_SECONDS = 365 * 24 * 3600
+
 
 class NodeImageRequest(StrictModel):
     image_source: Literal["bundle", "registry"] = "bundle"
@@ -307,6 +313,21 @@ class NodeSetupRequest(NodeImageRequest):
     #: The console's own origin; the node agent is pointed at exactly this.
     api_origin: Annotated[str, StringConstraints(min_length=1, max_length=300)]
     accelerator_mode: Literal["nvidia", "cpu"] = "nvidia"
+    # What the node offers and its idle exit: the agent's MODELFORGE_AGENT_* variables, within
+    # the agent's own bounds (docs/nodes.md). Each left out is left to the agent (detected, or
+    # its default), so the `.env` gets no line for it. Strict: `"3"`, `true` or `3.5` is refused.
+    #: Jobs at once (MODELFORGE_AGENT_PARALLEL).
+    parallel: Annotated[int, Field(strict=True, ge=1, le=AGENT_MAX_PARALLEL)] | None = None
+    #: CPUs offered (MODELFORGE_AGENT_CPUS).
+    cpus: Annotated[int, Field(strict=True, ge=1, le=100_000)] | None = None
+    #: At most this many GPUs offered, 0: none (MODELFORGE_AGENT_GPUS).
+    gpus: Annotated[int, Field(strict=True, ge=0, le=64)] | None = None
+    #: Memory offered in MB (MODELFORGE_AGENT_RAM_MB).
+    ram_mb: Annotated[int, Field(strict=True, ge=1, le=DB_INT_MAX)] | None = None
+    #: Exit after this long with no job or service, 0: never (MODELFORGE_AGENT_MAX_IDLE_SECONDS).
+    max_idle_seconds: Annotated[int, Field(strict=True, ge=0, le=AGENT_MAX_IDLE_SECONDS)] | None = (
+        None
+    )
 
 
 class NodeSetup(NodeImage):

@@ -76,6 +76,50 @@ printf '\n' >&2
 """
 
 
+#: The agent's variable for each setting of `AgentOffer`, in the order the docs list them.
+OFFER_VARIABLES = {
+    "parallel": "MODELFORGE_AGENT_PARALLEL",
+    "cpus": "MODELFORGE_AGENT_CPUS",
+    "gpus": "MODELFORGE_AGENT_GPUS",
+    "ram_mb": "MODELFORGE_AGENT_RAM_MB",
+    "max_idle_seconds": "MODELFORGE_AGENT_MAX_IDLE_SECONDS",
+}
+
+
+@dataclass(frozen=True)
+class AgentOffer:
+    """What the node offers and its idle exit, as the agent's variables (docs/nodes.md). None
+    leaves a setting to the agent: detected, or its default; the `.env` then has no line for it."""
+
+    parallel: int | None = None
+    cpus: int | None = None
+    gpus: int | None = None
+    ram_mb: int | None = None
+    max_idle_seconds: int | None = None
+
+    def __post_init__(self) -> None:
+        # Written into the `.env` as they are: nothing but a whole number gets there.
+        for name in OFFER_VARIABLES:
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 0):
+                raise InvalidRequest(
+                    f"{name} cannot be written into the node's settings: it must be a whole "
+                    "number of 0 or more.",
+                    "Leave it empty to let the node agent decide.",
+                )
+
+    def env_lines(self) -> list[str]:
+        lines = [
+            f"{variable}={getattr(self, name)}"
+            for name, variable in OFFER_VARIABLES.items()
+            if getattr(self, name) is not None
+        ]
+        if self.max_idle_seconds:
+            # An idle exit is code 0: under `unless-stopped` Docker would start the agent again.
+            lines.append("MODELFORGE_AGENT_RESTART=on-failure")
+        return lines
+
+
 @dataclass(frozen=True)
 class NodeStart:
     """Everything a generated command needs; none of it secret."""
@@ -90,6 +134,8 @@ class NodeStart:
     entry: ImageEntry | None
     #: Bundle mode: the release's runtime worker, started alongside (readiness needs it).
     worker_image: str | None
+    #: What the node offers and its idle exit; by default all left to the agent.
+    offer: AgentOffer = AgentOffer()
 
     def __post_init__(self) -> None:
         if not _SAFE_ORIGIN.fullmatch(self.api_origin):
@@ -150,6 +196,7 @@ def env_file(start: NodeStart) -> str:
         f"MODELFORGE_AGENT_CONTROL_PLANE_URL={start.api_origin}",
         f"MODELFORGE_AGENT_ACCELERATOR_MODE={start.accelerator_mode}",
         "MODELFORGE_AGENT_TLS_VERIFY=true",
+        *start.offer.env_lines(),
         "",
     ]
     return "\n".join(lines)

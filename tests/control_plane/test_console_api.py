@@ -255,6 +255,59 @@ def test_a_valid_api_origin_is_written_in_canonical_form(
         assert f"MODELFORGE_AGENT_CONTROL_PLANE_URL={written}\n" in response.json()["env_file"]
 
 
+#: Out of the agent's bounds, or not a whole number: each refused, naming the field.
+BAD_OFFERS = [
+    ("parallel", 0),
+    ("parallel", 257),
+    ("parallel", "3"),
+    ("parallel", True),
+    ("parallel", 2.5),
+    ("cpus", 0),
+    ("cpus", 100_001),
+    ("gpus", -1),
+    ("gpus", 65),
+    ("ram_mb", 0),
+    ("ram_mb", 2**31),
+    ("max_idle_seconds", -1),
+    ("max_idle_seconds", 365 * 24 * 3600 + 1),
+]
+
+
+def test_what_the_node_offers_reaches_the_env_file_only_when_given(
+    tmp_path: Path, database_url: str
+) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        enrollment_id = cp.mint()["enrollment_id"]
+        entry = json.dumps(node_agent_entry())
+        offer = {"parallel": 3, "cpus": 8, "gpus": 0, "ram_mb": 16000, "max_idle_seconds": 900}
+        given = setup_request(cp, enrollment_id, manifest_entry=entry, **offer)
+        assert given.status_code == 200, given.text
+        env_file = given.json()["env_file"]
+        for line in (
+            "MODELFORGE_AGENT_PARALLEL=3",
+            "MODELFORGE_AGENT_CPUS=8",
+            "MODELFORGE_AGENT_GPUS=0",
+            "MODELFORGE_AGENT_RAM_MB=16000",
+            "MODELFORGE_AGENT_MAX_IDLE_SECONDS=900",
+            "MODELFORGE_AGENT_RESTART=on-failure",
+        ):
+            assert f"\n{line}\n" in env_file
+        # The start command writes that same `.env`.
+        assert "\nMODELFORGE_AGENT_PARALLEL=3\n" in given.json()["start_command"]
+        left_out = setup_request(cp, enrollment_id, manifest_entry=entry)
+        assert left_out.status_code == 200, left_out.text
+        assert "MODELFORGE_AGENT_PARALLEL" not in left_out.json()["env_file"]
+        assert "MODELFORGE_AGENT_RESTART" not in left_out.json()["env_file"]
+
+        for field, value in BAD_OFFERS:
+            bad = setup_request(cp, enrollment_id, manifest_entry=entry, **{field: value})
+            assert bad.status_code == 422, (field, value, bad.text)
+            error = bad.json()["error"]
+            assert error["code"] == "INVALID_REQUEST", (field, value)
+            assert error["message"].startswith(f"The request is not valid: {field}: "), error
+            assert error["next_step"]
+
+
 def test_registry_image_pinned_by_digest(tmp_path: Path, database_url: str) -> None:
     image = "registry.example:5000/modelforge/node-agent@sha256:" + "f" * 64
     with control_plane(tmp_path, database_url) as cp:

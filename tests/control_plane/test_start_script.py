@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from control_plane.errors import InvalidRequest
-from control_plane.fleet import node_setup
+from control_plane.fleet import node_setup, start_script
 from tests.factories import node_agent_entry
 
 TOKEN = "mfe_Wizard-Token-Never-In-Args-0123456789"
@@ -109,7 +109,9 @@ def node(tmp_path: Path) -> Node:
     return result
 
 
-def commands(entry: dict[str, object] | None = None) -> tuple[str, str, str]:
+def commands(
+    entry: dict[str, object] | None = None, offer: start_script.AgentOffer | None = None
+) -> tuple[str, str, str]:
     image = node_setup.choose_image(
         image_source="bundle",
         manifest_entry=json.dumps(entry or node_agent_entry()),
@@ -122,6 +124,7 @@ def commands(entry: dict[str, object] | None = None) -> tuple[str, str, str]:
         api_origin="http://127.0.0.1:8000",
         accelerator_mode="cpu",
         image=image,
+        offer=offer,
     )
 
 
@@ -331,3 +334,70 @@ def test_nothing_but_a_plain_origin_reaches_the_env_file(api_origin: str) -> Non
         with pytest.raises(InvalidRequest) as refused:
             render()
         assert refused.value.code == "API_ORIGIN_INVALID"
+
+
+OFFER_VARIABLES = tuple(start_script.OFFER_VARIABLES.values())
+COMPOSE = Path(__file__).resolve().parents[2] / "compose"
+
+
+def env_settings(env_file: str) -> dict[str, str]:
+    lines = [line for line in env_file.splitlines() if line and not line.startswith("#")]
+    return dict(line.split("=", 1) for line in lines)
+
+
+def test_the_env_file_leaves_what_the_node_offers_to_the_agent_unless_given() -> None:
+    env_file, _, _ = commands()
+    settings = env_settings(env_file)
+    assert not [name for name in settings if name in OFFER_VARIABLES]
+    assert "MODELFORGE_AGENT_RESTART" not in settings  # Compose's default, unless-stopped
+
+
+def test_the_env_file_carries_each_setting_given() -> None:
+    offer = start_script.AgentOffer(parallel=3, cpus=12, gpus=0, ram_mb=48000, max_idle_seconds=600)
+    settings = env_settings(commands(offer=offer)[0])
+    assert {name: settings[name] for name in OFFER_VARIABLES} == {
+        "MODELFORGE_AGENT_PARALLEL": "3",
+        "MODELFORGE_AGENT_CPUS": "12",
+        "MODELFORGE_AGENT_GPUS": "0",  # 0 is a setting (no GPU offered), not "left out"
+        "MODELFORGE_AGENT_RAM_MB": "48000",
+        "MODELFORGE_AGENT_MAX_IDLE_SECONDS": "600",
+    }
+    # An idle exit is code 0: the container must then stay stopped, not be started again.
+    assert settings["MODELFORGE_AGENT_RESTART"] == "on-failure"
+    only_parallel = env_settings(commands(offer=start_script.AgentOffer(parallel=2))[0])
+    assert [name for name in only_parallel if name in OFFER_VARIABLES] == [
+        "MODELFORGE_AGENT_PARALLEL"
+    ]
+    never_idle = env_settings(commands(offer=start_script.AgentOffer(max_idle_seconds=0))[0])
+    assert never_idle["MODELFORGE_AGENT_MAX_IDLE_SECONDS"] == "0"
+    assert "MODELFORGE_AGENT_RESTART" not in never_idle
+
+
+def test_every_setting_the_wizard_writes_is_one_the_compose_file_passes_on() -> None:
+    offer = start_script.AgentOffer(parallel=3, cpus=1, gpus=1, ram_mb=1, max_idle_seconds=1)
+    written = env_settings(commands(offer=offer)[0])
+    compose = (COMPOSE / "docker-compose.node-agent.yml").read_text()
+    for name in [*OFFER_VARIABLES, "MODELFORGE_AGENT_RESTART"]:
+        assert name in written
+        assert "${" + name + ":-" in compose, f"{name} is written but Compose ignores it"
+
+
+@pytest.mark.parametrize("value", [True, -1, 2.5, "3", "3\nMODELFORGE_AGENT_TLS_VERIFY=false"])
+def test_nothing_but_a_whole_number_reaches_the_env_file_as_a_setting(value: object) -> None:
+    """The request's schema refuses these first; the script itself also refuses to write one."""
+    with pytest.raises(InvalidRequest) as refused:
+        start_script.AgentOffer(parallel=value)  # type: ignore[arg-type]
+    assert "parallel" in refused.value.message
+
+
+def test_the_start_command_hands_the_settings_to_compose_and_the_recreation_keeps_them(
+    node: Node,
+) -> None:
+    _, start, recreate = commands(offer=start_script.AgentOffer(parallel=3, ram_mb=8000))
+    assert run_bash(node, start, stdin=TOKEN + "\n").returncode == 0
+    given = env_settings(str(node.up_call()["env_file_content"]))
+    assert given["MODELFORGE_AGENT_PARALLEL"] == "3" and given["MODELFORGE_AGENT_RAM_MB"] == "8000"
+    node.log.unlink()
+    assert run_bash(node, recreate, stdin="").returncode == 0
+    kept = env_settings(str(node.up_call()["env_file_content"]))
+    assert kept["MODELFORGE_AGENT_PARALLEL"] == "3" and kept["MODELFORGE_AGENT_RAM_MB"] == "8000"

@@ -109,7 +109,12 @@ export interface EnrollmentRequest {
   production_eligible: boolean;
 }
 
-export type NodeSetupRequest = ImageChoice & { api_origin: string; accelerator_mode: "nvidia" | "cpu" };
+// What the node offers and its idle exit; each left out is left to the agent.
+export type NodeOfferRequest = Partial<
+  Record<"parallel" | "cpus" | "gpus" | "ram_mb" | "max_idle_seconds", number>
+>;
+export type NodeSetupRequest = ImageChoice &
+  NodeOfferRequest & { api_origin: string; accelerator_mode: "nvidia" | "cpu" };
 
 // Every endpoint the console calls. Path segments are IDs the control plane issued.
 export const api = {

@@ -75,6 +75,30 @@ for (const [label, seconds] of EXPIRIES) {
   });
 }
 
+test("what the node offers, set under Advanced, is written into the .env: jobs at once 3", async () => {
+  const page = await newPage(browser);
+  await signIn(page);
+  await page.getByRole("button", { name: "Enroll node" }).click();
+  const wizard = page.getByRole("dialog", { name: "Enroll node" });
+  await wizard.getByLabel("Display name").fill("parallel-node");
+  await wizard.getByRole("radio", { name: "CPU only" }).check();
+  await wizard.getByText("Advanced: what the node offers").click();
+  await wizard.getByLabel("Jobs at once").fill("3");
+  await wizard.getByRole("button", { name: "Next: image" }).click();
+  await wizard.getByLabel("Node-agent entry of the release manifest").fill(entryText());
+  await wizard.getByRole("button", { name: "Check image" }).click();
+  await wizard.getByRole("button", { name: "Create enrollment token" }).click();
+  await wizard.getByTestId("enrollment-token").waitFor();
+  const env = (await wizard.getByLabel(/Generated/).inputValue()).split("\n");
+  assert.ok(env.includes("MODELFORGE_AGENT_PARALLEL=3"), env.join("\n"));
+  // The fields left empty are left to the agent: no line for them.
+  for (const name of ["CPUS", "GPUS", "RAM_MB", "MAX_IDLE_SECONDS"]) {
+    assert.ok(!env.some((line) => line.startsWith(`MODELFORGE_AGENT_${name}=`)), name);
+  }
+  assert.deepEqual(page.problems, []);
+  await page.context().close();
+});
+
 test("a token copied with the button is emptied from the clipboard when the reveal clears", async () => {
   const page = await newPage(browser);
   await page.context().grantPermissions(["clipboard-read", "clipboard-write"], { origin: BASE_URL });

@@ -1,7 +1,9 @@
 import { EXPIRY_OPTIONS, type EnrollWizardState } from "./useEnrollWizard";
+import { NodeOffer } from "./NodeOffer";
 import { StepActions } from "./StepActions";
 
-// Step 1: the node's name, how long its token lives, its accelerator, and the fixed API origin.
+// Step 1: the node's name, how long its token lives, its accelerator, what it offers (advanced),
+// and the fixed API origin.
 export function StepNode({ wizard }: { wizard: EnrollWizardState }) {
   return (
     <form
@@ -49,6 +51,7 @@ export function StepNode({ wizard }: { wizard: EnrollWizardState }) {
           </label>
         ))}
       </fieldset>
+      <NodeOffer wizard={wizard} />
       <label htmlFor="api-origin">API origin (locked to this console)</label>
       <input id="api-origin" readOnly value={wizard.origin} aria-describedby="api-origin-help" />
       <p id="api-origin-help" className="help">

@@ -6,6 +6,7 @@ import {
   type Enrollment,
   type ImageChoice,
   type NodeImage,
+  type NodeOfferRequest,
   type NodeSetup,
   type Readiness,
 } from "../api";
@@ -22,6 +23,19 @@ export const EXPIRY_OPTIONS = [
   { seconds: 3600, label: "1 h" },
   { seconds: 86400, label: "24 h" },
 ] as const;
+
+// What the node offers and its idle exit (the agent's MODELFORGE_AGENT_* variables), within the
+// bounds the control plane checks (docs/nodes.md).
+export const OFFER_FIELDS = [
+  { name: "parallel", label: "Jobs at once", min: 1, max: 256, placeholder: "1" },
+  { name: "cpus", label: "CPUs", min: 1, max: 100000, placeholder: "detected" },
+  { name: "gpus", label: "GPUs (0: none)", min: 0, max: 64, placeholder: "detected" },
+  { name: "ram_mb", label: "Memory (MB)", min: 1, max: 2147483647, placeholder: "detected" },
+  { name: "max_idle_seconds", label: "Idle exit (s, 0: never)", min: 0, max: 31536000, placeholder: "never" },
+] as const;
+export type OfferField = (typeof OFFER_FIELDS)[number]["name"];
+export type Offer = Record<OfferField, string>;
+const NO_OFFER: Offer = { parallel: "", cpus: "", gpus: "", ram_mb: "", max_idle_seconds: "" };
 
 export type Step = "node" | "image" | "start" | "readiness";
 export type Accelerator = "nvidia" | "cpu";
@@ -43,6 +57,7 @@ export function useEnrollWizard() {
   const [displayName, setDisplayName] = useState("");
   const [expiry, setExpiry] = useState<number>(900);
   const [accelerator, setAccelerator] = useState<Accelerator>("nvidia");
+  const [offer, setOffer] = useState<Offer>(NO_OFFER);
   const [imageSource, setImageSource] = useState<ImageSource>("bundle");
   const [manifestEntry, setManifestEntry] = useState("");
   const [registryImage, setRegistryImage] = useState("");
@@ -140,9 +155,20 @@ export function useEnrollWizard() {
     });
   }
 
+  // Only the fields given; the control plane checks each (a bad one is named in its 422).
+  function offered(): NodeOfferRequest {
+    const given = OFFER_FIELDS.filter((field) => offer[field.name].trim() !== "");
+    return Object.fromEntries(given.map((field) => [field.name, Number(offer[field.name])]));
+  }
+
   async function generateSetup(enrollmentId: string) {
     setSetup(
-      await api.nodeSetup(enrollmentId, { ...imageChoice(), api_origin: origin, accelerator_mode: accelerator }),
+      await api.nodeSetup(enrollmentId, {
+        ...imageChoice(),
+        ...offered(),
+        api_origin: origin,
+        accelerator_mode: accelerator,
+      }),
     );
   }
 
@@ -192,6 +218,8 @@ export function useEnrollWizard() {
     setExpiry,
     accelerator,
     setAccelerator,
+    offer,
+    setOfferField: (name: OfferField, value: string) => setOffer((current) => ({ ...current, [name]: value })),
     imageSource,
     setImageSource,
     manifestEntry,
