@@ -4,7 +4,8 @@ plane, node agent in cpu mode, runtime worker with services enabled), then an ON
 Python job that imports numpy submitted through the admin API, run by the runtime worker's
 runners in its container, and their results checked against numpy and onnxruntime computed
 here; and an ONNX service deployed from a model, served by the runtime worker's built-in Open
-Inference Protocol server in its container and called with the standard tritonclient.
+Inference Protocol server in its container and called with the standard tritonclient; and
+three jobs running at once on the node, started with MODELFORGE_AGENT_PARALLEL=3 on the host.
 
 The images get a version of their own, so this module never shares tags with another build
 in the same engine."""
@@ -15,6 +16,7 @@ import io
 import os
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,8 @@ from tests.onnx_models import relu_matmul
 pytestmark = pytest.mark.e2e
 
 VERSION = "0.1.0-jobs"
+#: The node's MODELFORGE_AGENT_PARALLEL, set on the host for `up`.
+PARALLEL = 3
 #: The node with services enabled: the runtime worker on the host's network.
 SERVICE_NODE_FILES = [*NODE_FILES, REPO / "compose" / "docker-compose.services.yml"]
 IMAGES = [
@@ -152,6 +156,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str
             env.setenv("MODELFORGE_AGENT_CONTROL_PLANE_URL", url)
             env.setenv("MODELFORGE_AGENT_ACCELERATOR_MODE", "cpu")
             env.setenv("MODELFORGE_AGENT_ENROLLMENT_TOKEN", minted["token"])
+            # Through the released Compose file to the agent (test_three_jobs_run_at_once).
+            env.setenv("MODELFORGE_AGENT_PARALLEL", str(PARALLEL))
             assert _up(bundle, public, node_project, SERVICE_NODE_FILES) == 0
             env.delenv("MODELFORGE_AGENT_ENROLLMENT_TOKEN")
             readiness = f"{url}/api/v1/admin/nodes/{minted['node_id']}/readiness"
@@ -293,3 +299,37 @@ def test_onnx_service_serves_from_the_runtime_worker_container(stack: tuple[Stac
     np.testing.assert_allclose(y, expected[0], rtol=1e-6)
     np.testing.assert_allclose(y, np.maximum(x @ weights, 0), rtol=1e-5, atol=1e-6)
     assert api.delete(f"/api/v1/services/{service_id}").status_code == 200
+
+
+NAP_SOURCE = """\
+import time
+
+
+def nap(seconds):
+    started = time.time()
+    time.sleep(seconds)
+    return {"started": started, "ended": time.time()}
+"""
+
+
+def test_three_jobs_run_at_once_on_a_node_started_with_parallel_3(
+    stack: tuple[Stack, str],
+) -> None:
+    api, project = stack
+    job = {
+        "entrypoint": {
+            "kind": "python",
+            "module": "nap",
+            "function": "nap",
+            "source": {"nap.py": NAP_SOURCE},
+        },
+        "params": {"seconds": 8},
+        "resources": {"cpus": 0.25},  # all of them fit the node's CPUs at once
+    }
+    results: list[dict[str, Any]] = []
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        for done in pool.map(lambda _: api.run(job, project), range(PARALLEL)):
+            results.append(done["result"])
+
+    # One worker container, one clock: each job ran while every other one did.
+    assert max(r["started"] for r in results) < min(r["ended"] for r in results), results
