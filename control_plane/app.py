@@ -37,6 +37,7 @@ from control_plane.api import (
     models,
     provisioning,
     public,
+    resources,
     secrets,
     services,
 )
@@ -186,6 +187,7 @@ def create_front(
     app.include_router(audit.router)
     app.include_router(services.agent_router)
     app.include_router(provisioning.router)
+    app.include_router(resources.router)
     console.mount_console(app)
     return compose_front(app, ctx)
 

@@ -1,12 +1,13 @@
 """What an admin sees of provisioning: each configured provisioner, its profiles with their
 outstanding requests, and its most recent requests (outstanding ones first) with their latest
-events (every SSH call's outcome). Only reads."""
+events (every SSH call's outcome); and the resources view's part, its outstanding requests.
+Only reads."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from control_plane.models import ProvisionEvent, ProvisionRequest
@@ -18,6 +19,7 @@ from control_plane.provisioning.schemas import (
     ProvisionEventPublic,
     ProvisionRequestPublic,
 )
+from control_plane.scheduling.schemas import OutstandingRequest, ProvisionerStatus
 
 #: Requests shown per provisioner, and events per request.
 _RECENT = 50
@@ -107,3 +109,43 @@ def _latest_events(
                     ProvisionEventPublic(at=event.at, kind=event.kind, data=event.data)
                 )
     return {id_: list(reversed(found)) for id_, found in newest_first.items()}
+
+
+def provisioning_status(
+    session: Session, *, provisioner: Provisioner, now: datetime
+) -> list[ProvisionerStatus]:
+    """The resources view's part (`scheduling/resources.py`): every configured provisioner, in
+    configuration order, with its outstanding requests, oldest first, and its attached nodes."""
+    outstanding: dict[str, list[OutstandingRequest]] = {}
+    for row in session.scalars(
+        select(ProvisionRequest)
+        .where(ProvisionRequest.state.in_(OUTSTANDING))
+        .order_by(ProvisionRequest.created_at, ProvisionRequest.id)
+    ):
+        outstanding.setdefault(row.provisioner, []).append(
+            OutstandingRequest(
+                request_id=row.id,
+                profile=row.profile,
+                state=row.state,
+                slurm_job_id=row.slurm_job_id,
+                age_seconds=(now - row.created_at).total_seconds(),
+            )
+        )
+    attached: dict[str, int] = {
+        name: count
+        for name, count in session.execute(
+            select(ProvisionRequest.provisioner, func.count())
+            .where(ProvisionRequest.state == "attached")
+            .group_by(ProvisionRequest.provisioner)
+        )
+    }
+    return [
+        ProvisionerStatus(
+            name=configured.name,
+            type=configured.type,
+            outstanding=len(outstanding.get(configured.name, [])),
+            attached=attached.get(configured.name, 0),
+            requests=outstanding.get(configured.name, []),
+        )
+        for configured in provisioner.provisioners.values()
+    ]

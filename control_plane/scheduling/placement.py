@@ -20,7 +20,7 @@ import heapq
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
@@ -183,33 +183,66 @@ def free_capacity(
     return held_back(session, totals, holders)
 
 
+@dataclass(frozen=True)
+class Holding:
+    """What one running job or deployed service holds on its node, as `held_back` counted it."""
+
+    kind: Literal["job", "service"]
+    id: str
+    #: A service's name; a job's model (`name@version`), or its id when it runs no model.
+    name: str
+    request: Request
+    #: The GPUs it holds by UUID; None for a job from before GPUs were assigned (it holds as
+    #: many as it asked for, which ones unknown).
+    gpus: tuple[str, ...] | None
+
+
 def held_back(
     session: Session,
     totals: dict[str, Capacity],
     holders: dict[str, list[str]] | None = None,
+    *,
+    holdings: dict[str, list[Holding]] | None = None,
 ) -> dict[str, Capacity]:
-    """`free_capacity` from each node's whole capacity, already known."""
+    """`free_capacity` from each node's whole capacity, already known. `holdings`, when given,
+    receives per node everything held there and by whom (the resources view)."""
     free = dict(totals)
     if not free:
         return free
-    jobs = select(Job.node_id, Job.resources, Job.assigned_gpus).where(Job.state == "running")
+    jobs = select(Job.node_id, Job.resources, Job.assigned_gpus, Job.id, Job.model).where(
+        Job.state == "running"
+    )
     services = select(
-        Service.node_id, Service.name, Service.resources, Service.assigned_gpus
+        Service.node_id, Service.name, Service.resources, Service.assigned_gpus, Service.id
     ).where(Service.state != "stopped")
     if len(free) <= _IN_LIST_MAX:
         jobs = jobs.where(Job.node_id.in_(list(free)))
         services = services.where(Service.node_id.in_(list(free)))
     # Else every running job and deployed service, filtered here: a thousand-element IN list
     # costs PostgreSQL more to plan than the rows it saves.
-    for node_id, resources, held_gpus in session.execute(jobs):
+    for node_id, resources, held_gpus, job_id, model in session.execute(jobs):
         if node_id in free:
-            free[node_id] = free[node_id].minus(Request.of(resources), held_gpus)
-    for node_id, name, resources, held_gpus in session.execute(services):
+            request = Request.of(resources)
+            free[node_id] = free[node_id].minus(request, held_gpus)
+            if holdings is not None:
+                holding = Holding("job", job_id, model or job_id, request, _uuids(held_gpus))
+                holdings.setdefault(node_id, []).append(holding)
+    for node_id, name, resources, held_gpus, service_id in session.execute(services):
         if node_id in free:
-            free[node_id] = free[node_id].minus(Request.of(resources), held_gpus or [])
+            request = Request.of(resources)
+            free[node_id] = free[node_id].minus(request, held_gpus or [])
             if holders is not None:
                 holders.setdefault(node_id, []).append(name)
+            if holdings is not None:
+                holding = Holding("service", service_id, name, request, _uuids(held_gpus or []))
+                holdings.setdefault(node_id, []).append(holding)
     return free
+
+
+def _uuids(held_gpus: list[Any] | None) -> tuple[str, ...] | None:
+    if held_gpus is None:
+        return None
+    return tuple(str(gpu.get("uuid")) for gpu in held_gpus if isinstance(gpu, dict))
 
 
 #: Up to this many nodes, `held_back` asks for their holdings by id.

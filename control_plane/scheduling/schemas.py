@@ -1,5 +1,5 @@
 """The scheduler's request and response bodies: an agent's work claim and the job assigned to
-it, and the queued work a node could run."""
+it, the queued work a node could run, and the resources view (`GET /api/v1/admin/resources`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field
 
 from control_plane.fleet.schemas import AssignedGpu
-from control_plane.schemas import StrictModel
+from control_plane.schemas import NodeState, StrictModel
 
 
 class QueuedWork(BaseModel):
@@ -39,3 +39,119 @@ class JobAssignment(BaseModel):
     progress_interval_seconds: float
     #: The job's secrets by name (WL-6a): for its process's environment only.
     secrets: dict[str, str] = Field(default_factory=dict)
+
+
+# -- the resources view (GET /api/v1/admin/resources) ------------------------------------------
+
+
+class ResourceAmounts(BaseModel):
+    cpus: float
+    memory_mb: int
+    gpus: int
+
+
+class NodeCapacity(BaseModel):
+    """A node's (or the fleet's) inventory, what running jobs and deployed services hold of it,
+    and the rest: free, as the scheduler counts it when it places work."""
+
+    total: ResourceAmounts
+    held: ResourceAmounts
+    free: ResourceAmounts
+
+
+class HolderRef(BaseModel):
+    kind: Literal["job", "service"]
+    id: str
+    #: A service's name; a job's model (`name@version`), or its id when it runs no model.
+    name: str
+
+
+class ResourceHolder(HolderRef):
+    """A running job or deployed service, and what it holds on its node."""
+
+    cpus: float
+    memory_mb: int
+    #: The indexes of the GPUs it holds.
+    gpus: list[int]
+
+
+class GpuHolding(BaseModel):
+    index: int
+    uuid: str
+    #: The GPU's model, as the node's inventory reports it.
+    model: str | None
+    #: Who holds it; null while it is free.
+    held_by: HolderRef | None
+
+
+class WorkSlots(BaseModel):
+    """Jobs running on the node (a service takes no work slot). The agent's number of slots
+    (`--parallel`) is not reported to the control plane: `total` is null."""
+
+    in_use: int
+    total: int | None = None
+
+
+class TakeableWork(BaseModel):
+    """The queued jobs and pending services the node could run (its labels and size fit
+    theirs, as `GET /api/v1/admin/nodes/{id}/queued-work` lists them), the oldest ids first."""
+
+    jobs: int
+    job_ids: list[str]
+    services: int
+    service_ids: list[str]
+
+
+class NodeResources(BaseModel):
+    node_id: str
+    name: str
+    state: NodeState
+    needs_upgrade: bool
+    labels: dict[str, Any]
+    #: Online, compatible and with an inventory: the scheduler places work on it.
+    schedulable: bool
+    #: Null until the node reports its inventory.
+    capacity: NodeCapacity | None
+    gpus: list[GpuHolding]
+    holders: list[ResourceHolder]
+    slots: WorkSlots
+    could_take: TakeableWork
+
+
+class FleetTotals(BaseModel):
+    nodes: int
+    nodes_by_state: dict[NodeState, int]
+    needs_upgrade: int
+    #: Summed over every node that reported its inventory.
+    capacity: NodeCapacity
+    #: Summed over the schedulable nodes only: what work can be placed on now.
+    schedulable: NodeCapacity
+    slots_in_use: int
+    queued_jobs: int
+    pending_services: int
+
+
+class OutstandingRequest(BaseModel):
+    request_id: str
+    profile: str
+    state: str
+    slurm_job_id: str | None
+    age_seconds: float
+
+
+class ProvisionerStatus(BaseModel):
+    """A provisioner's requests not yet answered by a node (`submitting`, `pending`), oldest
+    first, and how many of the nodes it brought are attached now."""
+
+    name: str
+    type: str
+    outstanding: int
+    attached: int
+    requests: list[OutstandingRequest]
+
+
+class ResourcesView(BaseModel):
+    read_at: datetime
+    fleet: FleetTotals
+    nodes: list[NodeResources]
+    provisioning: list[ProvisionerStatus]

@@ -1,12 +1,14 @@
-"""Why a queued job waits (SC-4), and whether a `prefer` job's labelled nodes have room.
+"""Why a queued job waits (SC-4), whether a `prefer` job's labelled nodes have room, and which
+queued work a node could take at all (`could_take`, `queued_work`).
 
-Both read a `Fleet`: every node's labels, liveness, compatibility, inventory and free capacity,
-read in two queries and kept by the scheduler for about a second, so the answer follows the
-fleet as it changes without a query per job or per node.
+The first two read a `Fleet`: every node's labels, liveness, compatibility, inventory and free
+capacity, read in two queries and kept by the scheduler for about a second, so the answer follows
+the fleet as it changes without a query per job or per node.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
@@ -19,10 +21,11 @@ from control_plane.errors import InvalidRequest, NotFound
 from control_plane.fleet.liveness import Liveness
 from control_plane.jobs.schemas import WaitingReason
 from control_plane.models import Job, Node, Service
-from control_plane.scheduling.placement import held_back
+from control_plane.scheduling.placement import Holding, held_back
 from control_plane.scheduling.queue import QUEUED_COLUMNS, queued_job
 from control_plane.scheduling.schemas import QueuedWork
 from control_plane.scheduling.shapes import Capacity, Request, Shape, labels_match
+from control_plane.schemas import NodeState
 from control_plane.services.placement import shape_of
 
 #: Node ids per `IN (…)` list when re-reading changed nodes.
@@ -34,7 +37,7 @@ class FleetNode:
     id: str
     name: str
     labels: dict[str, Any]
-    state: str
+    state: NodeState
     needs_upgrade: bool
     inventory: dict[str, Any] | None
     total: Capacity | None
@@ -98,13 +101,19 @@ class Fleet:
 
 
 def read_fleet(
-    session: Session, *, now: datetime, liveness: Liveness, previous: Fleet | None = None
+    session: Session,
+    *,
+    now: datetime,
+    liveness: Liveness,
+    previous: Fleet | None = None,
+    holdings: dict[str, list[Holding]] | None = None,
 ) -> Fleet:
     """Every node, as now. With `previous` (the last view), only the nodes whose inventory
     changed since, or that are new, have their labels and inventory read and parsed again: a
     node's labels never change (they are signed into its credential at enrollment), and its
     inventory changes only with `inventory_at`. At a thousand nodes that is most of the cost of
-    a read, which runs every second while claims wait."""
+    a read, which runs every second while claims wait. `holdings`, when given, receives what
+    each node's free capacity was counted without (`placement.held_back`)."""
     rows = session.execute(
         select(
             Node.id, Node.display_name, Node.compat_code, Node.last_heartbeat_at, Node.inventory_at
@@ -135,7 +144,10 @@ def read_fleet(
     nodes = {row.id: (row, *described(row)) for row in rows if row.id in fresh or row.id in known}
     holders: dict[str, list[str]] = {}
     free = held_back(
-        session, {node_id: total for node_id, (_, _, _, total) in nodes.items() if total}, holders
+        session,
+        {node_id: total for node_id, (_, _, _, total) in nodes.items() if total},
+        holders,
+        holdings=holdings,
     )
     return Fleet(
         tuple(
@@ -275,13 +287,18 @@ def _reason(code: str, message: str, next_step: str) -> WaitingReason:
 
 
 def could_run_on(session: Session, node: Node, *, limit: int, scan: int = 5000) -> list[QueuedWork]:
-    """The queued jobs and pending services `node` could run, oldest first: its labels satisfy
-    theirs (or they only `prefer` them), it carries their secrets' labels, and it is big enough
-    for them once empty. Whether it has room now is the scheduler's business. Looks at the
-    `scan` oldest of each."""
+    """The queued jobs and pending services `node` could run, oldest first (`could_take`).
+    Whether it has room now is the scheduler's business. Looks at the `scan` oldest of each."""
     inventory = node.inventory or {}
-    total = Capacity.of_inventory(inventory) if inventory else None
-    carried = dict(node.labels or {})
+    take = could_take(node.labels, Capacity.of_inventory(inventory) if inventory else None)
+    return [work for work, shape in queued_work(session, scan=scan) if take(shape)][:limit]
+
+
+def could_take(labels: dict[str, Any] | None, total: Capacity | None) -> Callable[[Shape], bool]:
+    """Whether a node carrying `labels`, of size `total` (None: not reported yet), could run
+    work of a shape at all: its labels satisfy the shape's (or it only `prefer`s them), it
+    carries the secrets' labels, and it is big enough for it once empty."""
+    carried = dict(labels or {})
 
     def fits(shape: Shape) -> bool:
         return (
@@ -290,7 +307,14 @@ def could_run_on(session: Session, node: Node, *, limit: int, scan: int = 5000) 
             and (total is None or total.fits(shape.request))
         )
 
-    found: list[QueuedWork] = []
+    return fits
+
+
+def queued_work(session: Session, *, scan: int = 5000) -> list[tuple[QueuedWork, Shape]]:
+    """The `scan` oldest queued jobs and the `scan` oldest pending services, oldest first, each
+    with its shape. A service naming a secret that is gone is left out: no node can run it until
+    the secret is set again."""
+    found: list[tuple[QueuedWork, Shape]] = []
     rows = session.execute(
         select(*QUEUED_COLUMNS)
         .where(Job.state == "queued")
@@ -298,16 +322,14 @@ def could_run_on(session: Session, node: Node, *, limit: int, scan: int = 5000) 
         .limit(scan)
     ).all()
     for row in rows:
-        if fits(queued_job(row).shape):
-            found.append(
-                QueuedWork(
-                    kind="job",
-                    id=row.id,
-                    name=row.id,
-                    created_at=row.created_at,
-                    labels=dict(row.labels or {}),
-                )
-            )
+        work = QueuedWork(
+            kind="job",
+            id=row.id,
+            name=row.id,
+            created_at=row.created_at,
+            labels=dict(row.labels or {}),
+        )
+        found.append((work, queued_job(row).shape))
     services = session.scalars(
         select(Service)
         .where(Service.state == "pending")
@@ -318,16 +340,14 @@ def could_run_on(session: Session, node: Node, *, limit: int, scan: int = 5000) 
         try:
             shape = shape_of(session, service)
         except (NotFound, InvalidRequest):
-            continue  # a secret it names is gone: no node can run it until it is set again
-        if fits(shape):
-            found.append(
-                QueuedWork(
-                    kind="service",
-                    id=service.id,
-                    name=service.name,
-                    created_at=service.created_at,
-                    labels=dict(service.labels or {}),
-                )
-            )
-    found.sort(key=lambda work: (work.created_at, work.id))
-    return found[:limit]
+            continue
+        work = QueuedWork(
+            kind="service",
+            id=service.id,
+            name=service.name,
+            created_at=service.created_at,
+            labels=dict(service.labels or {}),
+        )
+        found.append((work, shape))
+    found.sort(key=lambda pair: (pair[0].created_at, pair[0].id))
+    return found
