@@ -1,5 +1,15 @@
 import { useState } from "react";
-import { type ApiError, api, asApiError, type Gpu, type NodeView, type TelemetryPoint } from "./api";
+import {
+  type ApiError,
+  api,
+  asApiError,
+  type Gpu,
+  type NodeResources,
+  type NodeView,
+  type ResourcesView,
+  type TelemetryPoint,
+} from "./api";
+import { FleetFree, NodeFree, NodeHolders } from "./Capacity";
 import { Chart } from "./Chart";
 import { Confirm } from "./Confirm";
 import { ErrorNote } from "./ErrorNote";
@@ -11,18 +21,21 @@ import { usePolled } from "./usePolled";
 const REFRESH_MS = 5000;
 const CHART_MINUTES = 10;
 
-// Nodes: state, Needs upgrade, duplicate identity, labels, GPUs with live telemetry,
-// events, and revoking a node's credential.
+// Nodes: state, Needs upgrade, duplicate identity, labels, free capacity (and the fleet's),
+// GPUs with live telemetry, what holds a node's resources, events, and revoking a node's credential.
 export function Nodes() {
   const { data: nodes, error, loaded, reload } = usePolled(api.nodes, [], REFRESH_MS);
+  const resources = usePolled<ResourcesView | null>(api.resources, null, REFRESH_MS);
   const [selected, setSelected] = useState<string | null>(null);
+  const byNode = new Map((resources.data?.nodes ?? []).map((node) => [node.node_id, node]));
 
   const current = nodes.find((node) => node.node_id === selected) ?? null;
 
   return (
     <section aria-labelledby="nodes-heading">
       <h1 id="nodes-heading">Nodes</h1>
-      <ErrorNote error={error} />
+      <ErrorNote error={error ?? resources.error} />
+      <FleetFree view={resources.data} />
       <ListTable
         caption={<>Enrolled nodes (refreshed every {REFRESH_MS / 1000} s)</>}
         columns={[
@@ -31,6 +44,7 @@ export function Nodes() {
           "Flags",
           "Labels",
           "GPUs",
+          "Free (of total)",
           "Last heartbeat",
           "Agent",
           <span className="visually-hidden">Details</span>,
@@ -65,6 +79,9 @@ export function Nodes() {
               <Labels labels={node.labels} />
             </td>
             <td>{node.inventory?.gpus?.length ?? 0}</td>
+            <td>
+              <NodeFree node={byNode.get(node.node_id)} />
+            </td>
             <td>{ago(node.last_heartbeat_at)}</td>
             <td>{node.agent_version ?? "—"}</td>
             <td>
@@ -81,12 +98,22 @@ export function Nodes() {
           </tr>
         )}
       />
-      {current && <NodeDetails key={current.node_id} node={current} onChanged={reload} />}
+      {current && (
+        <NodeDetails key={current.node_id} node={current} resources={byNode.get(current.node_id)} onChanged={reload} />
+      )}
     </section>
   );
 }
 
-function NodeDetails({ node, onChanged }: { node: NodeView; onChanged: () => Promise<void> }) {
+function NodeDetails({
+  node,
+  resources,
+  onChanged,
+}: {
+  node: NodeView;
+  resources: NodeResources | undefined;
+  onChanged: () => Promise<void>;
+}) {
   const samples = usePolled(api.nodeTelemetry(node.node_id, CHART_MINUTES), [], REFRESH_MS);
   const history = usePolled(api.nodeEvents(node.node_id, 50), [], REFRESH_MS);
   const queued = usePolled(api.nodeQueuedWork(node.node_id), [], REFRESH_MS);
@@ -163,6 +190,8 @@ function NodeDetails({ node, onChanged }: { node: NodeView; onChanged: () => Pro
           ]}
         />
       </div>
+      <h3>Held here</h3>
+      <NodeHolders node={resources} />
       <h3>Queued work it could run</h3>
       <ErrorNote error={queued.error} />
       <ListTable

@@ -133,6 +133,7 @@ export const api = {
   nodeReadiness: (nodeId: string) => get<Readiness>(`${NODES}/${nodeId}/readiness`),
   revokeNodeCredential: (nodeId: string) => post<{ revoked: number }>(`${NODES}/${nodeId}/credential/revoke`),
   nodeQueuedWork: (nodeId: string) => resource<QueuedWork[]>(`${NODES}/${nodeId}/queued-work?limit=20`),
+  resources: resource<ResourcesView>("/api/v1/admin/resources"),
 
   jobs: (state: string, labels: readonly string[]) => resource<JobView[]>(JOBS + query({ state, label: labels, limit: 200 })),
   job: (jobId: string) => resource<JobView>(`${JOBS}/${jobId}`),
@@ -301,6 +302,53 @@ export interface QueuedWork {
   name: string;
   created_at: string;
   labels: Record<string, string>;
+}
+
+// GET /api/v1/admin/resources: capacity counted by the scheduler's own rules.
+export interface Amounts {
+  cpus: number;
+  memory_mb: number;
+  gpus: number;
+}
+
+export interface Capacity {
+  total: Amounts;
+  held: Amounts;
+  free: Amounts;
+}
+
+export interface HolderRef {
+  kind: "job" | "service";
+  id: string;
+  name: string;
+}
+
+export interface NodeResources {
+  node_id: string;
+  name: string;
+  state: "online" | "stale" | "offline";
+  schedulable: boolean;
+  capacity: Capacity | null;
+  gpus: { index: number; uuid: string; model: string | null; held_by: HolderRef | null }[];
+  holders: (HolderRef & { cpus: number; memory_mb: number; gpus: number[] })[];
+  slots: { in_use: number; total: number | null };
+  could_take: { jobs: number; job_ids: string[]; services: number; service_ids: string[] };
+}
+
+export interface ResourcesView {
+  read_at: string;
+  fleet: {
+    nodes: number;
+    nodes_by_state: Record<"online" | "stale" | "offline", number>;
+    needs_upgrade: number;
+    capacity: Capacity;
+    schedulable: Capacity;
+    slots_in_use: number;
+    queued_jobs: number;
+    pending_services: number;
+  };
+  nodes: NodeResources[];
+  provisioning: { name: string; type: string; outstanding: number; attached: number }[];
 }
 
 export interface Reason {

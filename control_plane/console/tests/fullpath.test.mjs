@@ -57,8 +57,21 @@ test("enroll, start a CPU node agent with the revealed token, readiness, nodes s
   await page.getByRole("link", { name: "Nodes" }).click();
   const row = page.locator(`tr[data-node-id="${nodeId}"]`);
   await row.getByTestId("node-state").filter({ hasText: "online" }).waitFor({ timeout: 20_000 });
+  // Its free capacity, as GET /api/v1/admin/resources counts it (nothing runs: all of it), and
+  // the fleet's free capacity above the list.
+  const resources = await admin("GET", "/api/v1/admin/resources");
+  assert.equal(resources.status, 200, JSON.stringify(resources.body));
+  const capacity = resources.body.nodes.find((n) => n.node_id === nodeId).capacity;
+  assert.deepEqual(capacity.free, capacity.total);
+  const cpus = `${capacity.free.cpus} of ${capacity.total.cpus} CPUs`;
+  await row.getByTestId("node-free").filter({ hasText: cpus }).waitFor({ timeout: 10_000 });
+  assert.match(await row.getByTestId("node-free").textContent(), /0 of 0 GPUs.*0 jobs running/);
+  const fleet = resources.body.fleet.schedulable;
+  const fleetCpus = `Free on schedulable nodes: ${fleet.free.cpus} of ${fleet.total.cpus} CPUs`;
+  await page.getByTestId("fleet-free").filter({ hasText: fleetCpus }).waitFor({ timeout: 10_000 });
   await row.getByRole("button", { name: /Details/ }).click();
   await page.getByRole("heading", { name: /Events/ }).waitFor();
+  await page.getByText("Nothing runs here: all of it is free.").waitFor();
   await page.locator("ul.events li", { hasText: "enrolled" }).first().waitFor({ timeout: 10_000 });
   await page.getByRole("img", { name: /Host CPU/ }).waitFor();
   await screenshot(page, "nodes-cpu");
@@ -92,6 +105,9 @@ test("an NVIDIA node's GPUs show live utilisation and memory charts", async () =
   await page.getByRole("link", { name: "Nodes" }).click();
   const row = page.locator(`tr[data-node-id="${nodeId}"]`);
   await row.getByTestId("node-state").filter({ hasText: "online" }).waitFor({ timeout: 20_000 });
+  // Both GPUs free, on the node and in the fleet's totals.
+  await row.getByTestId("node-free").filter({ hasText: "2 of 2 GPUs" }).waitFor({ timeout: 10_000 });
+  await page.getByTestId("fleet-free").filter({ hasText: "2 of 2 GPUs" }).waitFor();
   await row.getByRole("button", { name: /Details/ }).click();
   const chart = page.getByRole("img", { name: /GPU 0 .*utilisation \d+%/ });
   await chart.waitFor({ timeout: 20_000 });
