@@ -20,8 +20,9 @@ its loops until stopped, each on its own thread and schedule:
 A runtime worker whose protocol the control plane refuses (426 naming `runtime-worker` on the
 inventory) is not the agent's failure: the agent logs once what to upgrade, keeps heartbeating
 (the node stays online, marked Needs upgrade), claims no work and keeps no services, and reports
-the inventory again as soon as the worker's answer changes; once it is accepted, the slots claim
-again and the services are synced again.
+the inventory again as soon as the worker's answer changes, and the same refused one again once
+every inventory interval (a restarted or upgraded control plane judges it afresh: a restart
+clears the mark); once it is accepted, the slots claim again and the services are synced again.
 
 A loop retrying a failing call (node_agent.retry: backoff 1 s…16 s) delays only itself: a
 control plane that refuses telemetry for minutes still receives every heartbeat on time. A
@@ -91,7 +92,8 @@ class Agent:
         self.telemetry_interval = 15.0
         self.inventory_interval = 900.0
         self._last_inventory: dict[str, Any] | None = None
-        #: The inventory whose runtime worker the control plane refused; not sent again as is.
+        #: The inventory whose runtime worker the control plane refused; sent again as is only
+        #: once every inventory interval.
         self._refused_inventory: dict[str, Any] | None = None
         #: Cleared while the control plane refuses the runtime worker: the slots claim nothing.
         self.worker_compatible = threading.Event()
@@ -347,8 +349,13 @@ class Agent:
             overrides=self.overrides,
             runtime_worker=self._runtime_worker(),
         )
-        if inventory == self._refused_inventory:
-            return  # the same worker, refused again: nothing new to say
+        if (
+            inventory == self._refused_inventory
+            and time.monotonic() - self._inventory_sent_at < self.inventory_interval
+        ):
+            # The same worker, refused: asked about again only at the inventory interval, so a
+            # restarted control plane judges it again (and marks the node) without being hammered.
+            return
         changed = inventory != self._last_inventory
         if not changed and time.monotonic() - self._inventory_sent_at < self.inventory_interval:
             return
@@ -381,10 +388,16 @@ class Agent:
 
     def _worker_refused(self, inventory: dict[str, Any], refusal: ControlPlaneError) -> None:
         """The control plane refused the runtime worker's protocol: stop claiming, say so once
-        per worker, and send this inventory again only when the worker's answer changes."""
+        per worker, and send this inventory again when the worker's answer changes, or else at
+        the next inventory interval."""
         self.worker_compatible.clear()
+        again = inventory == self._refused_inventory
         self._refused_inventory = inventory
         self._last_inventory = None  # the last accepted report no longer stands
+        self._inventory_sent_at = time.monotonic()
+        if again:
+            log.debug("the refused runtime worker was refused again (%s)", refusal.code)
+            return
         log.error(
             "%s at %s was refused by the control plane (%s): the runtime worker must be upgraded "
             "to this agent's release (protocol %d, see docs/COMPATIBILITY.md). The node stays "

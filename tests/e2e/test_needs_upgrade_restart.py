@@ -5,7 +5,9 @@ or until the control plane restarts"; a restart may be the upgrade that makes it
 Real processes: the control plane on Granian, stopped and started again on the same data
 directory and database. The nodes are driven over HTTP as agents would, since a real agent only
 speaks this release's protocol: one whose agent's heartbeat is refused, one whose runtime
-worker's inventory is refused.
+worker's inventory is refused. A real agent can stand behind a refused runtime worker, though
+(a stand-in worker at its socket speaks the newer protocol): after a restart it reports that
+worker again within an inventory interval, and the node is marked again.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.node import live_stack, wait_until
 from tests.e2e.server import FAST, LiveServer
 from tests.factories import heartbeat_body, inventory_body
 
@@ -77,3 +80,37 @@ def test_a_restart_clears_needs_upgrade_and_the_verdict_is_made_again(tmp_path: 
         marks = _marks(server)
         assert marks[agent["node_id"]]["component"] == "agent"
         assert marks[worker["node_id"]]["component"] == "runtime-worker"
+
+
+def test_a_real_agent_reports_a_refused_worker_again_after_a_restart(tmp_path: Path) -> None:
+    # The shortest inventory interval a control plane gives: a quarter of the maximum age.
+    interval = 60 / 4
+    env = dict(FAST, MODELFORGE_INVENTORY_MAX_AGE_SECONDS="60")
+    with live_stack(tmp_path, env) as (server, node):
+        node_id = node.start_fake_worker(NEWER).start_agent().node_id()
+
+        def mark() -> Any:
+            return _marks(server).get(node_id)
+
+        def refusals() -> int:
+            events = server.get(f"/api/v1/admin/nodes/{node_id}/events")
+            return [e["kind"] for e in events].count("needs_upgrade")
+
+        wait_until(lambda: mark() is not None, 30, "the worker's refusal marked", interval=0.2)
+        assert mark()["component"] == "runtime-worker", mark()
+        assert refusals() == 1
+
+        assert server.stop() == 0
+        server.start()  # the same data directory and database: the mark is cleared
+
+        # The agent asks again about the same worker within an interval (a couple, on a loaded
+        # machine), rather than leaving the node online and silently without an inventory.
+        wait_until(
+            lambda: mark() is not None, 2 * interval + 10, "the node marked again", interval=0.2
+        )
+        assert mark()["component"] == "runtime-worker", mark()
+        assert mark()["code"] == "TOO_NEW", mark()
+        assert refusals() == 2  # a new refusal, by the restarted control plane
+        checks = server.get(f"/api/v1/admin/nodes/{node_id}/readiness")["checks"]
+        assert next(c for c in checks if c["name"] == "protocol")["status"] == "fail"
+        assert node.agent is not None and node.agent.poll() is None, node.log()

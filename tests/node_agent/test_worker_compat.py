@@ -114,3 +114,60 @@ def test_an_incompatible_worker_pauses_work_and_a_compatible_one_resumes_it(
     assert agent.exit_code == 0, agent.log.read_text()
     text = agent.log.read_text()
     assert "runtime worker" in text and "is compatible" in text
+
+
+def test_a_refused_inventory_is_sent_again_each_inventory_interval_until_accepted(
+    tmp_path: Path,
+) -> None:
+    """A restarted control plane forgets its refusal (and its mark), an upgraded one may accept
+    the worker: the same refused report is asked about again once per inventory interval, never
+    faster. Here the stand-in refuses it twice, then accepts it, as an upgraded one would."""
+    interval = 0.6
+    refusals = 2
+    inventories = 0
+
+    def respond(request: Recorded) -> Answer:
+        nonlocal inventories
+        if request.path == ENROLL:
+            return 200, dict(ENROLLED, inventory_interval_seconds=interval)
+        if request.path == INVENTORY:
+            inventories += 1
+            if inventories > refusals:  # the upgraded control plane accepts the worker
+                return 200, {"received_at": "2024-01-01T00:00:00Z"}
+        return _respond(request)
+
+    socket_path = tmp_path / "worker.sock"  # where agent_env points the agent
+    worker = _spawn(
+        [sys.executable, "-c", FAKE_WORKER, str(socket_path), "99", "9.9.9"],
+        dict(os.environ, MODELFORGE_WORKER_SOCKET=str(socket_path)),
+        tmp_path / "fake-worker.log",
+    )
+    try:
+        wait_until(socket_path.exists, 10, "the stand-in worker's socket")
+        with agent_against(respond, tmp_path) as (server, agent):
+            wait_until(
+                lambda: server.paths().count(INVENTORY) > refusals,
+                30,
+                "the refused inventory sent again until accepted",
+            )
+            accepted_at = [r.at for r in server.requests if r.path == INVENTORY][refusals]
+            wait_until(
+                lambda: any(r.path == CLAIM and r.at > accepted_at for r in list(server.requests)),
+                20,
+                "a claim once the worker is accepted",
+            )
+            assert agent.process.poll() is None, agent.log.read_text()
+    finally:
+        worker.terminate()
+        worker.wait(timeout=20)
+    assert agent.exit_code == 0, agent.log.read_text()
+    sent = [r for r in server.requests if r.path == INVENTORY]
+    assert {json.dumps(json.loads(r.body), sort_keys=True) for r in sent} == {
+        json.dumps(json.loads(sent[0].body), sort_keys=True)
+    }  # the same report each time: asked again, not changed
+    gaps = [later.at - earlier.at for earlier, later in zip(sent, sent[1:], strict=False)]
+    assert min(gaps) >= interval - 0.1  # once per interval, not at every check (every 0.2 s)
+    assert not [r for r in server.requests if r.path == CLAIM and r.at < accepted_at]
+    text = agent.log.read_text()
+    assert text.count("must be upgraded") == 1, text  # said once, not at every refusal
+    assert "runtime worker 9.9.9 (protocol 99) is compatible; claiming work again" in text
