@@ -204,6 +204,13 @@ class ControlPlane:
         assert response.status_code == 200, response.text
         return list(reversed(response.json()))
 
+    def pass_hold(self, seconds: float) -> None:
+        """End every hold of at most `seconds` begun so far (a claim's `hold_seconds`, a job
+        watch, a job-events `wait`): move the clock `seconds` ahead. Holds count on this
+        control plane's `ManualClock`, so real time never ends one. `now` moves too, so liveness
+        and expiry see the time pass."""
+        self.clock.advance(seconds)
+
     def flush(self) -> int:
         return self.ctx.heartbeats.flush(session_factory=self.ctx.session_factory)
 
@@ -217,6 +224,13 @@ class ControlPlane:
 def control_plane(
     data_dir: Path, database_url: str, clock: Clock | None = None, **overrides: Any
 ) -> Iterator[ControlPlane]:
+    """A control plane in this process on a `ManualClock` (`clock`, or a new one), its loops
+    not started.
+
+    The scheduler's holds are counted on that clock (`Clock.monotonic`, `wait_until`): a claim,
+    job watch or job-events wait with a hold above 0 never ends by real time here. A test that
+    expects it to end (a 204, an empty list) calls `ControlPlane.pass_hold` while it waits;
+    without that it hangs until pytest's timeout."""
     clock = clock or ManualClock()
     assert isinstance(clock, ManualClock)
     app = create_app(

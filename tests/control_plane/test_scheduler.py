@@ -108,7 +108,7 @@ def test_one_submission_costs_one_batch_not_one_per_waiting_claim(
             finally:
                 event.remove(cp.ctx.engine, "before_cursor_execute", count)
             assert scheduler.waiting == 99  # the others still wait: never woken to retry
-            cp.clock.advance(6)  # their holds end
+            cp.pass_hold(6)  # their holds end
             answers = [claim.result(timeout=20) for claim in claims]
         got = [answer for answer in answers if answer is not None]
         assert [answer["job_id"] for answer in got] == [job["job_id"]]
@@ -226,7 +226,7 @@ def test_a_claim_whose_hold_ends_during_its_batch_still_gets_the_job(
             result = original(waiting)
             if result.placed:
                 placed.set()
-                cp.clock.advance(5.0)  # longer than the claim's hold
+                cp.pass_hold(5.0)  # longer than the claim's hold
                 while not hold_ended():
                     time.sleep(0.01)
             return result
