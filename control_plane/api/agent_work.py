@@ -9,7 +9,7 @@ from fastapi.responses import FileResponse
 from control_plane.api.deps import ContextDep, NodeDep
 from control_plane.api.ranges import artifact_response
 from control_plane.api.routing import LaneRoute
-from control_plane.artifacts import store as artifacts
+from control_plane.artifacts import store
 from control_plane.artifacts.schemas import ArtifactPublic
 from control_plane.context import AppContext
 from control_plane.fleet.schemas import AssignedGpu
@@ -141,7 +141,7 @@ async def upload_artifact(
 
     def record() -> ArtifactPublic:
         with ctx.session_factory.begin() as session:
-            row = artifacts.record_upload(
+            row = store.record_upload(
                 session=session, clock=ctx.clock, digest=stored, size=size, node_id=node.node_id
             )
             return ArtifactPublic(
@@ -158,7 +158,7 @@ def download_artifact(
     """Streaming download with HTTP range requests, so an interrupted transfer resumes. Only
     what this node's jobs name, or what it uploaded; anything else is 404 ARTIFACT_NOT_FOUND."""
     with ctx.read_session_factory() as session:  # read-only: waits for no writer
-        artifacts.get_artifact_for_node(
+        store.get_artifact_for_node(
             session=session,
             store=ctx.artifacts,
             clock=ctx.clock,

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Body, Query
 
 from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
 from control_plane.api.routing import LaneRoute
-from control_plane.artifacts import sweep as artifact_sweep
+from control_plane.artifacts import sweep
 from control_plane.artifacts.schemas import (
     ArtifactListed,
     ArtifactSweepReport,
@@ -31,7 +31,7 @@ def list_artifacts(
 ) -> list[ArtifactListed]:
     """Newest first, each with the models, deployed services and queued or running jobs that
     name it; pass the last digest of a page as `before` for the next one."""
-    rows = artifact_sweep.list_artifacts(session=session, limit=limit, before=before)
+    rows = sweep.list_artifacts(session=session, limit=limit, before=before)
     return [ArtifactListed.model_validate(row) for row in rows]
 
 
@@ -46,7 +46,7 @@ def sweep_artifacts(
     (`MODELFORGE_ARTIFACT_GRACE_SECONDS`); `{"dry_run": true}` only reports."""
     dry_run = body.dry_run if body is not None else False
     audit("artifact.sweep", "artifacts", dry_run=dry_run)
-    report = artifact_sweep.sweep(
+    report = sweep.sweep(
         session=session,
         store=ctx.artifacts,
         clock=ctx.clock,

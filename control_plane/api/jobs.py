@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
 from control_plane.api.ranges import artifact_response
 from control_plane.api.routing import LaneRoute
-from control_plane.artifacts import store as artifacts
+from control_plane.artifacts import store
 from control_plane.artifacts.schemas import ArtifactPublic
 from control_plane.audit import ADMIN_TOKEN_ACTOR, Audit
 from control_plane.context import AppContext
@@ -148,7 +148,7 @@ async def upload_artifact(request: Request, ctx: ContextDep) -> ArtifactPublic:
 
 def _record(ctx: AppContext, digest: str, size: int, actor: str) -> ArtifactPublic:
     with ctx.session_factory.begin() as session:
-        row = artifacts.record_artifact(session=session, clock=ctx.clock, digest=digest, size=size)
+        row = store.record_artifact(session=session, clock=ctx.clock, digest=digest, size=size)
         audit = Audit(actor=actor, clock=ctx.clock)
         audit("artifact.upload", digest, size_bytes=size)
         audit.succeeded(session)
@@ -162,5 +162,5 @@ def download_artifact(
     digest: Digest, request: Request, ctx: ContextDep, session: SessionDep
 ) -> FileResponse:
     """Streaming download with HTTP range requests (`Range: bytes=<first>-<last>`)."""
-    artifacts.get_artifact(session=session, store=ctx.artifacts, digest=digest)
+    store.get_artifact(session=session, store=ctx.artifacts, digest=digest)
     return artifact_response(ctx.artifacts.path_for(digest), digest=digest, headers=request.headers)

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, status
 
 from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
 from control_plane.api.routing import LaneRoute
-from control_plane.catalog import catalog as models_catalog
+from control_plane.catalog import catalog
 from control_plane.catalog.schemas import ModelCreate, ModelPublic
 from control_plane.schemas import ResourceId
 
@@ -23,8 +23,8 @@ def create_model(
     body: ModelCreate, ctx: ContextDep, session: SessionDep, audit: AuditDep
 ) -> ModelPublic:
     audit("model.create", f"{body.name}@{body.version}", weights=body.weights)
-    model = models_catalog.create_model(session=session, clock=ctx.clock, request=body)
-    return models_catalog.model_public(model)
+    model = catalog.create_model(session=session, clock=ctx.clock, request=body)
+    return catalog.model_public(model)
 
 
 @router.get("/models", response_model=list[ModelPublic])
@@ -33,10 +33,10 @@ def list_models(
     name: Annotated[str | None, Query(max_length=100)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> list[ModelPublic]:
-    rows = models_catalog.list_models(session=session, name=name, limit=limit)
-    return [models_catalog.model_public(row) for row in rows]
+    rows = catalog.list_models(session=session, name=name, limit=limit)
+    return [catalog.model_public(row) for row in rows]
 
 
 @router.get("/models/{model_id}", response_model=ModelPublic)
 def get_model(model_id: ResourceId, session: SessionDep) -> ModelPublic:
-    return models_catalog.model_public(models_catalog.get_model(session=session, model_id=model_id))
+    return catalog.model_public(catalog.get_model(session=session, model_id=model_id))

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Path, status
 
 from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
 from control_plane.api.routing import LaneRoute
-from control_plane.vault import vault as secrets_vault
+from control_plane.vault import vault
 from control_plane.vault.schemas import SecretPublic, SecretPut
 
 router = APIRouter(
@@ -26,21 +26,21 @@ def put_secret(
     """Set a secret's value (write-only: no API returns it) and the labels a node's signed
     credential must carry to receive it."""
     audit("secret.set", name, labels=body.labels)
-    row = secrets_vault.put_secret(
+    row = vault.put_secret(
         session=session, clock=ctx.clock, vault=ctx.vault, name=name, request=body
     )
-    return secrets_vault.secret_public(row)
+    return vault.secret_public(row)
 
 
 @router.get("", response_model=list[SecretPublic])
 def list_secrets(session: SessionDep) -> list[SecretPublic]:
-    return [secrets_vault.secret_public(row) for row in secrets_vault.list_secrets(session=session)]
+    return [vault.secret_public(row) for row in vault.list_secrets(session=session)]
 
 
 @router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT)
 def delete_secret(name: SecretNamePath, session: SessionDep, audit: AuditDep) -> None:
     audit("secret.delete", name)
-    secrets_vault.delete_secret(session=session, name=name)
+    vault.delete_secret(session=session, name=name)
 
 
 @router.post("/rotate-key")

@@ -42,7 +42,9 @@ SYNC_INTERVAL_SECONDS = 2.0
 def _service_view(ctx: AppContext, session: Session, service: Service) -> ServicePublic:
     # Why a pending service waits is read from the scheduler's fleet, built only when asked.
     reason = placement.waiting_reason(
-        session, service, lambda shape: explain(ctx.scheduler.fleet(session), shape)
+        session=session,
+        service=service,
+        explain=lambda shape: explain(ctx.scheduler.fleet(session), shape),
     )
     return lifecycle.service_public(service, reason)
 

@@ -12,7 +12,7 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
 from control_plane.artifacts.store import reference_artifacts
-from control_plane.catalog import catalog as models_catalog
+from control_plane.catalog import catalog
 from control_plane.clock import Clock
 from control_plane.errors import Conflict, InvalidRequest, NotFound
 from control_plane.events import events_after
@@ -22,7 +22,7 @@ from control_plane.jobs.schemas import JobCreate, JobError, JobPublic, WaitingRe
 from control_plane.models import JOB_EVENTS, JOBS, Job, JobEvent
 from control_plane.scheduling.dispatch import job_key, jobs_changed, queued_key
 from control_plane.security import new_id
-from control_plane.vault import vault as secrets_vault
+from control_plane.vault import vault
 
 
 def submit_job(*, session: Session, clock: Clock, request: JobCreate) -> Job:
@@ -101,7 +101,7 @@ def _resolve(session: Session, requests: list[JobCreate]) -> list[_Resolved]:
     under the job's own), and the labels its secrets require. The digests the jobs name are
     referenced: locked against the artifact sweep until this transaction ends. Models and
     secrets are looked up once per batch."""
-    models: dict[str, models_catalog.ResolvedModel] = {}
+    models: dict[str, catalog.ResolvedModel] = {}
     secret_labels: dict[tuple[str, ...], dict[str, Any]] = {}
     digests: list[str] = []
     resolved = []
@@ -111,7 +111,7 @@ def _resolve(session: Session, requests: list[JobCreate]) -> list[_Resolved]:
         if request.model is not None:
             model = models.get(request.model)
             if model is None:
-                model = models[request.model] = models_catalog.resolve(
+                model = models[request.model] = catalog.resolve(
                     session, request.model, named_by=named_by
                 )
             if model.runner != "onnx":
@@ -132,9 +132,7 @@ def _resolve(session: Session, requests: list[JobCreate]) -> list[_Resolved]:
         digests += request.inputs.values()
         key = tuple(request.secrets)
         if key not in secret_labels:
-            secret_labels[key] = secrets_vault.required_labels(
-                session, list(key), named_by=named_by
-            )
+            secret_labels[key] = vault.required_labels(session, list(key), named_by=named_by)
         resolved.append(_Resolved(entrypoint, params, secret_labels[key]))
     reference_artifacts(session, digests, required=False, named_by="The job")
     return resolved

@@ -16,7 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from control_plane.artifacts.store import reference_artifacts
-from control_plane.catalog import catalog as models_catalog
+from control_plane.catalog import catalog
 from control_plane.clock import Clock
 from control_plane.errors import Conflict, InvalidRequest, NotFound
 from control_plane.events import events_after
@@ -32,7 +32,7 @@ from control_plane.services.schemas import (
     ServiceHealth,
     ServicePublic,
 )
-from control_plane.vault import vault as secrets_vault
+from control_plane.vault import vault
 
 #: The built-in onnx runner's readiness path (Open Inference Protocol), its health check's
 #: path when none is given; the runtime worker defaults to the same.
@@ -42,7 +42,7 @@ ONNX_HEALTH_PATH = "/v2/health/ready"
 def deploy(*, session: Session, clock: Clock, request: ServiceCreate) -> Service:
     runner, weights, params = request.runner, request.weights, dict(request.params)
     if request.model is not None:
-        model = models_catalog.resolve(session, request.model, named_by="The service")
+        model = catalog.resolve(session, request.model, named_by="The service")
         weights, params = model.weights, {**model.params, **params}
         if request.command is None:
             if model.runner != "onnx":
@@ -54,7 +54,7 @@ def deploy(*, session: Session, clock: Clock, request: ServiceCreate) -> Service
             runner = "onnx"
     elif weights is not None:
         reference_artifacts(session, [weights], required=True, named_by="The service")
-    secrets_vault.required_labels(session, list(request.secrets), named_by="The service")
+    vault.required_labels(session, list(request.secrets), named_by="The service")
     params = _serving_params(params, request, runner)
     health = (request.health or ServiceHealth()).model_dump()
     if health["path"] is None:  # the runner's own: the onnx model server answers 404 on `/`

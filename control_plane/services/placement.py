@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import BaseModel
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -28,7 +29,7 @@ from control_plane.fleet.liveness import Liveness
 from control_plane.models import Node, Service
 from control_plane.scheduling.shapes import Capacity, Request, Shape, labels_match
 from control_plane.services._changes import DEPLOYED, record_event
-from control_plane.vault import vault as secrets_vault
+from control_plane.vault import vault
 
 #: The scheduler's `free_capacity`: each listed node's inventory (by id) less what its running
 #: jobs and deployed services hold.
@@ -36,7 +37,7 @@ FreeCapacity = Callable[[Session, dict[str, dict[str, Any]]], dict[str, Capacity
 
 
 def shape_of(session: Session, service: Service) -> Shape:
-    required = secrets_vault.required_labels(
+    required = vault.required_labels(
         session, list(service.secrets or []), named_by=f"Service {service.name}"
     )
     return Shape.of(service.labels, service.worker_policy, service.resources, required)
@@ -139,7 +140,13 @@ def _place_one(
     return 0
 
 
-def waiting_reason(session: Session, service: Service, explain: Any) -> dict[str, str] | None:
+def waiting_reason(
+    *, session: Session, service: Service, explain: Callable[[Shape], BaseModel]
+) -> dict[str, str] | None:
+    """Why a pending service waits (None once it is placed): its secrets' trouble, else what
+    `explain` says of its shape. `explain` is the scheduler's, over its fleet; it answers a
+    `WaitingReason`, named here by its base: that schema lives in `jobs`, a peer of this
+    package, which it may not import."""
     if service.state != "pending":
         return None
     try:

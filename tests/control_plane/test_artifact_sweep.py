@@ -20,7 +20,7 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import delete, select
 
-from control_plane.artifacts import sweep as artifact_sweep
+from control_plane.artifacts import sweep
 from control_plane.artifacts.store import reference_artifacts
 from control_plane.background.loops import start_loops, stop_loops, sweep_artifacts
 from control_plane.errors import NotFound
@@ -345,7 +345,7 @@ def test_a_rolled_back_sweep_puts_the_files_back(tmp_path: Path, database_url: s
         digest = _upload(cp, payload)
         cp.clock.advance(PAST_GRACE)
         with cp.ctx.session_factory() as session:
-            report = artifact_sweep.sweep(
+            report = sweep.sweep(
                 session=session,
                 store=cp.ctx.artifacts,
                 clock=cp.clock,
@@ -367,7 +367,7 @@ def test_an_upload_landing_while_the_sweep_commits_gets_its_row_back(
         digest = _upload(cp, payload)
         cp.clock.advance(PAST_GRACE)
         with cp.ctx.session_factory.begin() as session:
-            report = artifact_sweep.sweep(
+            report = sweep.sweep(
                 session=session,
                 store=cp.ctx.artifacts,
                 clock=cp.clock,
@@ -475,7 +475,7 @@ def test_a_writer_after_the_sweeps_lock_waits_for_it_and_is_refused(
                     outcome["error"] = exc
 
         with cp.ctx.session_factory.begin() as session:
-            artifact_sweep.sweep(
+            sweep.sweep(
                 session=session,
                 store=cp.ctx.artifacts,
                 clock=cp.clock,
