@@ -27,9 +27,11 @@ console: $(CONSOLE_BUILD)
 
 install: $(STAMP) $(CONSOLE_BUILD)
 
-## Run the control plane on its embedded SQLite default (data in ./modelforge-data).
+## Run the control plane on its embedded SQLite default (data in ./modelforge-data), with a local
+## node beside it (a node agent and a runtime worker) unless MODELFORGE_LOCAL_NODE is set: then
+## that decides (MODELFORGE_LOCAL_NODE=false make run: the control plane alone).
 run: install
-	$(VENV)/bin/modelforge-control-plane
+	$(VENV)/bin/modelforge-control-plane $(if $(MODELFORGE_LOCAL_NODE),,--local-node)
 
 lint: install
 	$(VENV)/bin/ruff check .

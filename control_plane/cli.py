@@ -1,10 +1,13 @@
-"""`modelforge-control-plane`: validate settings, prepare the data dir, migrate, serve with Granian.
+"""`modelforge-control-plane`: validate settings, prepare the data dir, migrate, serve with Granian;
+with `--local-node` (or `MODELFORGE_LOCAL_NODE=true`; the flag wins) also a node agent and a
+runtime worker beside it (control_plane/local_node.py), stopped with it.
 
 Configuration errors end here with a readable message and exit code 2, before any server starts.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 
@@ -12,6 +15,8 @@ from pydantic import ValidationError
 
 from control_plane.access.admin_token import AdminTokenConfigError, resolve_admin_token
 from control_plane.db import prepare_data_dir
+from control_plane.local_node import LocalNode, LocalNodeError
+from control_plane.local_node import check as check_local_node
 from control_plane.provisioning.config import ProvisionersError, load_provisioners
 from control_plane.settings import Settings
 from modelforge_contracts.settings_errors import describe_validation_error
@@ -22,7 +27,28 @@ EXIT_DATABASE = 1
 log = logging.getLogger("modelforge.control_plane")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="modelforge-control-plane",
+        description="ModelForge control plane (configured by MODELFORGE_* variables).",
+    )
+    parser.add_argument(
+        "--local-node",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run a node agent and a runtime worker beside the control plane, enrolled as a "
+        "node labelled local=true (MODELFORGE_LOCAL_NODE; the flag wins)",
+    )
+    return parser.parse_args(argv)
+
+
+def wants_local_node(args: argparse.Namespace, settings: Settings) -> bool:
+    """`--local-node` or `--no-local-node` when given, else MODELFORGE_LOCAL_NODE."""
+    return bool(args.local_node) if args.local_node is not None else settings.local_node
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -47,6 +73,13 @@ def main() -> None:
         provisioners = load_provisioners(settings.provisioners_path)
     except ProvisionersError as exc:
         _die(EXIT_CONFIG, f"invalid provisioners file, not starting: {exc}")
+    local_node = None
+    if wants_local_node(args, settings):
+        try:
+            check_local_node(settings)
+        except LocalNodeError as exc:
+            _die(EXIT_CONFIG, str(exc))
+        local_node = LocalNode(settings)
     _migrate_or_die(settings)
 
     scheme = "https" if settings.tls_cert else "http"
@@ -64,7 +97,13 @@ def main() -> None:
         settings.data_dir.resolve(),
         "PostgreSQL" if settings.is_postgresql else "SQLite (embedded)",
     )
-    _serve(settings)
+    if local_node is not None:
+        log.info(
+            "local node: a node agent and a runtime worker start beside it, their state and output "
+            "in %s (turn off: MODELFORGE_LOCAL_NODE=false or --no-local-node)",
+            local_node.paths.root,
+        )
+    _serve(settings, local_node)
 
 
 def _migrate_or_die(settings: Settings) -> None:
@@ -87,11 +126,11 @@ def _migrate_or_die(settings: Settings) -> None:
         engine.dispose()
 
 
-def _serve(settings: Settings) -> None:
+def _serve(settings: Settings, local_node: LocalNode | None) -> None:
     from granian import Granian
     from granian.constants import HTTPModes, Interfaces, Loops
 
-    Granian(
+    server = Granian(
         target="control_plane.app:create_served_app",
         factory=True,
         # RSGI: the agents' requests skip the ASGI bridge (api/rsgi.py, HB-4 throughput).
@@ -107,7 +146,17 @@ def _serve(settings: Settings) -> None:
         ssl_cert=settings.tls_cert,
         ssl_key=settings.tls_key,
         log_level=settings.log_level,  # type: ignore[arg-type]
-    ).serve()
+    )
+    if local_node is None:
+        server.serve()
+        return
+    # Its children start once the server listens; they stop when it has stopped (a signal,
+    # Ctrl-C included, ends serve()), or when the start fails.
+    local_node.start()
+    try:
+        server.serve()
+    finally:
+        local_node.stop()
 
 
 def _die(code: int, message: str) -> None:

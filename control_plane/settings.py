@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     #: The verified release manifest; when set, a node-agent entry pasted into the Enroll
     #: node wizard must match its node-agent image exactly.
     release_manifest: Path | None = None
+    #: Run a node agent and a runtime worker beside the control plane, as its children
+    #: (control_plane/local_node.py); `--local-node` / `--no-local-node` win over it.
+    local_node: bool = False
 
     @model_validator(mode="after")
     def _check_liveness(self) -> Self:

@@ -1,0 +1,415 @@
+"""The local node (`modelforge-control-plane --local-node`): a node agent and a runtime worker run
+beside the control plane as its children, so that one machine is a whole installation.
+
+Composition, as `cli` is: it may import any room, and only `cli` imports it.
+
+- The children start once the server listens. The agent enrolls with a single-use token the
+  control plane mints for itself through the admin API's own domain function
+  (`fleet.enrollments.mint_enrollment`, audited as `enrollment.mint` by the actor `local-node`),
+  with the labels `local=true`. The token reaches the agent in a 0600 file, removed once the
+  agent holds its identity: never in a process's arguments, its environment or a log.
+- Everything lives under `<data dir>/local-node/`: the agent's state (so the next start finds its
+  identity and mints nothing), the worker's and the agent's sockets, the artifact cache, and each
+  child's output (`agent.log`, `worker.log`).
+- A child that exits is started again after a backoff (1 s, doubling up to 60 s; back to 1 s once
+  it has run for a minute), except an agent whose credential is refused (its node was deleted):
+  that needs a person, and the log says what to do.
+- Each child runs in a session of its own, so a Ctrl-C in the terminal reaches only the control
+  plane, which then stops them: SIGTERM, then SIGKILL to its process group after a grace. Each
+  also dies with the thread that started it (PR_SET_PDEATHSIG), so a control plane killed with
+  SIGKILL leaves no agent behind to heartbeat in its name.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from control_plane.audit import Audit
+from control_plane.clock import SystemClock
+from control_plane.db import make_engine, make_session_factory
+from control_plane.fleet.enrollments import mint_enrollment
+from control_plane.settings import Settings
+from modelforge_contracts.files import write_private
+
+log = logging.getLogger("modelforge.control_plane.local_node")
+
+ACTOR = "local-node"
+DISPLAY_NAME = "local node"
+LABELS = {"local": "true"}
+#: Long enough for a slow first start of the agent; a refused (expired) token is replaced.
+TOKEN_LIFETIME_SECONDS = 900
+GRACE_SECONDS = 15.0
+FIRST_BACKOFF_SECONDS = 1.0
+MAX_BACKOFF_SECONDS = 60.0
+#: A child that ran this long had a good start: its next restart waits the first backoff again.
+STABLE_AFTER_SECONDS = 60.0
+#: node_agent/cli.py's exit codes (the control plane imports nothing of the agent).
+AGENT_CREDENTIAL_REFUSED = 4
+AGENT_ENROLLMENT_REFUSED = 6
+#: The longest path a unix socket may have (sun_path holds 108 bytes with its terminating NUL).
+_SOCKET_PATH_MAX = 107
+#: What each child needs importable: the agent's and the worker's extras (`.[agent,worker]`).
+_NEEDED_MODULES = ("node_agent", "runtime_worker", "tenacity", "pynvml", "psutil", "onnxruntime")
+#: Run as `python -c _LAUNCH <control plane pid> <module>`: ask the kernel for SIGTERM when the
+#: thread that started this process ends (the setting survives exec), give up if that already
+#: happened, then become `python -m <module>`.
+_LAUNCH = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+    "os.execv(sys.executable, [sys.executable, '-m', sys.argv[2]])\n"
+)
+#: The agent's variables the local node sets itself; the operator's other MODELFORGE_AGENT_*
+#: variables (PARALLEL, CPUS, GPUS, SERVICE_HOST, …) reach the local agent unchanged.
+_SET_HERE = frozenset(
+    {
+        "MODELFORGE_AGENT_CONTROL_PLANE_URL",
+        "MODELFORGE_AGENT_ENROLLMENT_TOKEN",
+        "MODELFORGE_AGENT_ENROLLMENT_TOKEN_FILE",
+        "MODELFORGE_AGENT_STATE_VOLUME",
+        "MODELFORGE_AGENT_WORKER_SOCKET",
+        "MODELFORGE_AGENT_SOCKET",
+    }
+)
+
+
+class LocalNodeError(Exception):
+    """The local node cannot run as configured; the message says why and the way out."""
+
+
+@dataclass(frozen=True)
+class LocalNodePaths:
+    """Where the local node keeps everything: `<data dir>/local-node/`."""
+
+    root: Path
+
+    @property
+    def agent_state(self) -> Path:
+        return self.root / "agent"
+
+    @property
+    def identity(self) -> Path:
+        return self.agent_state / "identity.json"  # node_agent/identity.py's IDENTITY_FILE
+
+    @property
+    def token_file(self) -> Path:
+        return self.root / "enrollment-token"
+
+    @property
+    def worker_socket(self) -> Path:
+        return self.root / "worker.sock"
+
+    @property
+    def agent_socket(self) -> Path:
+        return self.root / "agent.sock"
+
+    @property
+    def artifact_cache(self) -> Path:
+        return self.root / "artifact-cache"
+
+    def log(self, name: str) -> Path:
+        return self.root / f"{name}.log"
+
+
+def paths_for(settings: Settings) -> LocalNodePaths:
+    return LocalNodePaths(settings.data_dir.resolve() / "local-node")
+
+
+def check(settings: Settings) -> None:
+    """Refuse, before anything starts, a local node that could not run here."""
+    missing = [name for name in _NEEDED_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise LocalNodeError(
+            f"the local node needs the node agent's and the runtime worker's packages (missing: "
+            f"{', '.join(missing)}); install them with pip install -e '.[agent,worker]' (make "
+            "run does), or turn the local node off with MODELFORGE_LOCAL_NODE=false"
+        )
+    longest = paths_for(settings).worker_socket
+    if len(os.fsencode(longest)) > _SOCKET_PATH_MAX:
+        raise LocalNodeError(
+            f"MODELFORGE_DATA_DIR {settings.data_dir.resolve()} is too deep for the local node's "
+            f"unix sockets ({longest} is over {_SOCKET_PATH_MAX} bytes); choose a shorter data "
+            "dir, or turn the local node off with MODELFORGE_LOCAL_NODE=false"
+        )
+
+
+def control_plane_url(settings: Settings) -> str:
+    """Where the local agent reaches this control plane: its own port, on loopback when it
+    listens on every address."""
+    if settings.tls_cert is not None and settings.public_url:
+        return settings.public_url.rstrip("/")  # the name its certificate is for
+    host = listening_host(settings)
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{'https' if settings.tls_cert else 'http'}://{host}:{settings.port}"
+
+
+def listening_host(settings: Settings) -> str:
+    """An address this host's server answers on: loopback when it listens on every address."""
+    every = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}  # noqa: S104 - read, not bound
+    return every.get(settings.host, settings.host)
+
+
+def mint_local_enrollment(settings: Settings) -> str:
+    """A single-use token for the local agent, minted and audited as an admin's mint is."""
+    clock = SystemClock()
+    audit = Audit(actor=ACTOR, clock=clock)
+    audit("enrollment.mint", DISPLAY_NAME, labels=LABELS)
+    engine = make_engine(settings.sqlalchemy_url)
+    try:
+        with make_session_factory(engine).begin() as session:
+            minted = mint_enrollment(
+                session=session,
+                clock=clock,
+                display_name=DISPLAY_NAME,
+                expires_in_seconds=TOKEN_LIFETIME_SECONDS,
+                labels=dict(LABELS),
+                production_eligible=False,
+            )
+            audit.target = minted.enrollment.id
+            audit.succeeded(session)
+    finally:
+        engine.dispose()
+    log.info(
+        "local node: minted enrollment %s (labels local=true) for its agent",
+        minted.enrollment.id,
+    )
+    return minted.token
+
+
+@dataclass
+class _Child:
+    """One supervised process: the agent or the worker."""
+
+    name: str
+    module: str
+    log: Path
+    process: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    backoff: float = FIRST_BACKOFF_SECONDS
+    #: When to start it (again); None: not to be started.
+    start_at: float | None = 0.0
+
+
+class LocalNode:
+    """Starts the agent and the worker once the server listens, keeps them running, stops them."""
+
+    def __init__(
+        self, settings: Settings, *, python: str = sys.executable, grace: float = GRACE_SECONDS
+    ) -> None:
+        self.settings = settings
+        self.paths = paths_for(settings)
+        self.url = control_plane_url(settings)
+        self._python = python
+        self._grace = grace
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="local-node", daemon=True)
+        self.worker = _Child("runtime worker", "runtime_worker", self.paths.log("worker"))
+        self.agent = _Child("node agent", "node_agent", self.paths.log("agent"))
+
+    def start(self) -> None:
+        self.paths.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop both children (SIGTERM, SIGKILL after the grace) and wait for them."""
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self._grace + 10)
+
+    # -- the supervising thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            if not self._wait_until_listening():
+                return
+            log.info(
+                "local node: starting a runtime worker and a node agent for %s (their output: "
+                "%s, %s)",
+                self.url,
+                self.worker.log,
+                self.agent.log,
+            )
+            self._tend(self.worker)
+            self._wait_for_worker_socket()
+            while not self._stopping.is_set():
+                self._forget_token_once_enrolled()
+                self._tend(self.worker)
+                self._tend(self.agent)
+                self._stopping.wait(0.2)
+        except Exception:
+            log.exception("local node: its supervisor failed; stopping the agent and the worker")
+        finally:
+            self._stop_children()
+
+    def _wait_until_listening(self) -> bool:
+        """Wait until the server accepts connections; False when stopped first."""
+        address = (listening_host(self.settings), self.settings.port)
+        while not self._stopping.is_set():
+            try:
+                with socket.create_connection(address, timeout=1):
+                    return True
+            except OSError:
+                self._stopping.wait(0.1)
+        return False
+
+    def _wait_for_worker_socket(self) -> None:
+        """The agent finds its worker at once (it would wait for it otherwise, reporting it
+        missing)."""
+        deadline = time.monotonic() + 10
+        while not self.paths.worker_socket.exists() and time.monotonic() < deadline:
+            if self.worker.process is None or self.worker.process.poll() is not None:
+                return
+            if self._stopping.wait(0.05):
+                return
+
+    def _tend(self, child: _Child) -> None:
+        now = time.monotonic()
+        process = child.process
+        if process is not None:
+            code = process.poll()
+            if code is None:
+                return
+            child.process = None
+            self._exited(child, code, ran=now - child.started_at, now=now)
+        if child.start_at is not None and now >= child.start_at:
+            self._start(child, now)
+
+    def _exited(self, child: _Child, code: int, *, ran: float, now: float) -> None:
+        if ran >= STABLE_AFTER_SECONDS:
+            child.backoff = FIRST_BACKOFF_SECONDS
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+        if child is self.agent and code == AGENT_CREDENTIAL_REFUSED:
+            child.start_at = None
+            log.error(
+                "local node: the node agent exited with %s: the control plane refused its "
+                "credential (was the node deleted?). To enroll it again, stop the control plane, "
+                "remove %s and start it again. Its output: %s",
+                how,
+                self.paths.agent_state,
+                child.log,
+            )
+            return
+        if child is self.agent and code == AGENT_ENROLLMENT_REFUSED:
+            self.paths.token_file.unlink(missing_ok=True)  # used or expired: mint a new one
+        child.start_at = now + child.backoff
+        log.warning(
+            "local node: the %s exited with %s; starting it again in %g s (its output: %s)",
+            child.name,
+            how,
+            child.backoff,
+            child.log,
+        )
+        child.backoff = min(child.backoff * 2, MAX_BACKOFF_SECONDS)
+
+    def _start(self, child: _Child, now: float) -> None:
+        child.start_at = None
+        try:
+            if child is self.agent:
+                env = self._agent_environment()
+            else:
+                self.paths.worker_socket.unlink(missing_ok=True)  # wait for the new one
+                env = self._worker_environment()
+            child.process = self._spawn(child, env)
+        except Exception as exc:
+            # The database or the file system said no: try again later, as after an exit.
+            child.start_at = now + child.backoff
+            log.warning(
+                "local node: cannot start the %s (%s: %s); trying again in %g s",
+                child.name,
+                type(exc).__name__,
+                exc,
+                child.backoff,
+            )
+            child.backoff = min(child.backoff * 2, MAX_BACKOFF_SECONDS)
+            return
+        child.started_at = now
+        log.info("local node: %s started (pid %d)", child.name, child.process.pid)
+
+    def _spawn(self, child: _Child, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        fd = os.open(child.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            return subprocess.Popen(  # noqa: S603 - our own interpreter and modules
+                [self._python, "-c", _LAUNCH, str(os.getpid()), child.module],
+                env=env,
+                cwd=self.paths.root,
+                stdin=subprocess.DEVNULL,
+                stdout=fd,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        finally:
+            os.close(fd)
+
+    def _agent_environment(self) -> dict[str, str]:
+        env = _inherited(agent_variables=True)
+        paths = self.paths
+        env.update(
+            MODELFORGE_AGENT_CONTROL_PLANE_URL=self.url,
+            MODELFORGE_AGENT_STATE_VOLUME=str(paths.agent_state),
+            MODELFORGE_AGENT_WORKER_SOCKET=str(paths.worker_socket),
+            MODELFORGE_AGENT_SOCKET=str(paths.agent_socket),
+            MODELFORGE_ARTIFACT_CACHE=str(paths.artifact_cache),
+        )
+        # On a machine with NVIDIA GPUs they are offered; without, it is a CPU node.
+        env.setdefault("MODELFORGE_AGENT_ACCELERATOR_MODE", "auto")
+        if self.settings.tls_cert is not None:
+            env.setdefault("MODELFORGE_AGENT_CA_CERT_PATH", str(self.settings.tls_cert.resolve()))
+        elif not self.url.startswith(("http://127.", "http://[::1]", "http://localhost")):
+            # A plain-http address of this very host: the traffic never leaves the machine.
+            env["MODELFORGE_AGENT_ALLOW_INSECURE_HTTP"] = "true"
+        if not paths.identity.exists():
+            if not paths.token_file.exists():
+                write_private(paths.token_file, mint_local_enrollment(self.settings))
+            env["MODELFORGE_AGENT_ENROLLMENT_TOKEN_FILE"] = str(paths.token_file)
+        return env
+
+    def _worker_environment(self) -> dict[str, str]:
+        env = _inherited(agent_variables=False)
+        env["MODELFORGE_WORKER_SOCKET"] = str(self.paths.worker_socket)
+        return env
+
+    def _forget_token_once_enrolled(self) -> None:
+        if self.paths.identity.exists():
+            self.paths.token_file.unlink(missing_ok=True)
+
+    def _stop_children(self) -> None:
+        running = [c.process for c in (self.agent, self.worker) if c.process is not None]
+        for process in running:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self._grace
+        for process in running:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("local node: pid %d ignored SIGTERM; killing it", process.pid)
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)  # its session's group is its pid
+                except ProcessLookupError:
+                    pass
+                process.wait()
+        self.agent.process = self.worker.process = None
+        if running:
+            log.info("local node: agent and worker stopped")
+
+
+def _inherited(*, agent_variables: bool) -> dict[str, str]:
+    """This process's environment without the control plane's settings (its database URL and
+    admin token among them): only the operator's MODELFORGE_AGENT_* variables, for the agent."""
+    return {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith("MODELFORGE_")
+        or (agent_variables and name.startswith("MODELFORGE_AGENT_") and name not in _SET_HERE)
+    }

@@ -1,0 +1,163 @@
+"""The local node's supervisor (control_plane/local_node.py) in process: the flag and the
+setting, the address the agent is given, what the children inherit, what is refused at start,
+the restart backoff and the SIGTERM-then-SIGKILL stop. The children themselves run in
+tests/e2e/test_local_node.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from control_plane import local_node
+from control_plane.cli import parse_args, wants_local_node
+from control_plane.local_node import LocalNode, LocalNodeError
+from control_plane.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _settings(tmp_path: Path, **values: object) -> Settings:
+    return Settings(data_dir=tmp_path / "data", **values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("argv", "variable", "wanted"),
+    [
+        ([], None, False),
+        ([], "true", True),
+        ([], "false", False),
+        (["--local-node"], "false", True),
+        (["--no-local-node"], "true", False),
+        (["--local-node"], None, True),
+    ],
+)
+def test_the_flag_wins_over_the_setting(
+    argv: list[str],
+    variable: str | None,
+    wanted: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if variable is not None:
+        monkeypatch.setenv("MODELFORGE_LOCAL_NODE", variable)
+    else:
+        monkeypatch.delenv("MODELFORGE_LOCAL_NODE", raising=False)
+    assert wants_local_node(parse_args(argv), Settings(data_dir=tmp_path)) is wanted
+
+
+@pytest.mark.parametrize(
+    ("values", "url"),
+    [
+        ({}, "http://127.0.0.1:8000"),
+        ({"host": "0.0.0.0", "port": 9000}, "http://127.0.0.1:9000"),  # noqa: S104
+        ({"host": "::"}, "http://[::1]:8000"),
+        ({"host": "192.0.2.10"}, "http://192.0.2.10:8000"),
+    ],
+)
+def test_the_agent_reaches_the_control_plane_on_this_host(
+    values: dict[str, object], url: str, tmp_path: Path
+) -> None:
+    assert local_node.control_plane_url(_settings(tmp_path, **values)) == url
+
+
+def test_the_children_inherit_no_control_plane_secret(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MODELFORGE_ADMIN_TOKEN", "mfa_" + "x" * 40)
+    monkeypatch.setenv("MODELFORGE_DATABASE_URL", "postgresql+psycopg://u:secret@db/modelforge")
+    monkeypatch.setenv("MODELFORGE_AGENT_PARALLEL", "3")
+    monkeypatch.setenv("MODELFORGE_AGENT_ENROLLMENT_TOKEN", "mfe_from_the_environment")
+    monkeypatch.setenv("MODELFORGE_AGENT_CONTROL_PLANE_URL", "https://elsewhere.test")
+    node = LocalNode(_settings(tmp_path))
+    # An identity on disk: nothing is minted.
+    node.paths.agent_state.mkdir(parents=True)
+    node.paths.identity.write_text("{}")
+    agent = node._agent_environment()
+    worker = node._worker_environment()
+    for env in (agent, worker):
+        assert "MODELFORGE_ADMIN_TOKEN" not in env
+        assert "MODELFORGE_DATABASE_URL" not in env
+        assert "MODELFORGE_AGENT_ENROLLMENT_TOKEN" not in env
+    assert agent["MODELFORGE_AGENT_PARALLEL"] == "3"  # the operator's choice reaches the agent
+    assert agent["MODELFORGE_AGENT_CONTROL_PLANE_URL"] == "http://127.0.0.1:8000"
+    assert agent["MODELFORGE_AGENT_ACCELERATOR_MODE"] == "auto"
+    assert agent["MODELFORGE_AGENT_WORKER_SOCKET"] == worker["MODELFORGE_WORKER_SOCKET"]
+    assert "MODELFORGE_AGENT_ENROLLMENT_TOKEN_FILE" not in agent
+    assert not any(name.startswith("MODELFORGE_AGENT_") for name in worker)
+
+
+def test_a_data_dir_too_deep_for_a_unix_socket_is_refused(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 120)
+    with pytest.raises(LocalNodeError, match="too deep for the local node's unix sockets"):
+        local_node.check(Settings(data_dir=deep))
+    local_node.check(Settings(data_dir=tmp_path / "data"))  # a usual one is fine
+
+
+def test_missing_packages_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local_node, "_NEEDED_MODULES", ("node_agent", "no_such_module_here"))
+    with pytest.raises(LocalNodeError, match=r"missing: no_such_module_here\)"):
+        local_node.check(_settings(tmp_path))
+
+
+def test_a_child_that_exits_is_started_again_after_a_growing_backoff(tmp_path: Path) -> None:
+    node = LocalNode(_settings(tmp_path))
+    worker = node.worker
+    node._exited(worker, 1, ran=0.5, now=100.0)
+    assert (worker.start_at, worker.backoff) == (101.0, 2.0)
+    node._exited(worker, -9, ran=0.5, now=200.0)
+    assert (worker.start_at, worker.backoff) == (202.0, 4.0)
+    for _ in range(10):
+        node._exited(worker, 1, ran=0.5, now=300.0)
+    assert worker.backoff == local_node.MAX_BACKOFF_SECONDS
+    node._exited(worker, 1, ran=local_node.STABLE_AFTER_SECONDS, now=400.0)
+    assert worker.start_at == 401.0  # it had run a minute: the first backoff again
+
+
+def test_an_agent_whose_credential_is_refused_is_left_stopped(tmp_path: Path) -> None:
+    node = LocalNode(_settings(tmp_path))
+    node._exited(node.agent, local_node.AGENT_CREDENTIAL_REFUSED, ran=3.0, now=100.0)
+    assert node.agent.start_at is None
+
+
+def test_a_refused_enrollment_token_is_dropped_for_a_new_one(tmp_path: Path) -> None:
+    node = LocalNode(_settings(tmp_path))
+    node.paths.root.mkdir(parents=True)
+    node.paths.token_file.write_text("mfe_used")
+    node._exited(node.agent, local_node.AGENT_ENROLLMENT_REFUSED, ran=3.0, now=100.0)
+    assert not node.paths.token_file.exists()
+    assert node.agent.start_at == 101.0
+
+
+def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path) -> None:
+    node = LocalNode(_settings(tmp_path), grace=1.0)
+    stubborn = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('ready', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert stubborn.stdout is not None and stubborn.stdout.readline() == b"ready\n"
+    node.worker.process = stubborn
+    started = time.monotonic()
+    node._stop_children()
+    took = time.monotonic() - started
+    stubborn.stdout.close()
+    assert stubborn.returncode == -9
+    assert 1.0 <= took < 10
+
+
+def test_the_compose_appliance_runs_no_local_node() -> None:
+    compose = yaml.safe_load((ROOT / "compose" / "docker-compose.yml").read_text())
+    service = compose["services"]["control-plane"]
+    environment = service.get("environment", {})
+    assert str(environment.get("MODELFORGE_LOCAL_NODE", "false")).lower() == "false"
+    assert "--local-node" not in " ".join(map(str, service.get("command") or []))
