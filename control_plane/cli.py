@@ -58,6 +58,13 @@ def main(argv: list[str] | None = None) -> None:
         _die(EXIT_CONFIG, "invalid configuration:\n" + describe_validation_error(exc, Settings))
     logging.getLogger().setLevel(settings.log_level.upper())
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
+    local_node = None
+    if wants_local_node(args, settings):
+        try:
+            check_local_node(settings)  # before anything is written
+        except LocalNodeError as exc:
+            _die(EXIT_CONFIG, str(exc))
+        local_node = LocalNode(settings)
     try:
         prepare_data_dir(settings.data_dir)
         source = resolve_admin_token(settings)
@@ -73,13 +80,6 @@ def main(argv: list[str] | None = None) -> None:
         provisioners = load_provisioners(settings.provisioners_path)
     except ProvisionersError as exc:
         _die(EXIT_CONFIG, f"invalid provisioners file, not starting: {exc}")
-    local_node = None
-    if wants_local_node(args, settings):
-        try:
-            check_local_node(settings)
-        except LocalNodeError as exc:
-            _die(EXIT_CONFIG, str(exc))
-        local_node = LocalNode(settings)
     _migrate_or_die(settings)
 
     scheme = "https" if settings.tls_cert else "http"
@@ -150,7 +150,7 @@ def _serve(settings: Settings, local_node: LocalNode | None) -> None:
     if local_node is None:
         server.serve()
         return
-    # Its children start once the server listens; they stop when it has stopped (a signal,
+    # Its children start once the server answers; they stop when it has stopped (a signal,
     # Ctrl-C included, ends serve()), or when the start fails.
     local_node.start()
     try:

@@ -3,7 +3,7 @@ beside the control plane as its children, so that one machine is a whole install
 
 Composition, as `cli` is: it may import any room, and only `cli` imports it.
 
-- The children start once the server listens. The agent enrolls with a single-use token the
+- The children start once the server answers. The agent enrolls with a single-use token the
   control plane mints for itself through the admin API's own domain function
   (`fleet.enrollments.mint_enrollment`, audited as `enrollment.mint` by the actor `local-node`),
   with the labels `local=true`. The token reaches the agent in a 0600 file, removed once the
@@ -26,13 +26,15 @@ import importlib.util
 import logging
 import os
 import signal
-import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 from control_plane.audit import Audit
 from control_plane.clock import SystemClock
@@ -148,16 +150,16 @@ def control_plane_url(settings: Settings) -> str:
     listens on every address."""
     if settings.tls_cert is not None and settings.public_url:
         return settings.public_url.rstrip("/")  # the name its certificate is for
-    host = listening_host(settings)
+    return served_url(settings)
+
+
+def served_url(settings: Settings) -> str:
+    """The server at an address it listens on: loopback when it listens on every address."""
+    every = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}  # noqa: S104 - read, not bound
+    host = every.get(settings.host, settings.host)
     if ":" in host:
         host = f"[{host}]"
     return f"{'https' if settings.tls_cert else 'http'}://{host}:{settings.port}"
-
-
-def listening_host(settings: Settings) -> str:
-    """An address this host's server answers on: loopback when it listens on every address."""
-    every = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}  # noqa: S104 - read, not bound
-    return every.get(settings.host, settings.host)
 
 
 def mint_local_enrollment(settings: Settings) -> str:
@@ -202,7 +204,7 @@ class _Child:
 
 
 class LocalNode:
-    """Starts the agent and the worker once the server listens, keeps them running, stops them."""
+    """Starts the agent and the worker once the server answers, keeps them running, stops them."""
 
     def __init__(
         self, settings: Settings, *, python: str = sys.executable, grace: float = GRACE_SECONDS
@@ -231,7 +233,7 @@ class LocalNode:
 
     def _run(self) -> None:
         try:
-            if not self._wait_until_listening():
+            if not self._wait_until_serving():
                 return
             log.info(
                 "local node: starting a runtime worker and a node agent for %s (their output: "
@@ -252,14 +254,23 @@ class LocalNode:
         finally:
             self._stop_children()
 
-    def _wait_until_listening(self) -> bool:
-        """Wait until the server accepts connections; False when stopped first."""
-        address = (listening_host(self.settings), self.settings.port)
+    def _wait_until_serving(self) -> bool:
+        """Wait until the server answers (any status); False when stopped first.
+
+        An answer, not only a connection: Granian listens before it forks its worker, and
+        nothing here should run (a database connection, a spawn) while that fork copies this
+        process."""
+        health = f"{served_url(self.settings)}/api/v1/health"
+        # Only whether it answers; nothing is sent but this GET, so its certificate (which
+        # may name another host than this address) is not checked.
+        unverified = ssl.create_default_context()
+        unverified.check_hostname = False
+        unverified.verify_mode = ssl.CERT_NONE
         while not self._stopping.is_set():
             try:
-                with socket.create_connection(address, timeout=1):
-                    return True
-            except OSError:
+                httpx.get(health, timeout=2, verify=unverified)
+                return True
+            except httpx.HTTPError:
                 self._stopping.wait(0.1)
         return False
 

@@ -5,6 +5,7 @@ tests/e2e/test_local_node.py."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from control_plane import local_node
 from control_plane.cli import parse_args, wants_local_node
 from control_plane.local_node import LocalNode, LocalNodeError
 from control_plane.settings import Settings
+from tests.e2e.server import control_plane_executable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,6 +59,11 @@ def test_the_flag_wins_over_the_setting(
         ({"host": "0.0.0.0", "port": 9000}, "http://127.0.0.1:9000"),  # noqa: S104
         ({"host": "::"}, "http://[::1]:8000"),
         ({"host": "192.0.2.10"}, "http://192.0.2.10:8000"),
+        ({"tls_cert": Path("c.pem"), "tls_key": Path("k.pem")}, "https://127.0.0.1:8000"),
+        (
+            {"tls_cert": Path("c.pem"), "tls_key": Path("k.pem"), "public_url": "https://cp.lan/"},
+            "https://cp.lan",
+        ),
     ],
 )
 def test_the_agent_reaches_the_control_plane_on_this_host(
@@ -161,3 +168,18 @@ def test_the_compose_appliance_runs_no_local_node() -> None:
     environment = service.get("environment", {})
     assert str(environment.get("MODELFORGE_LOCAL_NODE", "false")).lower() == "false"
     assert "--local-node" not in " ".join(map(str, service.get("command") or []))
+
+
+def test_the_start_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 120) / "data"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+    ran = subprocess.run(
+        [control_plane_executable(), "--local-node"],
+        env={**env, "MODELFORGE_DATA_DIR": str(deep)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ran.returncode == 2, ran.stderr
+    assert "too deep for the local node's unix sockets" in ran.stderr
+    assert not deep.exists()

@@ -129,6 +129,20 @@ class LocalControlPlane:
         os.killpg(self.process.pid, signal.SIGINT)
         return self.process.wait(timeout=timeout)
 
+    def kill(self) -> None:
+        """SIGKILL the control plane and its Granian worker, as a crash ends them; the local
+        node's children are left to what the kernel tells them."""
+        assert self.process is not None
+        local = {child.pid for child in self.children().values()}
+        others = [c for c in psutil.Process(self.process.pid).children() if c.pid not in local]
+        self.process.kill()
+        self.process.wait(timeout=20)
+        for process in others:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+
     def stop(self, timeout: float = 60) -> int:
         assert self.process is not None
         if self.process.poll() is None:

@@ -6,7 +6,8 @@ a node agent and a runtime worker beside it, enrolled with a token it minted for
 - The token is in no child's arguments or environment, in no log, and its file is gone once the
   agent holds its identity.
 - A child killed is started again; Ctrl-C (SIGINT to the terminal's process group) and SIGTERM
-  both stop the control plane and both children.
+  both stop the control plane and both children, and a control plane killed with SIGKILL leaves
+  neither behind.
 - A second start reuses the node: the same node id, no new enrollment, no new mint.
 """
 
@@ -101,3 +102,15 @@ def test_a_local_node_enrolls_once_runs_beside_the_control_plane_and_stops_with_
         assert time.monotonic() - started < 60
         for name, child in children.items():
             assert gone(child), f"{name} outlived the control plane"
+
+    # A control plane killed outright (no chance to stop them): the kernel stops both.
+    crashed = LocalControlPlane(short / "run")
+    with crashed:
+        crashed.wait_online_node(timeout=60)
+        children = crashed.children()
+        crashed.kill()
+        wait_until(
+            lambda: all(gone(child) for child in children.values()),
+            30,
+            "the agent and the worker to end with the killed control plane",
+        )
