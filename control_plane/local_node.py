@@ -206,13 +206,10 @@ class _Child:
 class LocalNode:
     """Starts the agent and the worker once the server answers, keeps them running, stops them."""
 
-    def __init__(
-        self, settings: Settings, *, python: str = sys.executable, grace: float = GRACE_SECONDS
-    ) -> None:
+    def __init__(self, settings: Settings, *, grace: float = GRACE_SECONDS) -> None:
         self.settings = settings
         self.paths = paths_for(settings)
         self.url = control_plane_url(settings)
-        self._python = python
         self._grace = grace
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="local-node", daemon=True)
@@ -351,7 +348,7 @@ class LocalNode:
         fd = os.open(child.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             return subprocess.Popen(  # noqa: S603 - our own interpreter and modules
-                [self._python, "-c", _LAUNCH, str(os.getpid()), child.module],
+                [sys.executable, "-c", _LAUNCH, str(os.getpid()), child.module],
                 env=env,
                 cwd=self.paths.root,
                 stdin=subprocess.DEVNULL,
@@ -363,6 +360,8 @@ class LocalNode:
             os.close(fd)
 
     def _agent_environment(self) -> dict[str, str]:
+        """The agent's variables; with no identity yet, a token is minted into its file first
+        (or the one still there, unused, is given again)."""
         env = _inherited(agent_variables=True)
         paths = self.paths
         env.update(

@@ -6,6 +6,7 @@ tests/e2e/test_local_node.py."""
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -13,10 +14,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from control_plane import local_node
 from control_plane.cli import parse_args, wants_local_node
+from control_plane.db import make_engine, migrate
 from control_plane.local_node import LocalNode, LocalNodeError
+from control_plane.models import AuditEntry, NodeEnrollment
+from control_plane.security import sha256_hex
 from control_plane.settings import Settings
 from tests.e2e.server import control_plane_executable
 
@@ -183,3 +189,36 @@ def test_the_start_is_refused_before_anything_is_written(tmp_path: Path) -> None
     assert ran.returncode == 2, ran.stderr
     assert "too deep for the local node's unix sockets" in ran.stderr
     assert not deep.exists()
+
+
+def test_an_agent_without_identity_gets_a_token_minted_into_a_private_file(
+    tmp_path: Path,
+) -> None:
+    settings = _settings(tmp_path)
+    settings.data_dir.mkdir()
+    engine = make_engine(settings.sqlalchemy_url)
+    migrate(engine)
+    node = LocalNode(settings)
+    node.paths.root.mkdir()
+    env = node._agent_environment()
+    token_file = Path(env["MODELFORGE_AGENT_ENROLLMENT_TOKEN_FILE"])
+    assert token_file == node.paths.token_file
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    token = token_file.read_text()
+    assert token.startswith("mfe_")
+    with Session(engine) as session:
+        enrollment = session.scalars(select(NodeEnrollment)).one()
+        entry = session.scalars(select(AuditEntry)).one()
+    assert enrollment.labels == {"local": "true"}
+    assert enrollment.token_hash == sha256_hex(token)
+    assert (entry.actor, entry.action, entry.target) == (
+        "local-node",
+        "enrollment.mint",
+        enrollment.id,
+    )
+    # Started again before it enrolled: the same token, nothing minted.
+    assert node._agent_environment()["MODELFORGE_AGENT_ENROLLMENT_TOKEN_FILE"] == str(token_file)
+    assert token_file.read_text() == token
+    with Session(engine) as session:
+        assert len(session.scalars(select(NodeEnrollment)).all()) == 1
+    engine.dispose()
