@@ -23,6 +23,9 @@ from modelforge_contracts.settings_errors import describe_validation_error
 
 EXIT_CONFIG = 2
 EXIT_DATABASE = 1
+#: How long Granian's worker has to stop after SIGTERM or Ctrl-C (it takes a few seconds,
+#: waiting for the requests in flight) before it is killed.
+WORKER_KILL_SECONDS = 30
 
 log = logging.getLogger("modelforge.control_plane")
 
@@ -143,6 +146,10 @@ def _serve(settings: Settings, local_node: LocalNode | None) -> None:
         port=settings.port,
         workers=1,
         backpressure=settings.max_concurrent_requests,
+        # Granian's worker can hang for ever in its own shutdown under CPU pressure (its runtime
+        # dropped while the GIL is held, as in Granian's issue 875); seen with an agent's long
+        # polls in flight. A worker not stopped by then is killed, so a stop always ends.
+        workers_kill_timeout=WORKER_KILL_SECONDS,
         ssl_cert=settings.tls_cert,
         ssl_key=settings.tls_key,
         log_level=settings.log_level,  # type: ignore[arg-type]
