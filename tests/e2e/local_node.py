@@ -157,7 +157,7 @@ class LocalControlPlane:
             try:
                 self.stop()
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                os.killpg(self.process.pid, signal.SIGKILL)  # and its Granian worker with it
                 self.process.wait()
 
 
