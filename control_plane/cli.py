@@ -159,7 +159,10 @@ def _serve(settings: Settings, local_node: LocalNode | None) -> None:
         return
     # Its children start once the server answers; they stop when it has stopped (a signal,
     # Ctrl-C included, ends serve()), or when the start fails.
-    local_node.start()
+    try:
+        local_node.start()
+    except LocalNodeError as exc:
+        _die(EXIT_CONFIG, str(exc))
     try:
         server.serve()
     finally:

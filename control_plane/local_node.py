@@ -14,6 +14,10 @@ Composition, as `cli` is: it may import any room, and only `cli` imports it.
 - A child that exits is started again after a backoff (1 s, doubling up to 60 s; back to 1 s once
   it has run for a minute), except an agent whose credential is refused (its node was deleted):
   that needs a person, and the log says what to do.
+- One control plane at a time runs the local node of a data dir: it holds a lock
+  (`local-node/supervisor.lock`) while it does. A second start on the same data dir (`make run`
+  in a second terminal) is refused before it serves, instead of starting a second agent and
+  worker that would take the first one's sockets and identity.
 - Each child runs in a session of its own, so a Ctrl-C in the terminal reaches only the control
   plane, which then stops them: SIGTERM, then SIGKILL to its process group after a grace. Each
   also dies with the thread that started it (PR_SET_PDEATHSIG), so a control plane killed with
@@ -22,6 +26,7 @@ Composition, as `cli` is: it may import any room, and only `cli` imports it.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import logging
 import os
@@ -114,6 +119,10 @@ class LocalNodePaths:
     @property
     def agent_socket(self) -> Path:
         return self.root / "agent.sock"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / "supervisor.lock"
 
     @property
     def artifact_cache(self) -> Path:
@@ -215,9 +224,23 @@ class LocalNode:
         self._thread = threading.Thread(target=self._run, name="local-node", daemon=True)
         self.worker = _Child("runtime worker", "runtime_worker", self.paths.log("worker"))
         self.agent = _Child("node agent", "node_agent", self.paths.log("agent"))
+        self._lock_fd: int | None = None
 
     def start(self) -> None:
+        """Take the data dir's local node and start supervising; `LocalNodeError` when another
+        control plane runs it."""
         self.paths.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise LocalNodeError(
+                f"another control plane runs the local node of {self.paths.root} (it holds "
+                f"{self.paths.lock}): stop that one first, or start this one with "
+                "--no-local-node or another MODELFORGE_DATA_DIR"
+            ) from None
+        self._lock_fd = fd
         self._thread.start()
 
     def stop(self) -> None:
@@ -225,6 +248,9 @@ class LocalNode:
         self._stopping.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2 * self._grace + 10)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # the lock goes with it
+            self._lock_fd = None
 
     # -- the supervising thread ----------------------------------------------------------------
 

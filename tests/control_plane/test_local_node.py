@@ -6,6 +6,7 @@ tests/e2e/test_local_node.py."""
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -129,6 +130,27 @@ def test_a_child_that_exits_is_started_again_after_a_growing_backoff(tmp_path: P
     assert worker.backoff == local_node.MAX_BACKOFF_SECONDS
     node._exited(worker, 1, ran=local_node.STABLE_AFTER_SECONDS, now=400.0)
     assert worker.start_at == 401.0  # it had run a minute: the first backoff again
+
+
+def test_one_control_plane_at_a_time_runs_the_local_node_of_a_data_dir(tmp_path: Path) -> None:
+    # A port nothing listens on: the supervisors wait for a server that never answers.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    first = LocalNode(_settings(tmp_path, port=port))
+    first.start()
+    try:
+        second = LocalNode(_settings(tmp_path, port=port))
+        with pytest.raises(LocalNodeError, match="another control plane runs the local node"):
+            second.start()
+        assert not second._thread.is_alive()
+    finally:
+        first.stop()
+    # Stopped, it lets the next one take it.
+    third = LocalNode(_settings(tmp_path, port=port))
+    third.start()
+    third.stop()
+    assert stat.S_IMODE(third.paths.lock.stat().st_mode) == 0o600
 
 
 def test_an_agent_whose_credential_is_refused_is_left_stopped(tmp_path: Path) -> None:
