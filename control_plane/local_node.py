@@ -86,6 +86,9 @@ _SET_HERE = frozenset(
         "MODELFORGE_AGENT_STATE_VOLUME",
         "MODELFORGE_AGENT_WORKER_SOCKET",
         "MODELFORGE_AGENT_SOCKET",
+        # An idle exit (code 0) would only be followed by a restart here: the local agent
+        # runs as long as its control plane.
+        "MODELFORGE_AGENT_MAX_IDLE_SECONDS",
     }
 )
 

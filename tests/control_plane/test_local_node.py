@@ -105,6 +105,15 @@ def test_the_children_inherit_no_control_plane_secret(
     assert not any(name.startswith("MODELFORGE_AGENT_") for name in worker)
 
 
+def test_the_local_agent_has_no_idle_exit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # It would exit, be started again and exit again: it runs as long as its control plane.
+    monkeypatch.setenv("MODELFORGE_AGENT_MAX_IDLE_SECONDS", "30")
+    node = LocalNode(_settings(tmp_path))
+    node.paths.agent_state.mkdir(parents=True)
+    node.paths.identity.write_text("{}")
+    assert "MODELFORGE_AGENT_MAX_IDLE_SECONDS" not in node._agent_environment()
+
+
 def test_a_data_dir_too_deep_for_a_unix_socket_is_refused(tmp_path: Path) -> None:
     deep = tmp_path / ("d" * 120)
     with pytest.raises(LocalNodeError, match="too deep for the local node's unix sockets"):
