@@ -232,8 +232,14 @@ class LocalNode:
     def start(self) -> None:
         """Take the data dir's local node and start supervising; `LocalNodeError` when another
         control plane runs it."""
-        self.paths.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            self.paths.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise LocalNodeError(
+                f"cannot prepare the local node's directory {self.paths.root} ({exc}); make it "
+                "writable by this user, or turn the local node off with MODELFORGE_LOCAL_NODE=false"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -162,6 +162,15 @@ def test_one_control_plane_at_a_time_runs_the_local_node_of_a_data_dir(tmp_path:
     assert stat.S_IMODE(third.paths.lock.stat().st_mode) == 0o600
 
 
+def test_a_local_node_directory_it_cannot_write_is_refused(tmp_path: Path) -> None:
+    node = LocalNode(_settings(tmp_path))
+    node.paths.root.parent.mkdir(parents=True)
+    node.paths.root.write_text("")  # a file where its directory should be
+    with pytest.raises(LocalNodeError, match="cannot prepare the local node's directory"):
+        node.start()
+    assert not node._thread.is_alive()
+
+
 def test_an_agent_whose_credential_is_refused_is_left_stopped(tmp_path: Path) -> None:
     node = LocalNode(_settings(tmp_path))
     node._exited(node.agent, local_node.AGENT_CREDENTIAL_REFUSED, ran=3.0, now=100.0)
