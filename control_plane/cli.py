@@ -8,7 +8,9 @@ Configuration errors end here with a readable message and exit code 2, before an
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import socket
 import sys
 
 from pydantic import ValidationError
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         except LocalNodeError as exc:
             _die(EXIT_CONFIG, str(exc))
         local_node = LocalNode(settings)
+    _check_port_free(settings)  # before anything is written or started
     try:
         prepare_data_dir(settings.data_dir)
         source = resolve_admin_token(settings)
@@ -107,6 +110,31 @@ def main(argv: list[str] | None = None) -> None:
             local_node.paths.root,
         )
     _serve(settings, local_node)
+
+
+def _check_port_free(settings: Settings) -> None:
+    """Bind the address as Granian will (SO_REUSEADDR) and let it go: a port another program
+    holds ends the start here with one line, not in Granian's backtrace after the local node's
+    children have started."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            settings.host or None, settings.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            _die(
+                EXIT_CONFIG,
+                f"MODELFORGE_PORT {settings.port} is in use on {settings.host}: stop what holds "
+                "it or choose another port",
+            )
+        _die(
+            EXIT_CONFIG,
+            f"cannot listen on {settings.host}:{settings.port} ({exc.strerror or exc}); check "
+            "MODELFORGE_HOST and MODELFORGE_PORT",
+        )
 
 
 def _migrate_or_die(settings: Settings) -> None:

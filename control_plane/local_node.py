@@ -287,7 +287,8 @@ class LocalNode:
             self._stop_children()
 
     def _wait_until_serving(self) -> bool:
-        """Wait until the server answers (any status); False when stopped first.
+        """Wait until this control plane's health answers (a 200 with its body: not another
+        server's answer on the port); False when stopped first.
 
         An answer, not only a connection: Granian listens before it forks its worker, and
         nothing here should run (a database connection, a spawn) while that fork copies this
@@ -300,10 +301,12 @@ class LocalNode:
         unverified.verify_mode = ssl.CERT_NONE
         while not self._stopping.is_set():
             try:
-                httpx.get(health, timeout=2, verify=unverified)
-                return True
-            except httpx.HTTPError:
-                self._stopping.wait(0.1)
+                answer = httpx.get(health, timeout=2, verify=unverified)
+                if answer.status_code == 200 and _is_health(answer.json()):
+                    return True
+            except (httpx.HTTPError, ValueError):
+                pass
+            self._stopping.wait(0.1)
         return False
 
     def _wait_for_worker_socket(self) -> None:
@@ -447,6 +450,11 @@ class LocalNode:
         self.agent.process = self.worker.process = None
         if running:
             log.info("local node: agent and worker stopped")
+
+
+def _is_health(body: object) -> bool:
+    """The body of this control plane's `GET /api/v1/health` (schemas.Health)."""
+    return isinstance(body, dict) and {"status", "database", "storage"} <= body.keys()
 
 
 def _inherited(*, agent_variables: bool) -> dict[str, str]:

@@ -262,3 +262,64 @@ def test_an_agent_without_identity_gets_a_token_minted_into_a_private_file(
     with Session(engine) as session:
         assert len(session.scalars(select(NodeEnrollment)).all()) == 1
     engine.dispose()
+
+
+def test_a_port_held_by_another_program_is_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    data = tmp_path / "data"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        ran = subprocess.run(
+            [control_plane_executable(), "--local-node"],
+            env={**env, "MODELFORGE_DATA_DIR": str(data), "MODELFORGE_PORT": str(port)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert ran.returncode == 2, ran.stderr
+    assert ran.stderr.splitlines() == [
+        f"modelforge-control-plane: MODELFORGE_PORT {port} is in use on 127.0.0.1: stop what "
+        "holds it or choose another port"
+    ]
+    assert not (data / "local-node").exists()
+
+
+def test_the_children_wait_for_this_control_planes_health_not_any_answer(
+    tmp_path: Path,
+) -> None:
+    import http.server
+    import json
+    import threading
+
+    body = {"detail": "Not Found"}
+
+    class Foreign(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Foreign)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        node = LocalNode(_settings(tmp_path, port=server.server_address[1]))
+        answered: list[bool] = []
+        waiting = threading.Thread(target=lambda: answered.append(node._wait_until_serving()))
+        waiting.start()
+        waiting.join(timeout=1.0)
+        assert waiting.is_alive()  # another server's 200 is not this control plane
+        body = {"status": "ok", "database": "ok", "storage": {"status": "ok"}}
+        waiting.join(timeout=5.0)
+        assert answered == [True]
+    finally:
+        server.shutdown()
+        server.server_close()
