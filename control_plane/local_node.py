@@ -33,7 +33,6 @@ import os
 import signal
 import ssl
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import httpx
 
+from control_plane import local_processes
 from control_plane.audit import Audit
 from control_plane.clock import SystemClock
 from control_plane.db import make_engine, make_session_factory
@@ -67,30 +67,6 @@ AGENT_ENROLLMENT_REFUSED = 6
 _SOCKET_PATH_MAX = 107
 #: What each child needs importable: the agent's and the worker's extras (`.[agent,worker]`).
 _NEEDED_MODULES = ("node_agent", "runtime_worker", "tenacity", "pynvml", "psutil", "onnxruntime")
-#: Run as `python -c _LAUNCH <control plane pid> <module>`: ask the kernel for SIGTERM when the
-#: thread that started this process ends (the setting survives exec), give up if that already
-#: happened, then become `python -m <module>`.
-_LAUNCH = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
-    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
-    "os.execv(sys.executable, [sys.executable, '-m', sys.argv[2]])\n"
-)
-#: The agent's variables the local node sets itself; the operator's other MODELFORGE_AGENT_*
-#: variables (PARALLEL, CPUS, GPUS, SERVICE_HOST, …) reach the local agent unchanged.
-_SET_HERE = frozenset(
-    {
-        "MODELFORGE_AGENT_CONTROL_PLANE_URL",
-        "MODELFORGE_AGENT_ENROLLMENT_TOKEN",
-        "MODELFORGE_AGENT_ENROLLMENT_TOKEN_FILE",
-        "MODELFORGE_AGENT_STATE_VOLUME",
-        "MODELFORGE_AGENT_WORKER_SOCKET",
-        "MODELFORGE_AGENT_SOCKET",
-        # An idle exit (code 0) would only be followed by a restart here: the local agent
-        # runs as long as its control plane.
-        "MODELFORGE_AGENT_MAX_IDLE_SECONDS",
-    }
-)
 
 
 class LocalNodeError(Exception):
@@ -366,7 +342,9 @@ class LocalNode:
             else:
                 self.paths.worker_socket.unlink(missing_ok=True)  # wait for the new one
                 env = self._worker_environment()
-            child.process = self._spawn(child, env)
+            child.process = local_processes.spawn(
+                child.module, env=env, cwd=self.paths.root, output=child.log
+            )
         except Exception as exc:
             # The database or the file system said no: try again later, as after an exit.
             child.start_at = now + child.backoff
@@ -382,25 +360,10 @@ class LocalNode:
         child.started_at = now
         log.info("local node: %s started (pid %d)", child.name, child.process.pid)
 
-    def _spawn(self, child: _Child, env: dict[str, str]) -> subprocess.Popen[bytes]:
-        fd = os.open(child.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            return subprocess.Popen(  # noqa: S603 - our own interpreter and modules
-                [sys.executable, "-c", _LAUNCH, str(os.getpid()), child.module],
-                env=env,
-                cwd=self.paths.root,
-                stdin=subprocess.DEVNULL,
-                stdout=fd,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        finally:
-            os.close(fd)
-
     def _agent_environment(self) -> dict[str, str]:
         """The agent's variables; with no identity yet, a token is minted into its file first
         (or the one still there, unused, is given again)."""
-        env = _inherited(agent_variables=True)
+        env = local_processes.inherited(agent_variables=True)
         paths = self.paths
         env.update(
             MODELFORGE_AGENT_CONTROL_PLANE_URL=self.url,
@@ -423,7 +386,7 @@ class LocalNode:
         return env
 
     def _worker_environment(self) -> dict[str, str]:
-        env = _inherited(agent_variables=False)
+        env = local_processes.inherited(agent_variables=False)
         env["MODELFORGE_WORKER_SOCKET"] = str(self.paths.worker_socket)
         return env
 
@@ -433,20 +396,7 @@ class LocalNode:
 
     def _stop_children(self) -> None:
         running = [c.process for c in (self.agent, self.worker) if c.process is not None]
-        for process in running:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self._grace
-        for process in running:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("local node: pid %d ignored SIGTERM; killing it", process.pid)
-                try:
-                    os.killpg(process.pid, signal.SIGKILL)  # its session's group is its pid
-                except ProcessLookupError:
-                    pass
-                process.wait()
+        local_processes.stop(running, grace=self._grace)
         self.agent.process = self.worker.process = None
         if running:
             log.info("local node: agent and worker stopped")
@@ -455,14 +405,3 @@ class LocalNode:
 def _is_health(body: object) -> bool:
     """The body of this control plane's `GET /api/v1/health` (schemas.Health)."""
     return isinstance(body, dict) and {"status", "database", "storage"} <= body.keys()
-
-
-def _inherited(*, agent_variables: bool) -> dict[str, str]:
-    """This process's environment without the control plane's settings (its database URL and
-    admin token among them): only the operator's MODELFORGE_AGENT_* variables, for the agent."""
-    return {
-        name: value
-        for name, value in os.environ.items()
-        if not name.startswith("MODELFORGE_")
-        or (agent_variables and name.startswith("MODELFORGE_AGENT_") and name not in _SET_HERE)
-    }
