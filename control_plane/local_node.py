@@ -7,13 +7,14 @@ Composition, as `cli` is: it may import any room, and only `cli` imports it.
   control plane mints for itself through the admin API's own domain function
   (`fleet.enrollments.mint_enrollment`, audited as `enrollment.mint` by the actor `local-node`),
   with the labels `local=true`. The token reaches the agent in a 0600 file, removed once the
-  agent holds its identity: never in a process's arguments, its environment or a log.
+  agent holds its identity: never in a process's arguments, its environment or a log. One
+  mint per run until the agent enrolls; a token that cannot be written is revoked again.
 - Everything lives under `<data dir>/local-node/`: the agent's state (so the next start finds its
   identity and mints nothing), the worker's and the agent's sockets, the artifact cache, and each
   child's output (`agent.log`, `worker.log`).
 - A child that exits is started again after a backoff (1 s, doubling up to 60 s; back to 1 s once
-  it has run for a minute), except an agent whose credential is refused (its node was deleted):
-  that needs a person, and the log says what to do.
+  it has run for a minute), except an agent whose credential is refused (its node was deleted)
+  or whose token minted in this run is refused: that needs a person, and the log says what to do.
 - One control plane at a time runs the local node of a data dir: it holds a lock
   (`local-node/supervisor.lock`) while it does. A second start on the same data dir (`make run`
   in a second terminal) is refused before it serves, instead of starting a second agent and
@@ -44,7 +45,7 @@ from control_plane import local_processes
 from control_plane.audit import Audit
 from control_plane.clock import SystemClock
 from control_plane.db import make_engine, make_session_factory
-from control_plane.fleet.enrollments import mint_enrollment
+from control_plane.fleet.enrollments import mint_enrollment, revoke_enrollment
 from control_plane.settings import Settings
 from modelforge_contracts.files import write_private
 
@@ -71,6 +72,10 @@ _NEEDED_MODULES = ("node_agent", "runtime_worker", "tenacity", "pynvml", "psutil
 
 class LocalNodeError(Exception):
     """The local node cannot run as configured; the message says why and the way out."""
+
+
+class _AgentHalted(Exception):
+    """The agent is not to be started again by this run; the message says what to fix."""
 
 
 @dataclass(frozen=True)
@@ -150,8 +155,9 @@ def served_url(settings: Settings) -> str:
     return f"{'https' if settings.tls_cert else 'http'}://{host}:{settings.port}"
 
 
-def mint_local_enrollment(settings: Settings) -> str:
-    """A single-use token for the local agent, minted and audited as an admin's mint is."""
+def mint_local_enrollment(settings: Settings) -> tuple[str, str]:
+    """A single-use token for the local agent, minted and audited as an admin's mint is: its
+    enrollment's id and the token."""
     clock = SystemClock()
     audit = Audit(actor=ACTOR, clock=clock)
     audit("enrollment.mint", DISPLAY_NAME, labels=LABELS)
@@ -174,7 +180,22 @@ def mint_local_enrollment(settings: Settings) -> str:
         "local node: minted enrollment %s (labels local=true) for its agent",
         minted.enrollment.id,
     )
-    return minted.token
+    return minted.enrollment.id, minted.token
+
+
+def revoke_local_enrollment(settings: Settings, enrollment_id: str) -> None:
+    """Revoke a token minted here that never reached the agent, as an admin's revoke does."""
+    clock = SystemClock()
+    audit = Audit(actor=ACTOR, clock=clock)
+    audit("enrollment.revoke", enrollment_id)
+    engine = make_engine(settings.sqlalchemy_url)
+    try:
+        with make_session_factory(engine).begin() as session:
+            revoke_enrollment(session=session, clock=clock, enrollment_id=enrollment_id)
+            audit.succeeded(session)
+    finally:
+        engine.dispose()
+    log.info("local node: revoked enrollment %s, its token never reached the agent", enrollment_id)
 
 
 @dataclass
@@ -204,6 +225,9 @@ class LocalNode:
         self.worker = _Child("runtime worker", "runtime_worker", self.paths.log("worker"))
         self.agent = _Child("node agent", "node_agent", self.paths.log("agent"))
         self._lock_fd: int | None = None
+        #: The enrollment minted in this run while the agent has not enrolled with it: one
+        #: mint per run until the agent holds an identity, not one per restart.
+        self._minted: str | None = None
 
     def start(self) -> None:
         """Take the data dir's local node and start supervising; `LocalNodeError` when another
@@ -324,6 +348,19 @@ class LocalNode:
             return
         if child is self.agent and code == AGENT_ENROLLMENT_REFUSED:
             self.paths.token_file.unlink(missing_ok=True)  # used or expired: mint a new one
+            if self._minted is not None:
+                child.start_at = None
+                log.error(
+                    "local node: the node agent exited with %s: the control plane refused the "
+                    "enrollment token minted for it in this run (enrollment %s: expired after "
+                    "%d s, or revoked); it mints one per run. See its output %s, then restart the "
+                    "control plane to mint a new one",
+                    how,
+                    self._minted,
+                    TOKEN_LIFETIME_SECONDS,
+                    child.log,
+                )
+                return
         child.start_at = now + child.backoff
         log.warning(
             "local node: the %s exited with %s; starting it again in %g s (its output: %s)",
@@ -345,6 +382,9 @@ class LocalNode:
             child.process = local_processes.spawn(
                 child.module, env=env, cwd=self.paths.root, output=child.log
             )
+        except _AgentHalted as exc:
+            log.error("local node: the node agent is left stopped: %s", exc)
+            return
         except Exception as exc:
             # The database or the file system said no: try again later, as after an exit.
             child.start_at = now + child.backoff
@@ -381,9 +421,31 @@ class LocalNode:
             env["MODELFORGE_AGENT_ALLOW_INSECURE_HTTP"] = "true"
         if not paths.identity.exists():
             if not paths.token_file.exists():
-                write_private(paths.token_file, mint_local_enrollment(self.settings))
+                self._mint_token_file()
             env["MODELFORGE_AGENT_ENROLLMENT_TOKEN_FILE"] = str(paths.token_file)
         return env
+
+    def _mint_token_file(self) -> None:
+        """Mint a token into its file, once per run until the agent enrolls; a token that
+        cannot be written is revoked again, not left behind unclaimed."""
+        token_file = self.paths.token_file
+        if self._minted is not None:
+            raise _AgentHalted(
+                f"the token minted in this run (enrollment {self._minted}) is gone from "
+                f"{token_file} and the agent has not enrolled; restart the control plane to "
+                "mint a new one"
+            )
+        enrollment_id, token = mint_local_enrollment(self.settings)
+        self._minted = enrollment_id
+        try:
+            write_private(token_file, token)
+        except OSError as exc:
+            revoke_local_enrollment(self.settings, enrollment_id)
+            raise _AgentHalted(
+                f"cannot write its enrollment token to {token_file} ({exc.strerror or exc}); "
+                f"enrollment {enrollment_id} was revoked again. Make {self.paths.root} writable "
+                "by this user (and its file system not full), then restart the control plane"
+            ) from None
 
     def _worker_environment(self) -> dict[str, str]:
         env = local_processes.inherited(agent_variables=False)
@@ -393,6 +455,7 @@ class LocalNode:
     def _forget_token_once_enrolled(self) -> None:
         if self.paths.identity.exists():
             self.paths.token_file.unlink(missing_ok=True)
+            self._minted = None  # consumed: a later enrollment may mint again
 
     def _stop_children(self) -> None:
         running = [c.process for c in (self.agent, self.worker) if c.process is not None]

@@ -5,6 +5,7 @@ tests/e2e/test_local_node.py."""
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import stat
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from sqlalchemy import select
+from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from control_plane import local_node
@@ -323,3 +324,61 @@ def test_the_children_wait_for_this_control_planes_health_not_any_answer(
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _migrated(tmp_path: Path) -> tuple[Settings, Engine]:
+    settings = _settings(tmp_path)
+    settings.data_dir.mkdir()
+    engine = make_engine(settings.sqlalchemy_url)
+    migrate(engine)
+    return settings, engine
+
+
+def test_a_token_minted_in_this_run_is_minted_once_until_the_agent_enrolls(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings, engine = _migrated(tmp_path)
+    node = LocalNode(settings)
+    node.paths.root.mkdir()
+    node._agent_environment()
+    # The agent refuses it (expired, revoked): no second mint, the agent stays stopped.
+    node._exited(node.agent, local_node.AGENT_ENROLLMENT_REFUSED, ran=3.0, now=100.0)
+    assert node.agent.start_at is None
+    assert not node.paths.token_file.exists()
+    assert "restart the control plane to mint a new one" in caplog.text
+    node._start(node.agent, 200.0)  # even if asked: nothing minted, nothing started
+    assert (node.agent.process, node.agent.start_at) == (None, None)
+    with Session(engine) as session:
+        assert len(session.scalars(select(NodeEnrollment)).all()) == 1
+    # Once the agent has enrolled, a later enrollment may mint again.
+    node.paths.identity.parent.mkdir()
+    node.paths.identity.write_text("{}")
+    node._forget_token_once_enrolled()
+    node.paths.identity.unlink()
+    node._agent_environment()
+    with Session(engine) as session:
+        assert len(session.scalars(select(NodeEnrollment)).all()) == 2
+    engine.dispose()
+
+
+def test_a_token_that_cannot_be_written_is_revoked_and_the_agent_left_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings, engine = _migrated(tmp_path)
+    node = LocalNode(settings)
+    node.paths.root.mkdir()
+
+    def full(path: Path, text: str) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(local_node, "write_private", full)
+    node._start(node.agent, 100.0)
+    assert (node.agent.process, node.agent.start_at) == (None, None)
+    assert "No space left on device" in caplog.text
+    assert "then restart the control plane" in caplog.text
+    with Session(engine) as session:
+        enrollment = session.scalars(select(NodeEnrollment)).one()
+        actions = [e.action for e in session.scalars(select(AuditEntry).order_by(AuditEntry.id))]
+    assert enrollment.state == "revoked"
+    assert sorted(actions) == ["enrollment.mint", "enrollment.revoke"]
+    engine.dispose()
