@@ -13,8 +13,9 @@ Composition, as `cli` is: it may import any room, and only `cli` imports it.
   identity and mints nothing), the worker's and the agent's sockets, the artifact cache, and each
   child's output (`agent.log`, `worker.log`).
 - A child that exits is started again after a backoff (1 s, doubling up to 60 s; back to 1 s once
-  it has run for a minute), except an agent whose credential is refused (its node was deleted)
-  or whose token minted in this run is refused: that needs a person, and the log says what to do.
+  it has run for a minute), except an agent whose credential is refused (its node was deleted),
+  whose configuration is refused (exit 2), or whose token minted in this run is refused: that
+  needs a person, and the log says what to do.
 - One control plane at a time runs the local node of a data dir: it holds a lock
   (`local-node/supervisor.lock`) while it does. A second start on the same data dir (`make run`
   in a second terminal) is refused before it serves, instead of starting a second agent and
@@ -62,6 +63,7 @@ MAX_BACKOFF_SECONDS = 60.0
 #: A child that ran this long had a good start: its next restart waits the first backoff again.
 STABLE_AFTER_SECONDS = 60.0
 #: node_agent/cli.py's exit codes (the control plane imports nothing of the agent).
+AGENT_CONFIG_REFUSED = 2
 AGENT_CREDENTIAL_REFUSED = 4
 AGENT_ENROLLMENT_REFUSED = 6
 #: The longest path a unix socket may have (sun_path holds 108 bytes with its terminating NUL).
@@ -344,6 +346,20 @@ class LocalNode:
                 how,
                 self.paths.agent_state,
                 child.log,
+            )
+            return
+        if child is self.agent and code == AGENT_CONFIG_REFUSED:
+            child.start_at = None
+            log.error(
+                "local node: the node agent exited with %s: it refused its configuration (a "
+                "MODELFORGE_AGENT_* value, or an identity enrolled under another URL than %s; "
+                "its output says which: %s). Fix that variable, or give it back the URL it "
+                "enrolled with (or remove %s to enroll a new node), then restart the control "
+                "plane",
+                how,
+                self.url,
+                child.log,
+                self.paths.agent_state,
             )
             return
         if child is self.agent and code == AGENT_ENROLLMENT_REFUSED:

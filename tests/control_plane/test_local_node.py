@@ -326,6 +326,16 @@ def test_the_children_wait_for_this_control_planes_health_not_any_answer(
         server.server_close()
 
 
+def test_an_agent_whose_configuration_is_refused_is_left_stopped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    node = LocalNode(_settings(tmp_path))
+    node._exited(node.agent, local_node.AGENT_CONFIG_REFUSED, ran=3.0, now=100.0)
+    assert node.agent.start_at is None
+    assert "MODELFORGE_AGENT_* value" in caplog.text
+    assert "then restart the control plane" in caplog.text
+
+
 def _migrated(tmp_path: Path) -> tuple[Settings, Engine]:
     settings = _settings(tmp_path)
     settings.data_dir.mkdir()
