@@ -37,10 +37,14 @@ import ssl
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
+from sqlalchemy.orm import Session
 
 from control_plane import local_processes
 from control_plane.audit import Audit
@@ -157,27 +161,36 @@ def served_url(settings: Settings) -> str:
     return f"{'https' if settings.tls_cert else 'http'}://{host}:{settings.port}"
 
 
-def mint_local_enrollment(settings: Settings) -> tuple[str, str]:
-    """A single-use token for the local agent, minted and audited as an admin's mint is: its
-    enrollment's id and the token."""
-    clock = SystemClock()
-    audit = Audit(actor=ACTOR, clock=clock)
-    audit("enrollment.mint", DISPLAY_NAME, labels=LABELS)
+@contextmanager
+def _audited(
+    settings: Settings, action: str, target: str, **detail: Any
+) -> Iterator[tuple[Session, Audit]]:
+    """One transaction of this control plane's database with its audit entry by `local-node`,
+    added as succeeded when the block ends without an exception (as an admin's request's is)."""
+    audit = Audit(actor=ACTOR, clock=SystemClock())
+    audit(action, target, **detail)
     engine = make_engine(settings.sqlalchemy_url)
     try:
         with make_session_factory(engine).begin() as session:
-            minted = mint_enrollment(
-                session=session,
-                clock=clock,
-                display_name=DISPLAY_NAME,
-                expires_in_seconds=TOKEN_LIFETIME_SECONDS,
-                labels=dict(LABELS),
-                production_eligible=False,
-            )
-            audit.target = minted.enrollment.id
+            yield session, audit
             audit.succeeded(session)
     finally:
         engine.dispose()
+
+
+def mint_local_enrollment(settings: Settings) -> tuple[str, str]:
+    """A single-use token for the local agent, minted and audited as an admin's mint is: its
+    enrollment's id and the token."""
+    with _audited(settings, "enrollment.mint", DISPLAY_NAME, labels=LABELS) as (session, audit):
+        minted = mint_enrollment(
+            session=session,
+            clock=audit.clock,
+            display_name=DISPLAY_NAME,
+            expires_in_seconds=TOKEN_LIFETIME_SECONDS,
+            labels=dict(LABELS),
+            production_eligible=False,
+        )
+        audit.target = minted.enrollment.id
     log.info(
         "local node: minted enrollment %s (labels local=true) for its agent",
         minted.enrollment.id,
@@ -187,16 +200,8 @@ def mint_local_enrollment(settings: Settings) -> tuple[str, str]:
 
 def revoke_local_enrollment(settings: Settings, enrollment_id: str) -> None:
     """Revoke a token minted here that never reached the agent, as an admin's revoke does."""
-    clock = SystemClock()
-    audit = Audit(actor=ACTOR, clock=clock)
-    audit("enrollment.revoke", enrollment_id)
-    engine = make_engine(settings.sqlalchemy_url)
-    try:
-        with make_session_factory(engine).begin() as session:
-            revoke_enrollment(session=session, clock=clock, enrollment_id=enrollment_id)
-            audit.succeeded(session)
-    finally:
-        engine.dispose()
+    with _audited(settings, "enrollment.revoke", enrollment_id) as (session, audit):
+        revoke_enrollment(session=session, clock=audit.clock, enrollment_id=enrollment_id)
     log.info("local node: revoked enrollment %s, its token never reached the agent", enrollment_id)
 
 
@@ -212,6 +217,15 @@ class _Child:
     backoff: float = FIRST_BACKOFF_SECONDS
     #: When to start it (again); None: not to be started.
     start_at: float | None = 0.0
+
+
+def _start_later(child: _Child, now: float) -> float:
+    """Start `child` again after its backoff, which doubles for the next time (up to the
+    most); the seconds it waits."""
+    wait = child.backoff
+    child.start_at = now + wait
+    child.backoff = min(wait * 2, MAX_BACKOFF_SECONDS)
+    return wait
 
 
 class LocalNode:
@@ -377,15 +391,13 @@ class LocalNode:
                     child.log,
                 )
                 return
-        child.start_at = now + child.backoff
         log.warning(
             "local node: the %s exited with %s; starting it again in %g s (its output: %s)",
             child.name,
             how,
-            child.backoff,
+            _start_later(child, now),
             child.log,
         )
-        child.backoff = min(child.backoff * 2, MAX_BACKOFF_SECONDS)
 
     def _start(self, child: _Child, now: float) -> None:
         child.start_at = None
@@ -403,15 +415,13 @@ class LocalNode:
             return
         except Exception as exc:
             # The database or the file system said no: try again later, as after an exit.
-            child.start_at = now + child.backoff
             log.warning(
                 "local node: cannot start the %s (%s: %s); trying again in %g s",
                 child.name,
                 type(exc).__name__,
                 exc,
-                child.backoff,
+                _start_later(child, now),
             )
-            child.backoff = min(child.backoff * 2, MAX_BACKOFF_SECONDS)
             return
         child.started_at = now
         log.info("local node: %s started (pid %d)", child.name, child.process.pid)
