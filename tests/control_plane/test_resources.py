@@ -13,6 +13,7 @@ from sqlalchemy import update
 from control_plane.background.service_placement import place_services
 from control_plane.models import Node, ProvisionRequest
 from control_plane.scheduling.placement import free_capacity
+from tests.control_plane.test_gpu_assignment import _complete
 from tests.control_plane.test_jobs import _claim, _node, _submit
 from tests.e2e.server import free_port
 from tests.e2e.slurm import SshLogin, slurm_provisioner
@@ -37,15 +38,6 @@ def _deploy(cp: ControlPlane, **body: Any) -> dict[str, Any]:
     response = cp.client.post("/api/v1/services", headers=cp.admin, json=payload)
     assert response.status_code == 201, response.text
     return dict(response.json())
-
-
-def _complete(cp: ControlPlane, node: dict[str, str], job_id: str) -> None:
-    response = cp.client.post(
-        f"/api/v1/agent/jobs/{job_id}/complete",
-        headers={"Authorization": node["Authorization"]},
-        json={"state": "succeeded", "result": 1},
-    )
-    assert response.status_code == 200, response.text
 
 
 def _named(cp: ControlPlane, node: dict[str, str], name: str) -> None:

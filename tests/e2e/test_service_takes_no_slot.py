@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.e2e.node import live_stack, wait_ready, wait_until
-from tests.e2e.server import LiveServer
+from tests.e2e.node import live_stack, wait_ready
+from tests.e2e.test_services import _call, _finished, _job, _service_state
 
 pytestmark = pytest.mark.e2e
 
@@ -34,13 +33,6 @@ def call(url):
 """
 
 
-def _call(server: LiveServer, method: str, path: str, **kw: Any) -> Any:
-    with server.client() as client:
-        response = client.request(method, path, headers=server.admin, **kw)
-    assert response.is_success, f"{method} {path}: {response.status_code} {response.text}"
-    return response.json() if response.content else None
-
-
 def test_a_node_with_one_slot_runs_a_job_while_it_serves(tmp_path: Path) -> None:
     with live_stack(tmp_path, FAST) as (server, node):
         node_id = node.start_worker().start_agent("--parallel", "1").node_id()
@@ -57,37 +49,12 @@ def test_a_node_with_one_slot_runs_a_job_while_it_serves(tmp_path: Path) -> None
             },
         )
         service_id = service["service_id"]
-        wait_until(
-            lambda: server.get(f"/api/v1/services/{service_id}")["state"] == "healthy",
-            30,
-            "the service to be healthy",
-        )
-        serving = server.get(f"/api/v1/services/{service_id}")
+        serving = _service_state(server, service_id, "healthy", 30)
         assert serving["node_id"] == node_id
 
-        job = _call(
-            server,
-            "POST",
-            "/api/v1/jobs",
-            json={
-                "entrypoint": {
-                    "kind": "python",
-                    "module": "client",
-                    "function": "call",
-                    "source": {"client.py": CALL_SERVICE},
-                },
-                "params": {"url": serving["url"] + "/"},
-                "resources": {"cpus": 0.5},
-            },
-        )
-        job_id = job["job_id"]
-        wait_until(
-            lambda: server.get(f"/api/v1/jobs/{job_id}")["state"] not in ("queued", "running"),
-            30,
-            "the job to end: the one slot must not be held by the service",
-        )
-        done = server.get(f"/api/v1/jobs/{job_id}")
-        assert done["state"] == "succeeded", done
+        # The one slot must not be held by the service: the job runs and ends.
+        job_id = _job(server, "client", "call", CALL_SERVICE, params={"url": serving["url"] + "/"})
+        done = _finished(server, job_id, 30)
         assert done["node_id"] == node_id
         # The job reached the service while it ran: both ran on the node at the same time.
         assert done["result"] == {"status": 200}
