@@ -167,6 +167,61 @@ class NodeEvent(Base):
     reason: Mapped[str] = mapped_column(Text)
 
 
+class GpuHealth(Base):
+    """One GPU's health as the control plane judges it (issue 28), one row per GPU a node's
+    agent reported. `state` is what the scheduler reads: `quarantined` while an operator's
+    quarantine holds, else `rules_state`. The rules' `unhealthy` is sticky: the agent reporting
+    clean counters again only updates `reported`; an admin's re-admission with a passing active
+    check ends it."""
+
+    __tablename__ = "gpu_health"
+    __table_args__ = (Index("ix_gpu_health_state", "state"),)
+
+    node_id: Mapped[str] = mapped_column(
+        ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True
+    )
+    uuid: Mapped[str] = mapped_column(String(96), primary_key=True)
+    index: Mapped[int] = mapped_column(Integer)
+    #: healthy | degraded | unhealthy | quarantined
+    state: Mapped[str] = mapped_column(String(16), default="healthy")
+    #: healthy | degraded | unhealthy: what the rules made of the agent's reports.
+    rules_state: Mapped[str] = mapped_column(String(16), default="healthy")
+    #: healthy | degraded | unhealthy: the agent's last report, as it was.
+    reported: Mapped[str] = mapped_column(String(16), default="healthy")
+    #: Why `state`, for people.
+    reason: Mapped[str] = mapped_column(Text, default="")
+    #: What showed it: `[{"kind", "at", "detail", ...}]`, newest last, bounded.
+    evidence: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    #: Since when `state` holds.
+    since: Mapped[datetime]
+    reported_at: Mapped[datetime]
+    #: An operator's quarantine: its reason, None when none holds.
+    quarantine_reason: Mapped[str | None] = mapped_column(Text)
+    quarantined_at: Mapped[datetime | None]
+    #: The active check running on it (a job), None when none runs.
+    check_job_id: Mapped[str | None] = mapped_column(String(40))
+
+
+class GpuHealthEvent(Base):
+    """A GPU's timeline: each change of its state, quarantine, re-admission and check."""
+
+    __tablename__ = "gpu_health_events"
+    __table_args__ = (Index("ix_gpu_health_events_node_uuid", "node_id", "uuid", "id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
+    uuid: Mapped[str] = mapped_column(String(96))
+    at: Mapped[datetime]
+    #: state | quarantine | readmit | check
+    kind: Mapped[str] = mapped_column(String(16))
+    from_state: Mapped[str | None] = mapped_column(String(16))
+    to_state: Mapped[str | None] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(Text)
+    evidence: Mapped[list[Any] | None] = mapped_column(JSON)
+    #: `agent`, `admin-token`, `console-session:…`, `check`
+    actor: Mapped[str] = mapped_column(String(64))
+
+
 class TelemetrySample(Base):
     __tablename__ = "telemetry_samples"
 
@@ -216,6 +271,9 @@ class Job(Base):
     secrets: Mapped[list[Any] | None] = mapped_column(JSON)
     #: Labels a node must carry whatever `worker_policy` says: its secrets' labels.
     required_labels: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    #: `{"node_id", "uuid"}`: it runs on that node and that GPU only, even one out of the
+    #: schedule (a GPU's active check, issue 28); None for every other job.
+    pinned: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
 class JobEvent(Base):
