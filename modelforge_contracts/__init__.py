@@ -14,4 +14,5 @@ more parts must agree on byte for byte:
 - `settings_errors`: one readable line per invalid setting, naming the variable to fix.
 - `text`: which characters text shown to people may not hold, and how a node cleans them.
 - `ipc`: HTTP over unix sockets between the processes of one node.
+- `gpu_health`: per-GPU health states, evidence kinds, report limits and the XID catalogue.
 """
