@@ -4,10 +4,17 @@ the Enroll node wizard's node image and setup."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, StringConstraints, field_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 from control_plane.schemas import (
     DB_INT_MAX,
@@ -173,6 +180,70 @@ class HostTelemetry(StrictModel):
 class TelemetryRequest(StrictModel):
     host: HostTelemetry = Field(default_factory=HostTelemetry)
     gpus: Annotated[list[GpuTelemetry], Field(max_length=64)] = Field(default_factory=list)
+
+
+#: A counter an agent reports (JSON numbers past 64 bits are refused).
+Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
+#: What an agent judges a GPU to be (issue 28); the control plane's rules make `state` of it.
+GpuHealthJudgement = Literal["healthy", "degraded", "unhealthy"]
+
+
+class GpuEvidence(StrictModel):
+    """One thing the agent saw of a GPU: an XID event, an ECC count, row remapping, retired
+    pages, the GPU lost, a persistent slowdown, a growing corrected-ECC count."""
+
+    kind: Literal["xid", "ecc", "remap", "retired_pages", "lost", "throttle", "corrected_ecc"]
+    at: AwareDatetime
+    detail: Annotated[Line, StringConstraints(max_length=300)] = ""
+    xid: int | None = Field(default=None, ge=0, le=DB_INT_MAX)
+    value: Count | None = None
+
+    @model_validator(mode="after")
+    def _xid_with_its_kind(self) -> GpuEvidence:
+        if (self.kind == "xid") != (self.xid is not None):
+            raise ValueError("xid is given for evidence of kind xid, and only for it")
+        return self
+
+    def stored(self) -> dict[str, Any]:
+        """As kept in the GPU's evidence: JSON, `at` in ISO-8601 UTC, absent values left out."""
+        entry: dict[str, Any] = {
+            "kind": self.kind,
+            "at": self.at.astimezone(UTC).isoformat(),
+            "detail": self.detail,
+        }
+        if self.xid is not None:
+            entry["xid"] = self.xid
+        if self.value is not None:
+            entry["value"] = self.value
+        return entry
+
+
+class GpuHealthReport(StrictModel):
+    index: int = Field(ge=0, le=255)
+    uuid: Annotated[Line, StringConstraints(min_length=1, max_length=96)]
+    state: GpuHealthJudgement
+    reason: Annotated[Line, StringConstraints(max_length=500)] = ""
+    evidence: Annotated[list[GpuEvidence], Field(max_length=16)] = Field(default_factory=list)
+    #: Application XIDs (13, 31, 43, 45, ...) counted by code; never a change alone.
+    xid_counts: (
+        Annotated[
+            dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,6}$")], Count],
+            Field(max_length=64),
+        ]
+        | None
+    ) = None
+
+
+class GpuHealthRequest(StrictModel):
+    """`POST /api/v1/agent/gpu-health`: the agent's current judgement of every GPU at once."""
+
+    gpus: Annotated[list[GpuHealthReport], Field(max_length=64)]
+
+    @model_validator(mode="after")
+    def _each_gpu_once(self) -> GpuHealthRequest:
+        if len({gpu.uuid for gpu in self.gpus}) != len(self.gpus):
+            raise ValueError("each GPU (uuid) is reported once")
+        return self
 
 
 # -- nodes -------------------------------------------------------------------------------------
