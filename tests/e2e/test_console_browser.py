@@ -3,7 +3,8 @@
 The browser tests themselves are JavaScript (`control_plane/console/tests/*.test.mjs`, Playwright
 through playwright-core driving Debian's /usr/bin/chromium). This module gives them what they
 drive: the real control plane on Granian with a verified-release manifest configured, the
-substitute NVML library for the GPU node, a work directory for the node processes, and Slurm
+substitute NVML library for the GPU nodes (the GPU health test injects faults through its control
+file), a work directory for the node processes, and Slurm
 provisioners: the real single-node cluster (its agent attaches) and one that cannot be reached. Set
 MODELFORGE_CONSOLE_SCREENSHOTS=docs/img/console to refresh the screenshots in docs/console.md.
 """
@@ -95,6 +96,9 @@ def test_console_in_headless_chromium(tmp_path: Path) -> None:
         # (and only the console's own dry run and sweep look: the periodic sweep is off).
         "MODELFORGE_ARTIFACT_GRACE_SECONDS": "1",
         "MODELFORGE_ARTIFACT_SWEEP_INTERVAL_SECONDS": "0",
+        # The GPU node's GPUs are the substitute NVML's: the active check that re-admits one
+        # (tests/gpuhealth.test.mjs) runs its model on onnxruntime's CPU provider.
+        "MODELFORGE_GPU_CHECK_PROVIDER": "CPUExecutionProvider",
     }
     workdir = tmp_path / "nodes"
     workdir.mkdir()

@@ -14,6 +14,7 @@ import { Chart } from "./Chart";
 import { Confirm } from "./Confirm";
 import { ErrorNote } from "./ErrorNote";
 import { ago } from "./format";
+import { GpuHealth } from "./GpuHealth";
 import { Go, Labels } from "./Labels";
 import { ListTable } from "./ListTable";
 import { usePolled } from "./usePolled";
@@ -22,7 +23,7 @@ const REFRESH_MS = 5000;
 const CHART_MINUTES = 10;
 
 // Nodes: state, Needs upgrade, duplicate identity, labels, free capacity (and the fleet's),
-// GPUs with live telemetry, what holds a node's resources, events, and revoking a node's credential.
+// each GPU's health (quarantine, re-admission, timeline) and live telemetry, what holds a node's resources, events, and revoking a node's credential.
 export function Nodes() {
   const { data: nodes, error, loaded, reload } = usePolled(api.nodes, [], REFRESH_MS);
   const resources = usePolled<ResourcesView | null>(api.resources, null, REFRESH_MS);
@@ -170,7 +171,7 @@ function NodeDetails({
         </p>
       )}
       <h3>GPUs</h3>
-      {gpus.length === 0 && <p>No GPUs (CPU-only node).</p>}
+      {gpus.length === 0 ? <p>No GPUs (CPU-only node).</p> : <GpuHealth nodeId={node.node_id} />}
       <div className="charts">
         {gpus.map((gpu) => (
           <GpuCharts key={gpu.uuid} gpu={gpu} telemetry={telemetry} times={times} from={from} to={to} />

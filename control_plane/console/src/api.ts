@@ -133,6 +133,15 @@ export const api = {
   nodeReadiness: (nodeId: string) => get<Readiness>(`${NODES}/${nodeId}/readiness`),
   revokeNodeCredential: (nodeId: string) => post<{ revoked: number }>(`${NODES}/${nodeId}/credential/revoke`),
   nodeQueuedWork: (nodeId: string) => resource<QueuedWork[]>(`${NODES}/${nodeId}/queued-work?limit=20`),
+  // Per-GPU health (docs/nodes.md): a GPU's UUID comes from its node, so it is encoded.
+  nodeGpus: (nodeId: string) => resource<GpuHealthView[]>(`${NODES}/${nodeId}/gpus`),
+  gpuEvents: (nodeId: string, uuid: string, limit: number) =>
+    resource<GpuHealthEvent[]>(`${NODES}/${nodeId}/gpus/${encodeURIComponent(uuid)}/events?limit=${limit}`),
+  quarantineGpu: (nodeId: string, uuid: string, reason: string) =>
+    post<GpuHealthView>(`${NODES}/${nodeId}/gpus/${encodeURIComponent(uuid)}/quarantine`, { reason }),
+  // 200: back in the schedule; 202: an active check started (`check` set); 409: refused.
+  readmitGpu: (nodeId: string, uuid: string) =>
+    post<GpuHealthView>(`${NODES}/${nodeId}/gpus/${encodeURIComponent(uuid)}/readmit`),
   resources: resource<ResourcesView>("/api/v1/admin/resources"),
 
   jobs: (state: string, labels: readonly string[]) => resource<JobView[]>(JOBS + query({ state, label: labels, limit: 200 })),
@@ -279,6 +288,44 @@ export interface NodeEvent {
   from_state: string | null;
   to_state: string | null;
   reason: string;
+}
+
+export type GpuState = "healthy" | "degraded" | "unhealthy" | "quarantined";
+
+export interface GpuEvidence {
+  kind: string;
+  at: string;
+  detail: string;
+  xid?: number;
+  value?: number;
+}
+
+// GET /api/v1/admin/nodes/{id}/gpus: one per GPU of the node's inventory. `state` is what the
+// scheduler reads (quarantined while an operator's quarantine holds, else `rules_state`).
+export interface GpuHealthView {
+  index: number;
+  uuid: string;
+  name?: string | null;
+  state: GpuState;
+  rules_state: Exclude<GpuState, "quarantined">;
+  reported: Exclude<GpuState, "quarantined"> | null;
+  reason: string;
+  evidence: GpuEvidence[];
+  since: string | null;
+  quarantine: { reason: string; at: string } | null;
+  check: { job_id: string; state: string } | null;
+}
+
+// GET /api/v1/admin/nodes/{id}/gpus/{uuid}/events: the GPU's timeline, newest first.
+export interface GpuHealthEvent {
+  id?: number;
+  at: string;
+  kind: "state" | "quarantine" | "readmit" | "check" | string;
+  from_state: string | null;
+  to_state: string | null;
+  reason: string;
+  evidence?: GpuEvidence[] | null;
+  actor?: string | null;
 }
 
 export interface TelemetryPoint {

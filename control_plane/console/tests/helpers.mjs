@@ -132,8 +132,9 @@ export async function claim(token, extra = {}) {
 }
 
 // A real node: the runtime worker and the node agent as processes; the token goes in the
-// agent's environment (never an argument), as the start command's env file does.
-export function startNode(name, token, { mode = "cpu", nvmlDir } = {}) {
+// agent's environment (never an argument), as the start command's env file does. `extraEnv`
+// goes to both (e.g. the substitute NVML's control file, MODELFORGE_FAKE_NVML_CONTROL).
+export function startNode(name, token, { mode = "cpu", nvmlDir, extraEnv = {} } = {}) {
   const root = join(WORKDIR, name);
   mkdirSync(root, { recursive: true });
   const env = { ...process.env };
@@ -149,6 +150,7 @@ export function startNode(name, token, { mode = "cpu", nvmlDir } = {}) {
     MODELFORGE_AGENT_ENROLLMENT_TOKEN: token,
   });
   if (nvmlDir) Object.assign(env, { LD_LIBRARY_PATH: nvmlDir, MODELFORGE_FAKE_NVML_SCENARIO: "healthy" });
+  Object.assign(env, extraEnv);
   const options = { env, cwd: process.cwd(), stdio: ["ignore", "pipe", "pipe"] };
   const worker = spawn(PYTHON, ["-m", "runtime_worker"], options);
   const agent = spawn(PYTHON, ["-m", "node_agent"], options);
