@@ -34,7 +34,7 @@ class GpuInfo:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
-def _text(value: str | bytes) -> str:
+def text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
@@ -65,7 +65,7 @@ class Nvml:
         return int(pynvml.nvmlDeviceGetCount())
 
     def gpus(self) -> list[GpuInfo]:
-        driver = _optional(lambda: _text(pynvml.nvmlSystemGetDriverVersion()))
+        driver = _optional(lambda: text(pynvml.nvmlSystemGetDriverVersion()))
         cuda_raw = _optional(pynvml.nvmlSystemGetCudaDriverVersion)
         cuda = f"{cuda_raw // 1000}.{(cuda_raw % 1000) // 10}" if cuda_raw else None
         gpus = []
@@ -75,8 +75,8 @@ class Nvml:
             gpus.append(
                 GpuInfo(
                     index=index,
-                    uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
-                    name=_text(pynvml.nvmlDeviceGetName(handle)),
+                    uuid=text(pynvml.nvmlDeviceGetUUID(handle)),
+                    name=text(pynvml.nvmlDeviceGetName(handle)),
                     memory_total_mb=round(memory.total / _MIB, 1) if memory else None,
                     driver_version=driver,
                     cuda_version=cuda,
