@@ -89,6 +89,12 @@ class Settings(BaseSettings):
     #: Run a node agent and a runtime worker beside the control plane, as its children
     #: (control_plane/local_node.py); `--local-node` / `--no-local-node` win over it.
     local_node: bool = False
+    #: The onnxruntime execution provider a GPU's active check (fleet/gpu_check.py) runs its
+    #: model on, beside the CPU's: CUDA on GPU nodes; the CPU's only where no GPU computes
+    #: (tests, the substitute NVML), so the check then tests NVML's readings alone.
+    gpu_check_provider: Literal["CUDAExecutionProvider", "CPUExecutionProvider"] = (
+        "CUDAExecutionProvider"
+    )
 
     @model_validator(mode="after")
     def _check_liveness(self) -> Self:
