@@ -14,10 +14,41 @@
  *
  * Any other value makes nvmlInit* fail with NVML_ERROR_UNKNOWN and a message on stderr.
  * Every function except nvmlErrorString returns NVML_ERROR_UNINITIALIZED before a successful
- * init. ECC counters are always NVML_ERROR_NOT_SUPPORTED. Not thread-safe: tests are serial.
+ * init.
  *
- * Build: gcc -shared -fPIC -O2 -Wall -Wextra -Werror -o libnvidia-ml.so.1 fake_nvml.c
+ * Faults are injected while a process runs through the control file named by
+ * MODELFORGE_FAKE_NVML_CONTROL (read at the first successful init; unset, or a file that does not
+ * exist yet: no faults). Tests append whole lines to it; each process keeps its own read offset
+ * and reads the new complete lines at nvmlInit, at every device query and every ~5 ms while
+ * nvmlEventSetWait waits. The lines (index = NVML device index):
+ *
+ *   xid <index> <code>             queued to the event sets registered for
+ *                                  nvmlEventTypeXidCriticalError on that GPU when it is read
+ *   lost <index> / found <index>   every per-device call returns NVML_ERROR_GPU_IS_LOST / not
+ *   ecc <index> corrected|uncorrected volatile|aggregate <count>
+ *                                  sets that counter; nvmlDeviceGetTotalEccErrors answers
+ *                                  NVML_ERROR_NOT_SUPPORTED on a GPU until a line sets one of
+ *                                  its counters (the others then read 0)
+ *   remap <index> <corrected> <uncorrected> <pending 0|1> <failure 0|1>
+ *   retired_pending <index> 0|1
+ *   throttle <index> <mask>        the current clocks event (throttle) reasons, decimal or 0x hex
+ *   reset <index>                  a GPU reset: clears lost, volatile ECC counters, the pending
+ *                                  remap and retired pages, throttle; aggregate counters, remapped
+ *                                  row counts and a remap failure stay
+ *
+ * A malformed line is ignored with one message on stderr. The state lines apply in every process
+ * that reads them. Handle lookup by index and the device count keep answering for a lost GPU;
+ * nvmlEventSetWait is not a per-device call and keeps working too. One recursive mutex guards
+ * all state, so one thread may wait on an event set while others query devices.
+ *
+ * Build: gcc -shared -fPIC -pthread -O2 -Wall -Wextra -Werror -o libnvidia-ml.so.1 fake_nvml.c
  */
+#define _GNU_SOURCE /* PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <time.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,6 +62,9 @@ typedef enum nvmlReturn_enum {
     NVML_ERROR_NOT_SUPPORTED = 3,
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
     NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_TIMEOUT = 10,
+    NVML_ERROR_GPU_IS_LOST = 15,
+    NVML_ERROR_MEMORY = 20,
     NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
     NVML_ERROR_UNKNOWN = 999
 } nvmlReturn_t;
@@ -48,6 +82,11 @@ typedef enum nvmlEccCounterType_enum {
     NVML_VOLATILE_ECC = 0,
     NVML_AGGREGATE_ECC = 1
 } nvmlEccCounterType_t;
+
+typedef enum nvmlEnableState_enum {
+    NVML_FEATURE_DISABLED = 0,
+    NVML_FEATURE_ENABLED = 1
+} nvmlEnableState_t;
 
 typedef struct nvmlMemory_st {
     unsigned long long total; /* bytes */
@@ -91,6 +130,27 @@ typedef struct nvmlDevice_st {
     unsigned int power_usage_mw, power_limit_mw;
 } *nvmlDevice_t;
 
+typedef struct nvmlEventSet_st *nvmlEventSet_t;
+
+typedef struct nvmlEventData_st {
+    nvmlDevice_t device;
+    unsigned long long eventType;
+    unsigned long long eventData;        /* the XID code for nvmlEventTypeXidCriticalError */
+    unsigned int gpuInstanceId;          /* 0xFFFFFFFF without MIG (added with _v2) */
+    unsigned int computeInstanceId;
+} nvmlEventData_t;
+
+#define nvmlEventTypeSingleBitEccError 0x0000000000000001ULL
+#define nvmlEventTypeDoubleBitEccError 0x0000000000000002ULL
+#define nvmlEventTypePState 0x0000000000000004ULL
+#define nvmlEventTypeXidCriticalError 0x0000000000000008ULL
+#define nvmlEventTypeClock 0x0000000000000010ULL
+/* What a data-centre GPU reports as supported; only XID events are ever generated here. */
+#define SUPPORTED_EVENT_TYPES                                                                   \
+    (nvmlEventTypeSingleBitEccError | nvmlEventTypeDoubleBitEccError | nvmlEventTypePState |  \
+     nvmlEventTypeXidCriticalError | nvmlEventTypeClock)
+#define NO_INSTANCE 0xFFFFFFFFU
+
 /* ---- Scenario data ---- */
 
 #define MIB (1024ULL * 1024ULL)
@@ -133,17 +193,240 @@ static int read_scenario(enum scenario *out)
     return 1;
 }
 
+/* ---- Locking ---- */
+
+/* Recursive: public entry points call each other (nvmlInit_v2 -> nvmlInitWithFlags ...). */
+static pthread_mutex_t state_lock = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
+
+static int lock_state(void)
+{
+    pthread_mutex_lock(&state_lock);
+    return 1;
+}
+
+static void unlock_state(int *held)
+{
+    if (*held)
+        pthread_mutex_unlock(&state_lock);
+}
+
+/* Holds the state lock until the enclosing function returns. */
+#define GUARD_STATE() \
+    int state_guard __attribute__((cleanup(unlock_state), unused)) = lock_state()
+
+/* ---- Injected faults ---- */
+
+struct faults {
+    int lost;
+    int ecc_supported;              /* a control line set one of this GPU's ECC counters */
+    unsigned long long ecc[2][2];   /* [nvmlMemoryErrorType_t][nvmlEccCounterType_t] */
+    unsigned int remap_corrected, remap_uncorrected, remap_pending, remap_failure;
+    nvmlEnableState_t retired_pending;
+    unsigned long long throttle;    /* clocks event reasons */
+};
+
+static struct faults faults[DEVICE_SLOTS];
+
+#define EVENT_QUEUE_SLOTS 256
+
+struct queued_event {
+    unsigned int device;
+    unsigned long long code;
+};
+
+struct nvmlEventSet_st {
+    unsigned long long registered[DEVICE_SLOTS]; /* event types, per device */
+    struct queued_event queue[EVENT_QUEUE_SLOTS];
+    unsigned int head, count;
+    struct nvmlEventSet_st *next;
+};
+
+static struct nvmlEventSet_st *event_sets = NULL; /* every live set */
+
+static int live_set(const struct nvmlEventSet_st *set)
+{
+    for (const struct nvmlEventSet_st *s = event_sets; s != NULL; s = s->next)
+        if (s == set)
+            return 1;
+    return 0;
+}
+
+static void queue_xid(unsigned int device, unsigned long long code)
+{
+    for (struct nvmlEventSet_st *s = event_sets; s != NULL; s = s->next) {
+        if (!(s->registered[device] & nvmlEventTypeXidCriticalError))
+            continue;
+        if (s->count == EVENT_QUEUE_SLOTS) {
+            fprintf(stderr, "fake NVML: event set %p is full, dropping XID %llu on GPU %u\n",
+                    (void *)s, code, device);
+            continue;
+        }
+        s->queue[(s->head + s->count) % EVENT_QUEUE_SLOTS] = (struct queued_event){device, code};
+        s->count++;
+    }
+}
+
+/* ---- The control file ---- */
+
+#define CONTROL_LINE_MAX 256
+
+static char *control_path = NULL; /* MODELFORGE_FAKE_NVML_CONTROL, read at the first init */
+static int control_fd = -1;
+static off_t control_offset = 0;   /* this process's read position */
+static int control_skipping = 0;   /* inside a line longer than CONTROL_LINE_MAX */
+
+static int parse_number(const char *text, int base, unsigned long long max,
+                        unsigned long long *out)
+{
+    char *end;
+    unsigned long long value;
+
+    if (text == NULL || text[0] < '0' || text[0] > '9')
+        return 0;
+    errno = 0;
+    value = strtoull(text, &end, base);
+    if (errno != 0 || *end != '\0' || value > max)
+        return 0;
+    *out = value;
+    return 1;
+}
+
+/* Applies one line; returns 0 when it is malformed. */
+static int apply_control_line(char *line)
+{
+    char *words[8], *save = NULL;
+    unsigned int n = 0;
+    unsigned long long index, a, b, c, d;
+    struct faults *f;
+
+    for (char *w = strtok_r(line, " \t\r", &save); w != NULL; w = strtok_r(NULL, " \t\r", &save)) {
+        if (n == sizeof(words) / sizeof(words[0]))
+            return 0;
+        words[n++] = w;
+    }
+    if (n == 0 || words[0][0] == '#')
+        return 1; /* blank line or comment */
+    if (n < 2 || !parse_number(words[1], 10, device_count == 0 ? 0 : device_count - 1, &index) ||
+        device_count == 0)
+        return 0;
+    f = &faults[index];
+
+    if (strcmp(words[0], "xid") == 0 && n == 3 && parse_number(words[2], 10, 0xFFFFFFFFULL, &a))
+        queue_xid((unsigned int)index, a);
+    else if (strcmp(words[0], "lost") == 0 && n == 2)
+        f->lost = 1;
+    else if (strcmp(words[0], "found") == 0 && n == 2)
+        f->lost = 0;
+    else if (strcmp(words[0], "ecc") == 0 && n == 5 &&
+             (strcmp(words[2], "corrected") == 0 || strcmp(words[2], "uncorrected") == 0) &&
+             (strcmp(words[3], "volatile") == 0 || strcmp(words[3], "aggregate") == 0) &&
+             parse_number(words[4], 10, ~0ULL, &a)) {
+        f->ecc[strcmp(words[2], "uncorrected") == 0][strcmp(words[3], "aggregate") == 0] = a;
+        f->ecc_supported = 1;
+    } else if (strcmp(words[0], "remap") == 0 && n == 6 &&
+               parse_number(words[2], 10, 0xFFFFFFFFULL, &a) &&
+               parse_number(words[3], 10, 0xFFFFFFFFULL, &b) && parse_number(words[4], 10, 1, &c) &&
+               parse_number(words[5], 10, 1, &d)) {
+        f->remap_corrected = (unsigned int)a;
+        f->remap_uncorrected = (unsigned int)b;
+        f->remap_pending = (unsigned int)c;
+        f->remap_failure = (unsigned int)d;
+    } else if (strcmp(words[0], "retired_pending") == 0 && n == 3 &&
+               parse_number(words[2], 10, 1, &a))
+        f->retired_pending = a ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
+    else if (strcmp(words[0], "throttle") == 0 && n == 3 && parse_number(words[2], 0, ~0ULL, &a))
+        f->throttle = a;
+    else if (strcmp(words[0], "reset") == 0 && n == 2) {
+        f->lost = 0;
+        f->ecc[NVML_MEMORY_ERROR_TYPE_CORRECTED][NVML_VOLATILE_ECC] = 0;
+        f->ecc[NVML_MEMORY_ERROR_TYPE_UNCORRECTED][NVML_VOLATILE_ECC] = 0;
+        f->remap_pending = 0;
+        f->retired_pending = NVML_FEATURE_DISABLED;
+        f->throttle = 0;
+    } else
+        return 0;
+    return 1;
+}
+
+static void reject_control_line(const char *line)
+{
+    fprintf(stderr,
+            "fake NVML: ignoring malformed line '%.*s' in %s (expected xid, lost, found, ecc, "
+            "remap, retired_pending, throttle or reset with a GPU index below %u; see "
+            "tests/nvml_substitute/__init__.py)\n",
+            CONTROL_LINE_MAX, line, control_path, device_count);
+}
+
+/* Reads and applies the complete lines appended since the last call. Hold the state lock. */
+static void read_control(void)
+{
+    char buf[CONTROL_LINE_MAX + 1], copy[CONTROL_LINE_MAX + 1];
+
+    if (control_path == NULL)
+        return;
+    if (control_fd < 0) {
+        control_fd = open(control_path, O_RDONLY | O_CLOEXEC);
+        if (control_fd < 0)
+            return; /* not written yet */
+    }
+    for (;;) {
+        ssize_t got = pread(control_fd, buf, CONTROL_LINE_MAX, control_offset);
+        size_t start = 0;
+
+        if (got <= 0)
+            return;
+        for (size_t i = 0; i < (size_t)got; i++) {
+            if (buf[i] != '\n')
+                continue;
+            buf[i] = '\0';
+            if (control_skipping)
+                control_skipping = 0; /* the end of an over-long line, already reported */
+            else {
+                memcpy(copy, buf + start, i - start + 1);
+                if (!apply_control_line(buf + start))
+                    reject_control_line(copy);
+            }
+            start = i + 1;
+        }
+        if (start == 0) {
+            if (got < CONTROL_LINE_MAX)
+                return; /* a line still being written */
+            buf[got] = '\0';
+            if (!control_skipping)
+                reject_control_line(buf);
+            control_skipping = 1;
+            start = (size_t)got;
+        }
+        control_offset += (off_t)start;
+        if (start < (size_t)got)
+            return; /* the rest is an unfinished line */
+    }
+}
+
+static void open_control(void)
+{
+    const char *path = getenv("MODELFORGE_FAKE_NVML_CONTROL");
+
+    if (control_path == NULL && path != NULL && path[0] != '\0') {
+        control_path = strdup(path);
+        if (control_path == NULL)
+            fprintf(stderr, "fake NVML: out of memory, ignoring the control file\n");
+    }
+}
+
 /* ---- Helpers ---- */
 
+/* Hold the state lock. Reads the control file first: a query sees every line written before. */
 static nvmlReturn_t check_device(nvmlDevice_t device, const void *out)
 {
     if (init_count == 0)
         return NVML_ERROR_UNINITIALIZED;
+    read_control();
     if (out == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     for (unsigned int i = 0; i < device_count; i++)
         if (device == &devices[i])
-            return NVML_SUCCESS;
+            return faults[i].lost ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
     return NVML_ERROR_INVALID_ARGUMENT; /* not a handle this library handed out */
 }
 
@@ -161,6 +444,7 @@ static nvmlReturn_t copy_string(char *dst, unsigned int length, const char *src)
 
 nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
 {
+    GUARD_STATE();
     (void)flags;
     if (init_count == 0) {
         if (!read_scenario(&scenario))
@@ -168,8 +452,10 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
         if (scenario == INIT_FAIL)
             return NVML_ERROR_DRIVER_NOT_LOADED;
         device_count = scenario == NO_DEVICES ? 0 : (unsigned int)DEVICE_SLOTS;
+        open_control();
     }
     init_count++;
+    read_control();
     return NVML_SUCCESS;
 }
 
@@ -178,6 +464,7 @@ nvmlReturn_t nvmlInit(void) { return nvmlInitWithFlags(0); }
 
 nvmlReturn_t nvmlShutdown(void)
 {
+    GUARD_STATE();
     if (init_count == 0)
         return NVML_ERROR_UNINITIALIZED;
     init_count--;
@@ -193,6 +480,9 @@ const char *nvmlErrorString(nvmlReturn_t result)
     case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
     case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
     case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
+    case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    case NVML_ERROR_MEMORY: return "Insufficient Memory";
     case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Argument Version Mismatch";
     default: return "Unknown Error";
     }
@@ -202,6 +492,7 @@ const char *nvmlErrorString(nvmlReturn_t result)
 
 nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length)
 {
+    GUARD_STATE();
     if (init_count == 0)
         return NVML_ERROR_UNINITIALIZED;
     return copy_string(version, length, DRIVER_VERSION);
@@ -209,6 +500,7 @@ nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length)
 
 nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length)
 {
+    GUARD_STATE();
     if (init_count == 0)
         return NVML_ERROR_UNINITIALIZED;
     return copy_string(version, length, NVML_VERSION);
@@ -216,6 +508,7 @@ nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length)
 
 nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *cudaDriverVersion)
 {
+    GUARD_STATE();
     if (init_count == 0)
         return NVML_ERROR_UNINITIALIZED;
     if (cudaDriverVersion == NULL)
@@ -233,8 +526,10 @@ nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *cudaDriverVersion)
 
 nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount)
 {
+    GUARD_STATE();
     if (init_count == 0)
         return NVML_ERROR_UNINITIALIZED;
+    read_control();
     if (deviceCount == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     *deviceCount = device_count;
@@ -248,8 +543,10 @@ nvmlReturn_t nvmlDeviceGetCount(unsigned int *deviceCount)
 
 nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
 {
+    GUARD_STATE();
     if (init_count == 0)
         return NVML_ERROR_UNINITIALIZED;
+    read_control(); /* a lost GPU keeps its handle: only calls on it fail */
     if (device == NULL || index >= device_count)
         return NVML_ERROR_INVALID_ARGUMENT;
     *device = &devices[index];
@@ -265,18 +562,21 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device
 
 nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
 {
+    GUARD_STATE();
     nvmlReturn_t ret = check_device(device, uuid);
     return ret != NVML_SUCCESS ? ret : copy_string(uuid, length, device->uuid);
 }
 
 nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
 {
+    GUARD_STATE();
     nvmlReturn_t ret = check_device(device, name);
     return ret != NVML_SUCCESS ? ret : copy_string(name, length, DEVICE_NAME);
 }
 
 nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
 {
+    GUARD_STATE();
     nvmlReturn_t ret = check_device(device, index);
     if (ret == NVML_SUCCESS)
         *index = device->index;
@@ -285,6 +585,7 @@ nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 {
+    GUARD_STATE();
     nvmlReturn_t ret = check_device(device, memory);
     if (ret == NVML_SUCCESS) {
         memory->total = device->memory_total_mib * MIB;
@@ -296,6 +597,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
 {
+    GUARD_STATE();
     nvmlReturn_t ret = check_device(device, memory);
     if (ret != NVML_SUCCESS)
         return ret;
@@ -312,6 +614,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
 
 static nvmlReturn_t check_telemetry(nvmlDevice_t device, const void *out)
 {
+    GUARD_STATE();
     nvmlReturn_t ret = check_device(device, out);
     if (ret == NVML_SUCCESS && scenario == TELEMETRY_FAIL)
         return NVML_ERROR_UNKNOWN;
@@ -320,6 +623,7 @@ static nvmlReturn_t check_telemetry(nvmlDevice_t device, const void *out)
 
 nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *utilization)
 {
+    GUARD_STATE();
     nvmlReturn_t ret = check_telemetry(device, utilization);
     if (ret == NVML_SUCCESS) {
         utilization->gpu = device->util_gpu;
@@ -331,6 +635,7 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_
 nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, nvmlTemperatureSensors_t sensorType,
                                       unsigned int *temp)
 {
+    GUARD_STATE();
     nvmlReturn_t ret = check_telemetry(device, temp);
     if (ret != NVML_SUCCESS)
         return ret;
@@ -342,6 +647,7 @@ nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, nvmlTemperatureSensor
 
 nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, nvmlTemperature_t *temperature)
 {
+    GUARD_STATE();
     nvmlReturn_t ret = check_telemetry(device, temperature);
     if (ret != NVML_SUCCESS)
         return ret;
@@ -355,6 +661,7 @@ nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, nvmlTemperature_t *t
 
 nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power)
 {
+    GUARD_STATE();
     nvmlReturn_t ret = check_telemetry(device, power);
     if (ret == NVML_SUCCESS)
         *power = device->power_usage_mw;
@@ -365,6 +672,7 @@ nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power)
 
 nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t device, unsigned int *limit)
 {
+    GUARD_STATE();
     nvmlReturn_t ret = check_device(device, limit);
     if (ret == NVML_SUCCESS)
         *limit = device->power_limit_mw;
@@ -375,18 +683,30 @@ nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, nvmlMemoryErrorTyp
                                          nvmlEccCounterType_t counterType,
                                          unsigned long long *eccCounts)
 {
+    GUARD_STATE();
     nvmlReturn_t ret = check_device(device, eccCounts);
-    (void)errorType;
-    (void)counterType;
-    return ret != NVML_SUCCESS ? ret : NVML_ERROR_NOT_SUPPORTED;
+    const struct faults *f;
+
+    if (ret != NVML_SUCCESS)
+        return ret;
+    f = &faults[device->index];
+    if (!f->ecc_supported)
+        return NVML_ERROR_NOT_SUPPORTED; /* until a control line sets a counter on this GPU */
+    if ((errorType != NVML_MEMORY_ERROR_TYPE_CORRECTED &&
+         errorType != NVML_MEMORY_ERROR_TYPE_UNCORRECTED) ||
+        (counterType != NVML_VOLATILE_ECC && counterType != NVML_AGGREGATE_ECC))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *eccCounts = f->ecc[errorType][counterType];
+    return NVML_SUCCESS;
 }
 
 nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t device,
                                                     unsigned long long *clocksEventReasons)
 {
+    GUARD_STATE();
     nvmlReturn_t ret = check_device(device, clocksEventReasons);
     if (ret == NVML_SUCCESS)
-        *clocksEventReasons = 0ULL; /* no throttling */
+        *clocksEventReasons = faults[device->index].throttle; /* 0 (none) unless injected */
     return ret;
 }
 
@@ -394,4 +714,173 @@ nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t device,
                                                        unsigned long long *clocksThrottleReasons)
 {
     return nvmlDeviceGetCurrentClocksEventReasons(device, clocksThrottleReasons);
+}
+
+/* ---- Row remapping and page retirement ---- */
+
+nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRows,
+                                       unsigned int *uncRows, unsigned int *isPending,
+                                       unsigned int *failureOccurred)
+{
+    GUARD_STATE();
+    nvmlReturn_t ret = check_device(device, corrRows);
+    const struct faults *f;
+
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (uncRows == NULL || isPending == NULL || failureOccurred == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    f = &faults[device->index];
+    *corrRows = f->remap_corrected;
+    *uncRows = f->remap_uncorrected;
+    *isPending = f->remap_pending;
+    *failureOccurred = f->remap_failure;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device,
+                                                    nvmlEnableState_t *isPending)
+{
+    GUARD_STATE();
+    nvmlReturn_t ret = check_device(device, isPending);
+    if (ret == NVML_SUCCESS)
+        *isPending = faults[device->index].retired_pending;
+    return ret;
+}
+
+/* ---- Events ---- */
+
+nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
+{
+    GUARD_STATE();
+    struct nvmlEventSet_st *created;
+
+    if (init_count == 0)
+        return NVML_ERROR_UNINITIALIZED;
+    if (set == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    created = calloc(1, sizeof(*created));
+    if (created == NULL)
+        return NVML_ERROR_MEMORY;
+    created->next = event_sets;
+    event_sets = created;
+    *set = created;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *eventTypes)
+{
+    GUARD_STATE();
+    nvmlReturn_t ret = check_device(device, eventTypes);
+    if (ret == NVML_SUCCESS)
+        *eventTypes = SUPPORTED_EVENT_TYPES;
+    return ret;
+}
+
+nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes,
+                                      nvmlEventSet_t set)
+{
+    GUARD_STATE();
+    /* Lines read here, before the registration, are not delivered to this set. */
+    nvmlReturn_t ret = check_device(device, set);
+
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (!live_set(set))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (eventTypes & ~SUPPORTED_EVENT_TYPES)
+        return NVML_ERROR_NOT_SUPPORTED;
+    set->registered[device->index] |= eventTypes;
+    return NVML_SUCCESS;
+}
+
+#define EVENT_POLL_NS 5000000L /* 5 ms between reads of the control file while waiting */
+
+static long long elapsed_ms(const struct timespec *since)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (long long)(now.tv_sec - since->tv_sec) * 1000LL +
+           (now.tv_nsec - since->tv_nsec) / 1000000L;
+}
+
+/* Takes the oldest queued event, or says why there is none; 1 when `data` was filled. */
+static int take_event(nvmlEventSet_t set, nvmlEventData_t *data, int with_instances,
+                      nvmlReturn_t *ret)
+{
+    GUARD_STATE();
+    struct queued_event event;
+
+    if (init_count == 0) {
+        *ret = NVML_ERROR_UNINITIALIZED;
+        return 0;
+    }
+    if (data == NULL || !live_set(set)) {
+        *ret = NVML_ERROR_INVALID_ARGUMENT;
+        return 0;
+    }
+    read_control();
+    *ret = NVML_ERROR_TIMEOUT;
+    if (set->count == 0)
+        return 0;
+    event = set->queue[set->head];
+    set->head = (set->head + 1) % EVENT_QUEUE_SLOTS;
+    set->count--;
+    data->device = &devices[event.device];
+    data->eventType = nvmlEventTypeXidCriticalError;
+    data->eventData = event.code;
+    if (with_instances) { /* the v1 struct ends before these fields */
+        data->gpuInstanceId = NO_INSTANCE;
+        data->computeInstanceId = NO_INSTANCE;
+    }
+    *ret = NVML_SUCCESS;
+    return 1;
+}
+
+/* Polls without holding the lock between reads, so other threads' queries go on meanwhile. */
+static nvmlReturn_t wait_event(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms,
+                               int with_instances)
+{
+    struct timespec start;
+    nvmlReturn_t ret;
+
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (;;) {
+        long long left;
+        struct timespec pause = {0, EVENT_POLL_NS};
+
+        if (take_event(set, data, with_instances, &ret) || ret != NVML_ERROR_TIMEOUT)
+            return ret;
+        left = (long long)timeoutms - elapsed_ms(&start);
+        if (left <= 0)
+            return NVML_ERROR_TIMEOUT;
+        if (left * 1000000LL < pause.tv_nsec)
+            pause.tv_nsec = (long)(left * 1000000LL);
+        nanosleep(&pause, NULL);
+    }
+}
+
+nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
+{
+    return wait_event(set, data, timeoutms, 1);
+}
+
+nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
+{
+    return wait_event(set, data, timeoutms, 0);
+}
+
+nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
+{
+    GUARD_STATE();
+
+    if (init_count == 0)
+        return NVML_ERROR_UNINITIALIZED;
+    for (struct nvmlEventSet_st **link = &event_sets; *link != NULL; link = &(*link)->next)
+        if (*link == set) {
+            *link = set->next;
+            free(set);
+            return NVML_SUCCESS;
+        }
+    return NVML_ERROR_INVALID_ARGUMENT;
 }
