@@ -26,6 +26,8 @@ ACTIONS = frozenset(
         "enrollment.revoke",
         "node.delete",
         "node.credential.revoke",
+        "gpu.quarantine",
+        "gpu.readmit",
         "credential.revoke",
         "signing_key.rotate",
         "job.submit",

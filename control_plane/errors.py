@@ -50,6 +50,59 @@ class Conflict(ModelForgeError):
     code = "CONFLICT"
 
 
+class GpuNotFound(NotFound):
+    """A node's GPU that neither its inventory lists nor any health report named."""
+
+    code = "GPU_NOT_FOUND"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "This node has no GPU with this UUID (its inventory does not list it and no health "
+            "report named it).",
+            "List the node's GPUs with GET /api/v1/admin/nodes/{node_id}/gpus and use a UUID "
+            "from there.",
+        )
+
+
+class GpuNotClean(Conflict):
+    """Re-admission refused: the agent still reports the GPU unhealthy."""
+
+    code = "GPU_NOT_CLEAN"
+
+    def __init__(self, *, gpu: str, evidence: str) -> None:
+        super().__init__(
+            f"{gpu} cannot be re-admitted: its agent still reports it unhealthy ({evidence}).",
+            "Reset the GPU (nvidia-smi --gpu-reset) or reboot the node; once the agent reports "
+            "it healthy or degraded, re-admit it again to run its active check.",
+        )
+
+
+class GpuCheckRunning(Conflict):
+    """Re-admission refused: the GPU's active check has not ended yet."""
+
+    code = "GPU_CHECK_RUNNING"
+
+    def __init__(self, *, gpu: str, job_id: str) -> None:
+        super().__init__(
+            f"{gpu} is already being checked (job {job_id}).",
+            f"Wait for that job to end (GET /api/v1/jobs/{job_id}); the GPU's view and its "
+            "events then say how the check went.",
+        )
+
+
+class GpuInService(Conflict):
+    """Re-admission refused: the GPU is in the schedule already."""
+
+    code = "GPU_IN_SERVICE"
+
+    def __init__(self, *, gpu: str, state: str) -> None:
+        super().__init__(
+            f"{gpu} is {state} and not quarantined: there is nothing to re-admit.",
+            "Nothing to do; to take it out of the schedule, quarantine it: POST "
+            "/api/v1/admin/nodes/{node_id}/gpus/{uuid}/quarantine.",
+        )
+
+
 class AdminAuthError(ModelForgeError):
     http_status = 401
     code = "ADMIN_TOKEN_INVALID"

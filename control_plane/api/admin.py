@@ -6,12 +6,12 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request, Response, status
+from fastapi import APIRouter, Path, Query, Request, Response, status
 
 from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
 from control_plane.api.routing import LaneRoute
 from control_plane.context import AppContext
-from control_plane.fleet import enrollments, node_admin, node_setup, nodes, readiness
+from control_plane.fleet import enrollments, gpu_admin, node_admin, node_setup, nodes, readiness
 from control_plane.fleet.reports import telemetry_points
 from control_plane.fleet.schemas import (
     CredentialPublic,
@@ -19,6 +19,8 @@ from control_plane.fleet.schemas import (
     EnrollmentCreate,
     EnrollmentMinted,
     EnrollmentPublic,
+    GpuHealthEventPublic,
+    GpuHealthPublic,
     KeyRotation,
     NodeEventPublic,
     NodeImage,
@@ -26,10 +28,12 @@ from control_plane.fleet.schemas import (
     NodePublic,
     NodeSetup,
     NodeSetupRequest,
+    QuarantineRequest,
     Readiness,
     TelemetryPoint,
 )
 from control_plane.models import Node, NodeCredential, NodeEnrollment
+from control_plane.scheduling import gpu_admin as gpu_readmission
 from control_plane.scheduling.schemas import QueuedWork
 from control_plane.scheduling.waiting import could_run_on
 from control_plane.schemas import ResourceId
@@ -206,6 +210,75 @@ def revoke_node_credential(
         session=session, clock=ctx.clock, authority=ctx.authority, node_id=node_id
     )
     return CredentialRevocation(node_id=node_id, revoked=revoked)
+
+
+GpuUuid = Annotated[str, Path(min_length=1, max_length=96, pattern=r"^[A-Za-z0-9_.:-]+$")]
+
+
+@router.get("/nodes/{node_id}/gpus", response_model=list[GpuHealthPublic])
+def list_node_gpus(node_id: ResourceId, session: SessionDep) -> list[GpuHealthPublic]:
+    """Every GPU of the node: its health state, why, its quarantine and its active check."""
+    return gpu_admin.gpus_of_node(session=session, node_id=node_id)
+
+
+@router.get("/nodes/{node_id}/gpus/{uuid}/events", response_model=list[GpuHealthEventPublic])
+def list_gpu_events(
+    node_id: ResourceId,
+    uuid: GpuUuid,
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+) -> list[GpuHealthEventPublic]:
+    """The GPU's timeline, newest first: state changes, quarantines, re-admissions, checks."""
+    return gpu_admin.gpu_events(session=session, node_id=node_id, uuid=uuid, limit=limit)
+
+
+@router.post("/nodes/{node_id}/gpus/{uuid}/quarantine", response_model=GpuHealthPublic)
+def quarantine_gpu(
+    node_id: ResourceId,
+    uuid: GpuUuid,
+    body: QuarantineRequest,
+    ctx: ContextDep,
+    session: SessionDep,
+    audit: AuditDep,
+) -> GpuHealthPublic:
+    """Out of the schedule by an operator's hand; what runs on it drains, nothing is stopped."""
+    audit("gpu.quarantine", f"{node_id}/{uuid}", reason=body.reason)
+    return gpu_admin.quarantine(
+        session=session,
+        clock=ctx.clock,
+        node_id=node_id,
+        uuid=uuid,
+        reason=body.reason,
+        actor=audit.actor,
+    )
+
+
+@router.post(
+    "/nodes/{node_id}/gpus/{uuid}/readmit",
+    response_model=GpuHealthPublic,
+    responses={202: {"model": GpuHealthPublic, "description": "its active check started"}},
+)
+def readmit_gpu(
+    node_id: ResourceId,
+    uuid: GpuUuid,
+    response: Response,
+    ctx: ContextDep,
+    session: SessionDep,
+    audit: AuditDep,
+) -> GpuHealthPublic:
+    """200: back in the schedule; 202: its active check was queued, the GPU stays out."""
+    audit("gpu.readmit", f"{node_id}/{uuid}")
+    readmission = gpu_readmission.readmit(
+        session=session,
+        clock=ctx.clock,
+        node_id=node_id,
+        uuid=uuid,
+        provider=ctx.settings.gpu_check_provider,
+        actor=audit.actor,
+    )
+    if readmission.check_started:
+        response.status_code = status.HTTP_202_ACCEPTED
+    return readmission.gpu
 
 
 @router.get("/credentials", response_model=list[CredentialPublic])

@@ -336,6 +336,63 @@ class AssignedGpu(BaseModel):
     uuid: str
 
 
+# -- a GPU's health as operators see and change it (issue 28) ----------------------------------
+
+GpuState = Literal["healthy", "degraded", "unhealthy", "quarantined"]
+GpuRulesState = Literal["healthy", "degraded", "unhealthy"]
+
+
+class GpuQuarantine(BaseModel):
+    reason: str
+    at: datetime
+
+
+class GpuCheck(BaseModel):
+    """The active check running on a GPU: its job and that job's state."""
+
+    job_id: str
+    state: str
+
+
+class GpuHealthPublic(BaseModel):
+    """One GPU of a node: the state the scheduler reads and why."""
+
+    index: int
+    uuid: str
+    name: str | None
+    state: GpuState
+    rules_state: GpuRulesState
+    reported: GpuRulesState
+    reason: str
+    evidence: list[dict[str, Any]]
+    since: datetime | None
+    quarantine: GpuQuarantine | None
+    check: GpuCheck | None
+
+
+class GpuHealthEventPublic(BaseModel):
+    id: int
+    at: datetime
+    kind: Literal["state", "quarantine", "readmit", "check"]
+    from_state: str | None
+    to_state: str | None
+    reason: str
+    evidence: list[dict[str, Any]] | None
+    actor: str
+
+
+class QuarantineRequest(StrictModel):
+    reason: Annotated[Text, StringConstraints(min_length=1, max_length=500)]
+
+    @field_validator("reason")
+    @classmethod
+    def _strip(cls, value: str) -> str:
+        value = value.strip()
+        if not value:
+            raise ValueError("reason must not be blank")
+        return value
+
+
 # -- the console's telemetry history -----------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from sqlalchemy import insert, update
 from sqlalchemy.orm import Session
 
-from control_plane.db import rowcount
+from control_plane.fleet.gpu_admin import check_ended
 from control_plane.metrics import job_finished
 from control_plane.models import JOB_EVENTS, JOBS
 from control_plane.scheduling.dispatch import CAPACITY, job_key, jobs_changed, node_key
@@ -81,27 +81,42 @@ def finish(
     conditions = [JOBS.c.id == job.id, JOBS.c.state.in_(from_states)]
     if node_id is not None:
         conditions.append(JOBS.c.node_id == node_id)
-    changed = rowcount(
-        session.execute(
-            update(JOBS)
-            .where(*conditions)
-            .values(
-                state=state,
-                finished_at=at,
-                result=result,
-                outputs=outputs,
-                error_code=error[0] if error else None,
-                error_message=error[1] if error else None,
-            )
+    ended = session.execute(
+        update(JOBS)
+        .where(*conditions)
+        .values(
+            state=state,
+            finished_at=at,
+            result=result,
+            outputs=outputs,
+            error_code=error[0] if error else None,
+            error_message=error[1] if error else None,
         )
-    )
-    if changed:
+        .returning(JOBS.c.pinned)
+    ).all()
+    if ended:
         data: dict[str, Any] = {"state": state}
         if error:
             data["error"] = {"code": error[0], "message": error[1]}
         append_events(session, job, [("state", data)], at=at)
         job_finished(session, state=state, code=error[0] if error else None)
-    return changed == 1
+        pinned_ended(session, job.id, ended[0].pinned, state=state, error=error, at=at)
+    return len(ended) == 1
+
+
+def pinned_ended(
+    session: Session,
+    job_id: str,
+    pinned: dict[str, Any] | None,
+    *,
+    state: str,
+    error: tuple[str, str] | None,
+    at: datetime,
+) -> None:
+    """A job that ended, pinned to a GPU (its active check), tells the GPU: every way a job
+    ends passes here (`finish`, and the agents' outcomes in `reports.complete_jobs`)."""
+    if pinned:
+        check_ended(session, job_id=job_id, pinned=pinned, state=state, error=error, at=at)
 
 
 @dataclass(frozen=True)

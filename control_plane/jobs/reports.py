@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from control_plane.clock import Clock
 from control_plane.errors import Conflict, ModelForgeError, NotFound
 from control_plane.fleet.liveness import ContactGrace, counted_from
-from control_plane.jobs._changes import RunningJob, append_events, finish
+from control_plane.jobs._changes import RunningJob, append_events, finish, pinned_ended
 from control_plane.metrics import job_finished
 from control_plane.models import JOB_EVENTS, JOBS, Job
 from control_plane.scheduling.dispatch import CAPACITY, job_key, jobs_changed, node_key
@@ -97,6 +97,7 @@ def complete_jobs(
                 JOBS.c.state,
                 JOBS.c.cancel_requested,
                 JOBS.c.next_event_seq,
+                JOBS.c.pinned,
             )
             .where(JOBS.c.id.in_(sorted({outcome.job_id for outcome in outcomes})))
             .order_by(JOBS.c.id)
@@ -148,6 +149,7 @@ def complete_jobs(
         )
         keys.update((job_key(outcome.job_id), node_key(outcome.node_id)))
         job_finished(session, state=state, code=error[0] if error else None)
+        pinned_ended(session, outcome.job_id, row.pinned, state=state, error=error, at=now)
     if changes:
         session.execute(
             update(JOBS)

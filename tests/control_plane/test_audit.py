@@ -18,6 +18,8 @@ AUDITED = {
     "POST /api/v1/admin/node-enrollments/{enrollment_id}/revoke": "enrollment.revoke",
     "DELETE /api/v1/admin/nodes/{node_id}": "node.delete",
     "POST /api/v1/admin/nodes/{node_id}/credential/revoke": "node.credential.revoke",
+    "POST /api/v1/admin/nodes/{node_id}/gpus/{uuid}/quarantine": "gpu.quarantine",
+    "POST /api/v1/admin/nodes/{node_id}/gpus/{uuid}/readmit": "gpu.readmit",
     "POST /api/v1/admin/credentials/{jti}/revoke": "credential.revoke",
     "POST /api/v1/admin/signing-key/rotate": "signing_key.rotate",
     "POST /api/v1/jobs": "job.submit",
@@ -92,6 +94,12 @@ def test_each_admin_action_is_audited_with_its_target_and_no_secret(
         done.append(("node.credential.revoke", other["node_id"]))
         _ok(client.delete(f"/api/v1/admin/nodes/{other['node_id']}", headers=admin), 204)
         done.append(("node.delete", other["node_id"]))
+        gpu_node = _node(cp, gpus=1)
+        gpu = f"/api/v1/admin/nodes/{gpu_node['node_id']}/gpus/GPU-{gpu_node['node_id']}-0"
+        _ok(client.post(f"{gpu}/quarantine", headers=admin, json={"reason": "maintenance"}))
+        done.append(("gpu.quarantine", f"{gpu_node['node_id']}/GPU-{gpu_node['node_id']}-0"))
+        _ok(client.post(f"{gpu}/readmit", headers=admin))
+        done.append(("gpu.readmit", f"{gpu_node['node_id']}/GPU-{gpu_node['node_id']}-0"))
         _ok(client.post("/api/v1/admin/signing-key/rotate", headers=admin))
 
         assert _put_secret(cp, "HF_TOKEN", {"site": "a"}).status_code == 200
