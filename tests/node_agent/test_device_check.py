@@ -22,6 +22,9 @@ from tests.nvml_substitute import CONTROL_ENV, EXPECTED_GPUS, SCENARIO_ENV, Faul
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "device-check"
 CPU = "CPUExecutionProvider"
 UUID0, UUID1 = (gpu["uuid"] for gpu in EXPECTED_GPUS)
+#: A watch long enough that a fault injected once it watches arrives before it ends, even on a
+#: loaded machine (the test reads the progress and injects in another process).
+INJECT_SECONDS = "4"
 
 
 def _env(nvml_dir: Path, control: Path, **extra: str) -> dict[str, str]:
@@ -83,7 +86,7 @@ def test_json_report_names_each_gpu_and_the_inference(fake_nvml_dir: Path, tmp_p
 def test_xid_79_on_gpu_1_fails_naming_it(fake_nvml_dir: Path, tmp_path: Path) -> None:
     control = tmp_path / "control"
     process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--seconds", "2", "--provider", CPU, "--json"],
+        [sys.executable, str(SCRIPT), "--seconds", INJECT_SECONDS, "--provider", CPU, "--json"],
         env=_env(fake_nvml_dir, control),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -113,7 +116,7 @@ def test_xid_79_on_gpu_1_fails_naming_it(fake_nvml_dir: Path, tmp_path: Path) ->
 def test_application_xids_are_counted_and_pass(fake_nvml_dir: Path, tmp_path: Path) -> None:
     control = tmp_path / "control"
     process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--seconds", "2", "--provider", CPU, "--json"],
+        [sys.executable, str(SCRIPT), "--seconds", INJECT_SECONDS, "--provider", CPU, "--json"],
         env=_env(fake_nvml_dir, control),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
