@@ -5,6 +5,9 @@ its loops until stopped, each on its own thread and schedule:
 - the inventory, checked at the same interval and sent when it changed, and at least every
   inventory interval the control plane gives even unchanged (readiness judges its age);
 - telemetry, every telemetry interval;
+- on a node with NVIDIA GPUs, each offered GPU's health (node_agent.gpu_health): a watch thread
+  on NVML's XID events and counters, and a sender that reports every GPU's judgement at once when
+  one changes, and again every 60 s;
 - the work slots and the cancellation watch (node_agent.work), once the node has reported itself;
 - beside them the services this node must run (node_agent.services), synced with the control
   plane every poll interval it gives and kept in line on the runtime worker;
@@ -44,7 +47,14 @@ from node_agent.config import AgentSettings, ConfigError, group_id
 from node_agent.hardening import private_paths, share_socket
 from node_agent.identity import Identity, IdentityStore
 from node_agent.idle import Activity
-from node_agent.inventory import Overrides, collect_inventory, collect_telemetry, machine_id
+from node_agent.inventory import (
+    Overrides,
+    collect_inventory,
+    collect_telemetry,
+    machine_id,
+    offered_gpus,
+    slurm_allocation,
+)
 from node_agent.local_api import serve_local_api
 from node_agent.preflight import PreflightResult
 from node_agent.retry import EXIT_CONFIG, AgentStopped, ControlPlaneError, Interrupted
@@ -230,6 +240,8 @@ class Agent:
                 lambda: self.telemetry_interval,
                 first=True,
             )
+            if nvml is not None:
+                self._watch_gpu_health()
             # Claim only once the node has reported itself.
             while not inventory_tried.wait(0.1):
                 if self.stop.is_set():
@@ -314,6 +326,29 @@ class Agent:
                     return
 
         threading.Thread(target=forever, daemon=True, name=name).start()
+
+    def _watch_gpu_health(self) -> None:
+        """Watch the GPUs this node offers, and report their health from a thread of its own."""
+        from node_agent.gpu_health import REFRESH_SECONDS, GpuHealthReporter, GpuWatcher
+
+        gpus = offered_gpus(self.preflight.gpus, self.overrides, slurm_allocation())
+        if not gpus:
+            return
+        reporter = GpuHealthReporter(self.control_plane.report_gpu_health)
+        watcher = GpuWatcher(
+            on_change=reporter.offer,
+            poll_seconds=self.settings.gpu_health_poll_seconds,
+            gpus={gpu.index: gpu.uuid for gpu in gpus},
+        )
+        threading.Thread(
+            target=watcher.run, args=(self.stop,), daemon=True, name="GPU health watch"
+        ).start()
+        self._loop(
+            "GPU health reports",
+            reporter.send_latest,
+            lambda: REFRESH_SECONDS,
+            wake=reporter.wake,
+        )
 
     def _idle_watch(self) -> None:
         idle = self.activity.idle_for()

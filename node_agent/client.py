@@ -199,6 +199,11 @@ class ControlPlane:
     def post_telemetry(self, telemetry: dict[str, Any]) -> bool:
         return self._publish("POST", "/api/v1/agent/telemetry", telemetry) is not None
 
+    def report_gpu_health(self, body: dict[str, Any]) -> bool:
+        """Every GPU's health judgement (`{"gpus": [...]}`, modelforge_contracts.gpu_health);
+        False when this report was refused and dropped (the next one carries the full state)."""
+        return self._publish("POST", "/api/v1/agent/gpu-health", body) is not None
+
     # -- work -------------------------------------------------------------------------------
 
     def claim(self, hold_seconds: float) -> dict[str, Any] | None:

@@ -88,6 +88,9 @@ class AgentSettings(PreflightSettings):
     ram_mb: int | None = Field(default=None, ge=1)
     #: Exit (code 0) after this long with no job or service; 0: never.
     max_idle_seconds: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    #: How often the GPU health watch polls each GPU's ECC, remapping, lost and throttle state
+    #: (XID events come at once, whatever this is).
+    gpu_health_poll_seconds: float = Field(default=5.0, ge=0.1, le=300)
 
     @model_validator(mode="after")
     def _check(self) -> Self:
