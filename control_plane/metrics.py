@@ -11,8 +11,8 @@ Two kinds of value:
   `job_finished(session, …)`, and `Metrics.attach(session_factory)` counts it after the commit
   and forgets it after a rollback — the pattern of `dispatch.jobs_changed`.
 - read at scrape time from the database (`_StoreCollector`): nodes by liveness state, jobs by
-  state, services by state, each deployed service's state and restarts, artifact store bytes;
-  one short read-only session of a few queries a scrape.
+  state, services by state, each deployed service's state and restarts, artifact store bytes,
+  each GPU's health state; one short read-only session of a few queries a scrape.
 
 This module never holds or prints a token; authentication is the router's (`api/metrics.py`).
 """
@@ -31,7 +31,7 @@ from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import Clock
-from control_plane.models import Artifact, Job, Node, Service
+from control_plane.models import Artifact, GpuHealth, Job, Node, Service
 
 #: The Prometheus text format (0.0.4), as the library writes it with `generate_latest`.
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -63,6 +63,9 @@ NODE_STATES: tuple[str, ...] = ("online", "stale", "offline")
 ACTIVE_JOB_STATES = ("queued", "running")
 #: The service states counted at scrape time (WL-5a); undeployed (`stopped`) ones are not.
 SERVICE_STATES = ("pending", "starting", "healthy", "unhealthy", "restarting", "failed")
+#: A GPU's health states (issue 28: the fleet's `gpu_health.STATES`); this floor module imports
+#: no domain.
+GPU_STATES = ("healthy", "degraded", "unhealthy", "quarantined")
 #: `Session.info` key: the outcomes `job_finished` registered, counted once the session commits.
 _OUTCOMES = "modelforge.job_outcomes"
 
@@ -160,12 +163,19 @@ class _ServiceSample(NamedTuple):
     restarts: int
 
 
+class _GpuSample(NamedTuple):
+    node_id: str
+    uuid: str
+    state: str
+
+
 class _StoreReading(NamedTuple):
     nodes: dict[str, int]
     needs_upgrade: int
     jobs: dict[str, int]
     artifact_bytes: int
     services: list[_ServiceSample]
+    gpus: list[_GpuSample]
 
 
 def _forget(session: Session) -> None:
@@ -190,7 +200,16 @@ class _StoreCollector:
     def collect(self) -> Iterable[Metric]:
         reading = self._read()
         families = _families()
-        by_state, upgrade, by_job_state, store, by_service_state, service_state, restarts = families
+        (
+            by_state,
+            upgrade,
+            by_job_state,
+            store,
+            by_service_state,
+            service_state,
+            restarts,
+            gpu_health,
+        ) = families
         for state in NODE_STATES:
             by_state.add_metric([state], reading.nodes[state])
         upgrade.add_metric([], reading.needs_upgrade)
@@ -209,21 +228,36 @@ class _StoreCollector:
             restarts.add_metric([service.name, service.id], service.restarts)
         for service_state_name in SERVICE_STATES:
             by_service_state.add_metric([service_state_name], counted[service_state_name])
+        for gpu in reading.gpus:
+            for one in GPU_STATES:
+                gpu_health.add_metric([gpu.node_id, gpu.uuid, one], float(gpu.state == one))
         return families
 
     def _read(self) -> _StoreReading:
         nodes: dict[str, int] = dict.fromkeys(NODE_STATES, 0)
         needs_upgrade = 0
+        #: Every GPU of every node's inventory (healthy without a row), and any reported one
+        #: its inventory does not list yet.
+        gpus: dict[tuple[str, str], str] = {}
         # One short transaction, never committed: it changes nothing.
         with self._session_factory() as session:
             now = self._clock.now()
             # Liveness merges heartbeats not flushed yet, so it is judged here per node by the
             # one liveness reader, from one query of two narrow columns.
-            for node_id, stored, flagged in session.execute(
-                select(Node.id, Node.last_heartbeat_at, Node.compat_code.is_not(None))
+            for node_id, stored, flagged, inventory in session.execute(
+                select(
+                    Node.id, Node.last_heartbeat_at, Node.compat_code.is_not(None), Node.inventory
+                )
             ):
                 nodes[self._liveness.state_of(node_id, stored, now)] += 1
                 needs_upgrade += bool(flagged)
+                for gpu in (inventory or {}).get("gpus") or []:
+                    if isinstance(gpu, dict) and gpu.get("uuid"):
+                        gpus[(node_id, str(gpu["uuid"]))] = "healthy"
+            for node_id, uuid, gpu_state in session.execute(
+                select(GpuHealth.node_id, GpuHealth.uuid, GpuHealth.state)
+            ):
+                gpus[(node_id, uuid)] = gpu_state
             jobs = {
                 state: int(count)
                 for state, count in session.execute(
@@ -243,7 +277,14 @@ class _StoreCollector:
                     .order_by(Service.name, Service.id)
                 )
             ]
-        return _StoreReading(nodes, needs_upgrade, jobs, int(artifact_bytes), services)
+        return _StoreReading(
+            nodes,
+            needs_upgrade,
+            jobs,
+            int(artifact_bytes),
+            services,
+            [_GpuSample(node_id, uuid, state) for (node_id, uuid), state in sorted(gpus.items())],
+        )
 
 
 def _families() -> list[GaugeMetricFamily]:
@@ -284,5 +325,11 @@ def _families() -> list[GaugeMetricFamily]:
             "Each deployed service's restarts (crashes, failed health checks and asked-for "
             "restarts), as its view shows them.",
             labels=["name", "service"],
+        ),
+        GaugeMetricFamily(
+            "modelforge_gpu_health",
+            "Each GPU's health (by node id and GPU uuid): 1 for its state (healthy, degraded, "
+            "unhealthy, quarantined), 0 for the other three.",
+            labels=["node", "gpu", "state"],
         ),
     ]

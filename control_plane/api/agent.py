@@ -1,5 +1,5 @@
-"""Agent API under /api/v1/agent: enroll (enrollment token), then heartbeat, inventory and
-telemetry authenticated by the node credential.
+"""Agent API under /api/v1/agent: enroll (enrollment token), then heartbeat, inventory,
+telemetry and GPU health authenticated by the node credential.
 
 The protocol verdict on enroll and heartbeat comes first, judged from the raw JSON before the
 body is validated: an agent of another protocol, whose body has another shape, still learns
@@ -23,11 +23,13 @@ from control_plane.fleet.heartbeats import accept_heartbeat
 from control_plane.fleet.schemas import (
     EnrollRequest,
     EnrollResponse,
+    GpuHealthRequest,
     HeartbeatRequest,
     HeartbeatResponse,
     InventoryRequest,
     TelemetryRequest,
 )
+from control_plane.scheduling import gpu_health
 from control_plane.schemas import Accepted
 
 router = APIRouter(prefix="/api/v1/agent", tags=["agent"], route_class=LaneRoute)
@@ -156,3 +158,13 @@ def telemetry(
         telemetry=body.model_dump(exclude_none=True),
     )
     return Accepted(received_at=at)
+
+
+@router.post("/gpu-health", response_model=Accepted)
+def gpu_health_report(
+    body: GpuHealthRequest, node: NodeDep, session: SessionDep, ctx: ContextDep
+) -> Accepted:
+    """The agent's judgement of every GPU (issue 28): a GPU it finds unhealthy leaves the
+    schedule, and the jobs and services on it are stopped and placed again."""
+    gpu_health.apply_report(session=session, clock=ctx.clock, node_id=node.node_id, report=body)
+    return Accepted(received_at=ctx.clock.now())

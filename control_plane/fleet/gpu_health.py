@@ -129,14 +129,15 @@ def set_state(
     state: str,
     rules_state: str | None = None,
     reason: str,
-    evidence: list[dict[str, Any]],
+    evidence: list[dict[str, Any]] | None,
     kind: str,
     actor: str,
     now: datetime,
 ) -> None:
-    """Write `row`'s state (and `rules_state`, when given), its reason, and `evidence` into its
-    bounded history (newest `MAX_EVIDENCE` kept, none twice), `since` when the state changes,
-    and one `gpu_health_events` row of `kind` by `actor`. The event's from/to are the GPU's
+    """Write `row`'s state (and `rules_state`, when given), its reason, `evidence` (what showed
+    this change; None or empty: nothing new) into its bounded history (the newest
+    `MAX_EVIDENCE`, none twice), `since` when the state changes, and one `gpu_health_events`
+    row of `kind` by `actor`. The event's from/to are the GPU's
     states; while it stays `quarantined`, its rules states (what changed underneath)."""
     before, before_rules = row.state, row.rules_state
     if rules_state is not None:
@@ -145,7 +146,8 @@ def set_state(
     if state != before:
         row.since = now
     row.reason = reason
-    row.evidence = merge_evidence(list(row.evidence or []), evidence)
+    if evidence:
+        row.evidence = merge_evidence(list(row.evidence or []), evidence)
     shown = (before, state)
     if before == state == "quarantined" and rules_state is not None:
         shown = (before_rules, rules_state)

@@ -1,0 +1,258 @@
+"""The agents' GPU health reports (issue 28): `POST /api/v1/agent/gpu-health` recorded by the
+rules (unhealthy is sticky, degraded and healthy follow the reports), the jobs on a GPU turned
+unhealthy failed with GPU_FAILED at once (the agent's cancellation watch wakes), the services
+on it placed again, the per-GPU metric, and the refusals. The real app over HTTP on SQLite and
+PostgreSQL; the agent's side is driven by its HTTP calls."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+
+from control_plane.background.service_placement import place_services
+from control_plane.models import GpuHealth, GpuHealthEvent
+from tests.control_plane.test_gpu_assignment import _view
+from tests.control_plane.test_jobs import _claim, _node, _submit
+from tests.control_plane.test_metrics import _parse, _value
+from tests.control_plane.test_workloads import _deploy, _service, _sync
+from tests.factories import ControlPlane, control_plane
+
+XID_AT = "2026-03-01T10:00:00+00:00"
+
+
+def _gpu(node: dict[str, str], index: int, state: str = "healthy", **extra: Any) -> dict[str, Any]:
+    """GPU `index` of `node` (as `_node(..., gpus=n)` names it) judged `state`."""
+    return {"index": index, "uuid": f"GPU-{node['node_id']}-{index}", "state": state, **extra}
+
+
+def _xid79(node: dict[str, str], index: int) -> dict[str, Any]:
+    return _gpu(
+        node,
+        index,
+        "unhealthy",
+        reason="XID 79: GPU has fallen off the bus",
+        evidence=[{"kind": "xid", "at": XID_AT, "detail": "GPU has fallen off the bus", "xid": 79}],
+        xid_counts={"79": 1, "13": 4},
+    )
+
+
+def _report(cp: ControlPlane, node: dict[str, str], *gpus: dict[str, Any]) -> Any:
+    headers = {"Authorization": node["Authorization"]}
+    return cp.client.post("/api/v1/agent/gpu-health", headers=headers, json={"gpus": list(gpus)})
+
+
+def _accepted(cp: ControlPlane, node: dict[str, str], *gpus: dict[str, Any]) -> None:
+    response = _report(cp, node, *gpus)
+    assert response.status_code == 200, response.text
+    assert response.json()["accepted"] is True
+
+
+def _row(cp: ControlPlane, node: dict[str, str], index: int) -> GpuHealth | None:
+    with cp.ctx.session_factory() as session:
+        return session.get(GpuHealth, (node["node_id"], f"GPU-{node['node_id']}-{index}"))
+
+
+def _events(cp: ControlPlane, node: dict[str, str], index: int) -> list[GpuHealthEvent]:
+    with cp.ctx.session_factory() as session:
+        return list(
+            session.scalars(
+                select(GpuHealthEvent)
+                .where(GpuHealthEvent.uuid == f"GPU-{node['node_id']}-{index}")
+                .order_by(GpuHealthEvent.id)
+            )
+        )
+
+
+def _watch(cp: ControlPlane, node: dict[str, str], job_ids: list[str], hold: float) -> Any:
+    response = cp.client.post(
+        "/api/v1/agent/jobs/watch",
+        headers={"Authorization": node["Authorization"]},
+        json={"job_ids": job_ids, "hold_seconds": hold},
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_an_unhealthy_gpu_fails_the_job_on_it_and_no_other(
+    tmp_path: Path, database_url: str
+) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        node = _node(cp, cpus=16, gpus=2)
+        on_0 = _submit(cp, resources={"cpus": 1, "gpus": 1})["job_id"]
+        on_1 = _submit(cp, resources={"cpus": 1, "gpus": 1})["job_id"]
+        assert _claim(cp, node) is not None and _claim(cp, node) is not None
+        assert _view(cp, on_0)["assigned_gpus"][0]["index"] == 0
+        _accepted(cp, node, _gpu(node, 0), _gpu(node, 1))  # all clean: nothing happens
+        assert _view(cp, on_0)["state"] == _view(cp, on_1)["state"] == "running"
+
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            # The agent's cancellation watch, held on the control plane's clock, which nothing
+            # moves: only the wake-up of the job's end can answer it.
+            watch = pool.submit(_watch, cp, node, [on_0, on_1], 30.0)
+            deadline = time.monotonic() + 10
+            while cp.ctx.dispatcher.waiting == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert cp.ctx.dispatcher.waiting > 0
+            _accepted(cp, node, _xid79(node, 0), _gpu(node, 1))
+            assert watch.result(timeout=10) == {"cancel": [on_0]}
+
+        failed = _view(cp, on_0)
+        assert failed["state"] == "failed" and failed["error"]["code"] == "GPU_FAILED"
+        message = failed["error"]["message"]
+        for named in (f"GPU 0 (GPU-{node['node_id']}-0)", f"node {node['node_id']}", "XID 79"):
+            assert named in message, message
+        assert "fallen off the bus" in message and XID_AT in message
+        assert _view(cp, on_1)["state"] == "running"
+
+        row = _row(cp, node, 0)
+        assert row is not None
+        assert (row.state, row.rules_state, row.reported) == ("unhealthy",) * 3
+        assert row.evidence == [
+            {"kind": "xid", "at": XID_AT, "detail": "GPU has fallen off the bus", "xid": 79}
+        ]
+        (turned,) = _events(cp, node, 0)
+        assert (turned.kind, turned.from_state, turned.to_state, turned.actor) == (
+            "state",
+            "healthy",
+            "unhealthy",
+            "agent",
+        )
+        other = _row(cp, node, 1)
+        assert other is not None and other.state == "healthy" and _events(cp, node, 1) == []
+
+        # The same snapshot again (the agent's 60 s refresh): nothing new.
+        _accepted(cp, node, _xid79(node, 0), _gpu(node, 1))
+        assert len(_events(cp, node, 0)) == 1
+        row = _row(cp, node, 0)
+        assert row is not None and len(row.evidence) == 1
+
+        # Sticky: clean again by the agent's counters, it stays out until re-admitted.
+        reported_before = row.reported_at
+        cp.clock.advance(60)
+        _accepted(cp, node, _gpu(node, 0), _gpu(node, 1))
+        row = _row(cp, node, 0)
+        assert row is not None
+        assert (row.state, row.rules_state, row.reported) == ("unhealthy", "unhealthy", "healthy")
+        assert row.reported_at > reported_before
+        assert "XID 79" in row.reason and len(row.evidence) == 1
+        assert len(_events(cp, node, 0)) == 1
+        assert _view(cp, on_1)["state"] == "running"
+
+
+def test_a_degraded_gpu_and_back(tmp_path: Path, database_url: str) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        node = _node(cp, cpus=16, gpus=2)
+        job = _submit(cp, resources={"cpus": 1, "gpus": 2})["job_id"]
+        assert _claim(cp, node) is not None
+        throttle = {
+            "kind": "throttle",
+            "at": "2026-03-01T09:00:00Z",
+            "detail": "hardware slowdown in every sample for 300 s",
+            "value": 8,
+        }
+        slow = _gpu(node, 1, "degraded", reason="persistent hw slowdown", evidence=[throttle])
+        _accepted(cp, node, _gpu(node, 0), slow)
+        row = _row(cp, node, 1)
+        assert row is not None
+        assert (row.state, row.rules_state, row.reported) == ("degraded",) * 3
+        assert row.reason == "persistent hw slowdown"
+        assert row.evidence == [{**throttle, "at": "2026-03-01T09:00:00+00:00"}]
+        assert _view(cp, job)["state"] == "running"  # degraded only orders placements
+
+        cp.clock.advance(30)
+        _accepted(cp, node, _gpu(node, 0), _gpu(node, 1))
+        row = _row(cp, node, 1)
+        assert row is not None and (row.state, row.rules_state) == ("healthy", "healthy")
+        assert len(row.evidence) == 1  # the history stays
+        assert [(e.from_state, e.to_state) for e in _events(cp, node, 1)] == [
+            ("healthy", "degraded"),
+            ("degraded", "healthy"),
+        ]
+        assert _view(cp, job)["state"] == "running"
+
+
+def test_a_service_on_a_failed_gpu_goes_back_to_pending(tmp_path: Path, database_url: str) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        node = _node(cp, gpus=2)
+        service = _deploy(cp, resources={"cpus": 1, "gpus": 1})
+        assert place_services(cp.ctx) == 1
+        placed = _service(cp, service["service_id"])
+        assert placed["node_id"] == node["node_id"] and placed["gpus"][0]["index"] == 0
+        assert [s["service_id"] for s in _sync(cp, node)["services"]] == [service["service_id"]]
+
+        _accepted(cp, node, _xid79(node, 0), _gpu(node, 1))
+        moved = _service(cp, service["service_id"])
+        assert moved["state"] == "pending" and moved["node_id"] is None
+        assert _sync(cp, node)["services"] == []  # its agent stops it
+        events = cp.client.get(
+            f"/api/v1/services/{service['service_id']}/events", headers=cp.admin
+        ).json()
+        last = events[-1]["data"]
+        assert last["state"] == "pending" and last["gpu"] == f"GPU-{node['node_id']}-0"
+        assert "GPU 0" in last["reason"] and "XID 79" in last["reason"]
+
+
+def test_the_metric_has_every_gpu_in_its_state(tmp_path: Path, database_url: str) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        node = _node(cp, gpus=3)
+        lagging = {"index": 3, "uuid": "GPU-not-in-the-inventory-yet", "state": "degraded"}
+        _accepted(cp, node, _xid79(node, 0), _gpu(node, 1), lagging)
+        response = cp.client.get("/metrics", headers=cp.admin)
+        assert response.status_code == 200, response.text
+        samples = _parse(response.text)
+        expected = {
+            f"GPU-{node['node_id']}-0": "unhealthy",
+            f"GPU-{node['node_id']}-1": "healthy",
+            f"GPU-{node['node_id']}-2": "healthy",  # never reported: healthy
+            "GPU-not-in-the-inventory-yet": "degraded",
+        }
+        for uuid, current in expected.items():
+            for state in ("healthy", "degraded", "unhealthy", "quarantined"):
+                value = _value(
+                    samples, "modelforge_gpu_health", node=node["node_id"], gpu=uuid, state=state
+                )
+                assert value == (1.0 if state == current else 0.0), (uuid, state)
+        series = [key for key in samples if key[0] == "modelforge_gpu_health"]
+        assert len(series) == 4 * len(expected)
+
+
+def test_reports_need_the_node_credential_and_bad_ones_change_nothing(
+    tmp_path: Path, database_url: str
+) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        node = _node(cp, gpus=1)
+        body = {"gpus": [_xid79(node, 0)]}
+        unauthenticated = cp.client.post("/api/v1/agent/gpu-health", json=body)
+        assert unauthenticated.status_code == 401, unauthenticated.text
+        assert unauthenticated.json()["error"]["code"] == "CREDENTIAL_MISSING"
+        for headers in (cp.admin, {"Authorization": "Bearer not-a-node-credential"}):
+            refused = cp.client.post("/api/v1/agent/gpu-health", headers=headers, json=body)
+            assert refused.status_code == 401, refused.text
+
+        xid = {"kind": "xid", "at": XID_AT, "detail": "x", "xid": 79}
+        bad = [
+            [{**_gpu(node, i), "uuid": f"GPU-{i}"} for i in range(65)],  # more than 64
+            [_gpu(node, 0), _gpu(node, 0)],  # the same GPU twice
+            [_gpu(node, 0, "broken")],
+            [_gpu(node, 0, "unhealthy", evidence=[{**xid, "xid": None}])],
+            [_gpu(node, 0, "unhealthy", evidence=[{**xid, "kind": "ecc"}])],
+            [_gpu(node, 0, "unhealthy", evidence=[{**xid, "at": "2026-03-01T10:00:00"}])],
+            [_gpu(node, 0, "unhealthy", evidence=[xid] * 17)],
+            [_gpu(node, 0, "unhealthy", reason="x" * 501)],
+            [_gpu(node, 0, "unhealthy", reason="line\nbreak")],
+            [_gpu(node, 0, xid_counts={"thirteen": 1})],
+            [_gpu(node, 0, xid_counts={"13": -1})],
+            [_gpu(node, 0, surprise=True)],
+        ]
+        for gpus in bad:
+            response = _report(cp, node, *gpus)
+            assert response.status_code == 422, (gpus[0], response.text)
+            error = response.json()["error"]
+            assert error["code"] and error["message"] and error["next_step"]
+        with cp.ctx.session_factory() as session:
+            assert session.scalar(select(func.count()).select_from(GpuHealth)) == 0
+            assert session.scalar(select(func.count()).select_from(GpuHealthEvent)) == 0
