@@ -151,7 +151,8 @@ function GpuBadge({ gpu }: { gpu: GpuHealthView }) {
 }
 
 function GpuReason({ gpu }: { gpu: GpuHealthView }) {
-  const evidence = gpu.evidence ?? [];
+  // The evidence that says more than the reason (the first often is the reason itself).
+  const evidence = (gpu.evidence ?? []).filter((item) => item.detail !== gpu.reason);
   return (
     <>
       {gpu.quarantine && (
