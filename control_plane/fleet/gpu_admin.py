@@ -129,6 +129,16 @@ def gpu_events(
     ]
 
 
+def check_running(session: Session, row: GpuHealth) -> bool:
+    """Whether the GPU's active check is still queued or running. Its end clears
+    `check_job_id` (`check_ended`); one that points at an ended or deleted job anyway is not
+    a running check, so it never blocks a re-admission for good."""
+    if row.check_job_id is None:
+        return False
+    state = _check_states(session, [row.check_job_id]).get(row.check_job_id)
+    return state in ("queued", "running")
+
+
 def _index(row: GpuHealth) -> int:
     return row.index
 

@@ -46,7 +46,7 @@ def readmit(
         return Readmission(gpu_admin.gpu_public(session, gpu), check_started=False)
     if row.reported == "unhealthy":
         raise GpuNotClean(gpu=gpu.label, evidence=_evidence(row.reason, row.evidence))
-    if row.check_job_id is not None:
+    if row.check_job_id is not None and gpu_admin.check_running(session, row):
         raise GpuCheckRunning(gpu=gpu.label, job_id=row.check_job_id)
     fields = check_job(node_id=node_id, uuid=uuid, index=gpu.index, provider=provider)
     (job,) = submit_jobs(session=session, clock=clock, requests=[JobCreate.model_validate(fields)])

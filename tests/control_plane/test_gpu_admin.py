@@ -11,6 +11,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+from control_plane.background.loops import sweep_jobs
 from control_plane.models import Job
 from tests.control_plane.test_jobs import _claim, _node
 from tests.factories import ControlPlane, control_plane
@@ -250,7 +251,15 @@ def test_a_failing_active_check_keeps_the_gpu_out_with_its_error(
         assert cancelled.status_code == 200, cancelled.text
         assert _gpu(cp, node, 1)["check"] is None
         assert "cancelled" in _timeline(cp, node, 1)[0]["reason"]
-        assert _post(cp, _gpus_url(node, 1, "/readmit")).status_code == 202
+
+        # Its node gone silent while it ran: failed by the contact sweep, the same again.
+        third = _post(cp, _gpus_url(node, 1, "/readmit")).json()["check"]["job_id"]
+        assert (_claim(cp, node) or {}).get("job_id") == third
+        cp.clock.advance(cp.ctx.settings.job_contact_timeout_seconds + 1)
+        assert sweep_jobs(cp.ctx) == 1
+        gpu = _gpu(cp, node, 1)
+        assert (gpu["state"], gpu["check"]) == ("unhealthy", None)
+        assert "JOB_CONTACT_LOST" in _timeline(cp, node, 1)[0]["reason"]
 
 
 def test_unknown_nodes_and_gpus_bad_reasons_and_no_admin_token_are_refused(
