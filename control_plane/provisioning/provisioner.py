@@ -403,9 +403,9 @@ def _idle_since(session: Session, request: ProvisionRequest) -> datetime | None:
 
 def _waiting_shapes(session: Session) -> set[Shape]:
     shapes = {
-        Shape.of(labels, policy, resources, required)
-        for labels, policy, resources, required in session.execute(
-            select(Job.labels, Job.worker_policy, Job.resources, Job.required_labels)
+        Shape.of(labels, policy, resources, required, pinned)
+        for labels, policy, resources, required, pinned in session.execute(
+            select(Job.labels, Job.worker_policy, Job.resources, Job.required_labels, Job.pinned)
             .where(Job.state == "queued")
             .order_by(Job.created_at)
             .limit(_SHAPES_FROM)
@@ -424,7 +424,7 @@ def _waiting_shapes(session: Session) -> set[Shape]:
 
 def _serves(profile: Profile, shape: Shape) -> bool:
     """A node of `profile` would run work of `shape`: its labels (unless `prefer`), its secrets'
-    labels, and its resources."""
+    labels, and its resources. Never a job pinned to a GPU (`admits`: it runs on its node only)."""
     labels = dict(profile.labels)
     if not shape.prefer and not labels_match(shape.labels, labels):
         return False

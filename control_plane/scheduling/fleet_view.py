@@ -11,6 +11,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable
+from functools import partial
 
 from anyio import to_thread
 from sqlalchemy.orm import Session, sessionmaker
@@ -20,6 +21,7 @@ from control_plane.db import is_database_unavailable
 from control_plane.fleet.liveness import Liveness
 from control_plane.jobs.schemas import WaitingReason
 from control_plane.models import Job
+from control_plane.scheduling.gpu_reasons import read_gpu_notes
 from control_plane.scheduling.shapes import Shape
 from control_plane.scheduling.waiting import Fleet, explain, read_fleet
 
@@ -73,18 +75,25 @@ class FleetView:
 
     def waiting_reason(self, job: Job, session: Session) -> WaitingReason | None:
         """For a queued job: why it waits, from the current view (read with `session` when it
-        is too old); reasons are kept per shape for as long as the view is."""
+        is too old, as are the reasons of GPUs out of the schedule it names); reasons are kept
+        per shape for as long as the view is."""
         if job.state != "queued":
             return None
-        shape = Shape.of(job.labels, job.worker_policy, job.resources, job.required_labels)
+        shape = Shape.of(
+            job.labels, job.worker_policy, job.resources, job.required_labels, job.pinned
+        )
         fleet = self.current(session)
         with self._lock:
             if self._reasons[0] is not fleet:
                 self._reasons = (fleet, {})
             reason = self._reasons[1].get(shape)
-            if reason is None:
-                reason = self._reasons[1][shape] = explain(fleet, shape)
-            return reason
+        if reason is None:
+            # Outside the lock: naming GPUs out of the schedule reads their reasons.
+            reason = explain(fleet, shape, partial(read_gpu_notes, session))
+            with self._lock:
+                if self._reasons[0] is fleet:
+                    self._reasons[1][shape] = reason
+        return reason
 
     async def keep_fresh(self, wanted: Callable[[], bool]) -> None:
         """While `wanted()` (claims wait): keep the view at most about `MAX_AGE_SECONDS` old, off

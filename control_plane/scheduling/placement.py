@@ -4,7 +4,9 @@ Only online, compatible nodes with an inventory get work. A job fits a node when
 carries the job's labels (`require`), or — with `prefer` — when no online node carrying them has
 room; and when its resource requests fit the node's inventory minus what its running jobs hold.
 GPUs are counted as a set: a job is handed specific GPUs of its node (index and UUID) that no
-other running job there holds, and waits, queued, while fewer are free than it asks for.
+other running job there holds, and waits, queued, while fewer are free than it asks for. A GPU
+out of the schedule (unhealthy or quarantined: `fleet.gpu_health`) is never handed out, except
+to a job pinned to it (its active check, on that node only); degraded GPUs are handed out last.
 
 `match` takes the queue (`queue.JobQueue`, by shape) oldest fitting job first for every waiting
 node. `place_batch` commits one batch in one transaction: the waiting nodes' rows are locked (in
@@ -26,6 +28,7 @@ from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
+from control_plane.fleet.gpu_health import out_of_schedule
 from control_plane.fleet.liveness import Liveness
 from control_plane.jobs.reports import cancel_unstarted
 from control_plane.models import JOB_EVENTS, JOBS, Job, JobEvent, Node, Service
@@ -99,7 +102,7 @@ def match(
         node = _pick(stream)
         if node is None:
             continue  # nothing waiting fits this shape: its younger jobs need not be looked at
-        gpus = node.capacity.pick_gpus(job.shape.request)
+        gpus = node.capacity.pick_gpus(job.shape.request, job.shape.pinned_gpu)
         node.capacity = node.capacity.minus(job.shape.request, gpus)
         node.slots -= 1
         slots -= 1
@@ -113,12 +116,12 @@ def match(
 def _candidates(
     shape: Shape, nodes: list[WaitingNode], room_elsewhere: Callable[[Shape], bool]
 ) -> list[WaitingNode]:
-    if shape.required:
-        nodes = [node for node in nodes if shape.admits(node.labels)]
+    if shape.required or shape.pinned:
+        nodes = [node for node in nodes if shape.admits(node.labels, node.node_id)]
     carrying = [node for node in nodes if labels_match(shape.labels, node.labels)]
     if not shape.prefer or len(carrying) == len(nodes):
         return carrying
-    if any(node.capacity.fits(shape.request) for node in carrying) or room_elsewhere(shape):
+    if any(shape.fits(node.capacity) for node in carrying) or room_elsewhere(shape):
         return carrying
     return carrying + [node for node in nodes if not labels_match(shape.labels, node.labels)]
 
@@ -127,7 +130,7 @@ def _pick(stream: _Stream) -> WaitingNode | None:
     candidates = stream.candidates or []
     while stream.next < len(candidates):
         node = candidates[stream.next]
-        if node.slots and node.capacity.fits(stream.shape.request):
+        if node.slots and stream.shape.fits(node.capacity):
             return node
         stream.next += 1
     return None
@@ -177,10 +180,23 @@ def free_capacity(
     holders: dict[str, list[str]] | None = None,
 ) -> dict[str, Capacity]:
     """Every listed node's inventory minus its running jobs and the services placed on it (a
-    service holds its resources and GPUs for as long as it is deployed), in two queries.
-    `holders`, when given, receives per node the services that hold something there."""
-    totals = {node_id: Capacity.of_inventory(inv) for node_id, inv in inventories.items()}
+    service holds its resources and GPUs for as long as it is deployed), its GPUs out of the
+    schedule kept apart (`Capacity.blocked`), in three queries. `holders`, when given, receives
+    per node the services that hold something there."""
+    health = gpu_health(session, list(inventories))
+    totals = {
+        node_id: Capacity.of_inventory(inventory, health.get(node_id))
+        for node_id, inventory in inventories.items()
+    }
     return held_back(session, totals, holders)
+
+
+def gpu_health(session: Session, node_ids: list[str]) -> dict[str, dict[str, str]]:
+    """Per node, its GPUs that are not healthy, by UUID (`fleet.gpu_health.out_of_schedule`):
+    one query over the few such rows, by node id for a few nodes."""
+    if not node_ids:
+        return {}
+    return out_of_schedule(session, node_ids if len(node_ids) <= _IN_LIST_MAX else None)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ QUEUED_COLUMNS = (
     Job.worker_policy,
     Job.resources,
     Job.required_labels,
+    Job.pinned,
 )
 
 
@@ -41,7 +42,7 @@ def queued_job(row: Any) -> QueuedJob:
     return QueuedJob(
         row.id,
         row.created_at,
-        Shape.of(row.labels, row.worker_policy, row.resources, row.required_labels),
+        Shape.of(row.labels, row.worker_policy, row.resources, row.required_labels, row.pinned),
     )
 
 

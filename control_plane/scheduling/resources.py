@@ -93,8 +93,8 @@ def _node_resources(
         labels=node.labels,
         schedulable=node.usable,
         capacity=(
-            _capacity(node.total, node.free)
-            if node.total is not None and node.free is not None
+            _capacity(node.size, node.free)
+            if node.size is not None and node.free is not None
             else None
         ),
         gpus=gpus,
@@ -117,10 +117,11 @@ def _node_resources(
 def _gpus(
     node: FleetNode, held: list[Holding]
 ) -> tuple[list[GpuHolding], dict[tuple[str, str], list[int]]]:
-    """Every GPU of the node's inventory and who holds it; and per holder its GPUs' indexes."""
-    if node.total is None or node.free is None:
+    """Every GPU of the node's inventory, its health and who holds it; and per holder its GPUs'
+    indexes."""
+    if node.size is None or node.free is None:
         return [], {}
-    free = {gpu["uuid"] for gpu in node.free.gpus}
+    free = {gpu["uuid"] for gpu in node.free.gpus + node.free.blocked}
     owners: dict[str, Holding] = {}
     for holding in held:
         for uuid in holding.gpus or ():
@@ -133,7 +134,7 @@ def _gpus(
     models = _gpu_models(node.inventory or {})
     rows: list[GpuHolding] = []
     indexes: dict[tuple[str, str], list[int]] = {}
-    for gpu in node.total.gpus:
+    for gpu in node.size.gpus:
         holder: Holding | None = None
         if gpu["uuid"] not in free:
             holder = owners.get(gpu["uuid"]) or (unknown.pop(0) if unknown else None)
@@ -144,6 +145,7 @@ def _gpus(
                 index=gpu["index"],
                 uuid=gpu["uuid"],
                 model=models.get(gpu["uuid"]),
+                health=node.gpu_health.get(gpu["uuid"], "healthy"),
                 held_by=(
                     None
                     if holder is None
@@ -165,7 +167,7 @@ def _gpu_models(inventory: dict[str, Any]) -> dict[str, str]:
 def _takeable(
     node: FleetNode, by_shape: dict[Shape, list[QueuedWork]], listed: int
 ) -> TakeableWork:
-    take = could_take(node.labels, node.total)
+    take = could_take(node.id, node.labels, node.size)
     fitting = [work for shape, works in by_shape.items() if take(shape) for work in works]
     fitting.sort(key=lambda work: (work.created_at, work.id))
     jobs = [work.id for work in fitting if work.kind == "job"]
@@ -178,13 +180,14 @@ def _takeable(
     )
 
 
-def _capacity(total: Capacity, free: Capacity) -> NodeCapacity:
+def _capacity(size: Capacity, free: Capacity) -> NodeCapacity:
+    """Free GPUs out of the schedule are neither held nor free: total less held less free."""
     return NodeCapacity(
-        total=_amounts(total),
+        total=_amounts(size),
         held=ResourceAmounts(
-            cpus=_cpus(total.cpus - free.cpus),
-            memory_mb=total.memory_mb - free.memory_mb,
-            gpus=len(total.gpus) - len(free.gpus),
+            cpus=_cpus(size.cpus - free.cpus),
+            memory_mb=size.memory_mb - free.memory_mb,
+            gpus=len(size.gpus) - len(free.gpus) - len(free.blocked),
         ),
         free=_amounts(free),
     )

@@ -389,7 +389,7 @@ class Scheduler:
             def room_elsewhere(shape: Shape) -> bool:
                 # Exact, not from the fleet view: this batch's own placements count.
                 free = free_capacity(session, fleet.carrying(shape))
-                return any(capacity.fits(shape.request) for capacity in free.values())
+                return any(shape.fits(capacity) for capacity in free.values())
 
             result = place_batch(
                 session=session,

@@ -52,7 +52,9 @@ class ResourceAmounts(BaseModel):
 
 class NodeCapacity(BaseModel):
     """A node's (or the fleet's) inventory, what running jobs and deployed services hold of it,
-    and the rest: free, as the scheduler counts it when it places work."""
+    and what is free, as the scheduler counts it when it places work. A GPU out of the schedule
+    (unhealthy or quarantined) that no work holds is neither held nor free: total GPUs less held
+    less free."""
 
     total: ResourceAmounts
     held: ResourceAmounts
@@ -80,6 +82,9 @@ class GpuHolding(BaseModel):
     uuid: str
     #: The GPU's model, as the node's inventory reports it.
     model: str | None
+    #: healthy | degraded (placed on last) | unhealthy | quarantined (both out of the
+    #: schedule: no new work), as `GET /api/v1/admin/nodes/{id}/gpus` explains it.
+    health: str = "healthy"
     #: Who holds it; null while it is free.
     held_by: HolderRef | None
 

@@ -9,7 +9,7 @@ the fleet as it changes without a query per job or per node.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
 from typing import Any
@@ -18,10 +18,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from control_plane.errors import InvalidRequest, NotFound
+from control_plane.fleet.gpu_health import OUT_OF_SCHEDULE
 from control_plane.fleet.liveness import Liveness
 from control_plane.jobs.schemas import WaitingReason
 from control_plane.models import Job, Node, Service
-from control_plane.scheduling.placement import Holding, held_back
+from control_plane.scheduling.gpu_reasons import GpuNotes, OutOfSchedule, name_out_of_schedule
+from control_plane.scheduling.placement import Holding, gpu_health, held_back
 from control_plane.scheduling.queue import QUEUED_COLUMNS, queued_job
 from control_plane.scheduling.schemas import QueuedWork
 from control_plane.scheduling.shapes import Capacity, Request, Shape, labels_match
@@ -46,10 +48,19 @@ class FleetNode:
     services: tuple[str, ...] = ()
     #: When its inventory was last reported: the next read parses it again only if it moved.
     inventory_at: datetime | None = None
+    #: Its GPUs that are not healthy, by UUID: their state (issue 28). `total` and `free` keep
+    #: those out of the schedule apart (`Capacity.blocked`).
+    gpu_health: dict[str, str] = field(default_factory=dict)
 
     @property
     def usable(self) -> bool:
         return self.state == "online" and not self.needs_upgrade and self.total is not None
+
+    @property
+    def size(self) -> Capacity | None:
+        """Its whole inventory, GPUs out of the schedule included: whether it is big enough at
+        all (a GPU's health changes by the second; the batch judges it)."""
+        return None if self.total is None else self.total.counting_blocked()
 
 
 @dataclass(frozen=True)
@@ -67,13 +78,13 @@ class Fleet:
         by the second; the batch judges them exactly. A node not seen yet, or without an
         inventory then, may."""
         node = self.by_id.get(node_id)
-        if node is None or node.total is None:
+        if node is None or node.size is None:
             return True
-        total = node.total
+        size = node.size
         return any(
             (shape.prefer or labels_match(shape.labels, node.labels))
-            and shape.admits(node.labels)
-            and total.fits(shape.request)
+            and shape.admits(node.labels, node_id)
+            and shape.fits(size)
             for shape in shapes
         )
 
@@ -83,8 +94,8 @@ class Fleet:
             node.usable
             and node.free is not None
             and labels_match(shape.labels, node.labels)
-            and shape.admits(node.labels)
-            and node.free.fits(shape.request)
+            and shape.admits(node.labels, node.id)
+            and shape.fits(node.free)
             for node in self.nodes
         )
 
@@ -96,7 +107,7 @@ class Fleet:
             if node.usable
             and node.inventory
             and labels_match(shape.labels, node.labels)
-            and shape.admits(node.labels)
+            and shape.admits(node.labels, node.id)
         }
 
 
@@ -112,8 +123,10 @@ def read_fleet(
     changed since, or that are new, have their labels and inventory read and parsed again: a
     node's labels never change (they are signed into its credential at enrollment), and its
     inventory changes only with `inventory_at`. At a thousand nodes that is most of the cost of
-    a read, which runs every second while claims wait. `holdings`, when given, receives what
-    each node's free capacity was counted without (`placement.held_back`)."""
+    a read, which runs every second while claims wait. The GPUs not healthy are read once per
+    read (few rows), and a node's capacity built again only when its inventory or its GPUs'
+    health changed. `holdings`, when given, receives what each node's free capacity was counted
+    without (`placement.held_back`)."""
     rows = session.execute(
         select(
             Node.id, Node.display_name, Node.compat_code, Node.last_heartbeat_at, Node.inventory_at
@@ -133,12 +146,18 @@ def read_fleet(
         ):
             fresh[node_id] = (dict(labels or {}), inventory)
 
+    health = gpu_health(session, [row.id for row in rows])
+
     def described(row: Any) -> tuple[dict[str, Any], dict[str, Any] | None, Capacity | None]:
         if row.id in fresh:
             labels, inventory = fresh[row.id]
-            return labels, inventory, Capacity.of_inventory(inventory) if inventory else None
-        seen = known[row.id]
-        return seen.labels, seen.inventory, seen.total
+        else:
+            seen = known[row.id]
+            if seen.gpu_health == health.get(row.id, {}):
+                return seen.labels, seen.inventory, seen.total
+            labels, inventory = seen.labels, seen.inventory
+        total = Capacity.of_inventory(inventory, health.get(row.id)) if inventory else None
+        return labels, inventory, total
 
     # A node deleted between the two reads has no fresh row: it is left out.
     nodes = {row.id: (row, *described(row)) for row in rows if row.id in fresh or row.id in known}
@@ -162,6 +181,7 @@ def read_fleet(
                 free=free.get(row.id),
                 services=tuple(holders.get(row.id, ())),
                 inventory_at=row.inventory_at,
+                gpu_health=health.get(row.id, {}),
             )
             for row, labels, inventory, total in nodes.values()
         ),
@@ -169,15 +189,18 @@ def read_fleet(
     )
 
 
-def explain(fleet: Fleet, shape: Shape) -> WaitingReason:
+def explain(fleet: Fleet, shape: Shape, notes: GpuNotes | None = None) -> WaitingReason:
     """The first thing that keeps a job of `shape` from running, in the order an operator
-    would check: a node with the labels, online, compatible, big enough, with room now."""
+    would check: a node with the labels, online, compatible, big enough, with room now. GPUs
+    out of the schedule that are why are named, with their reasons when `notes` reads them."""
+    if shape.pinned is not None:
+        return _explain_pinned(fleet, shape, *shape.pinned)
     wanted = shape.label_text()
     required = bool(shape.labels) and not shape.prefer
     pool = [
         n
         for n in fleet.nodes
-        if (not required or labels_match(shape.labels, n.labels)) and shape.admits(n.labels)
+        if (not required or labels_match(shape.labels, n.labels)) and shape.admits(n.labels, n.id)
     ]
     carrying = f" carrying {wanted}" if required else ""
     if shape.prefer and shape.labels and not fleet.room_for(shape):
@@ -228,12 +251,23 @@ def explain(fleet: Fleet, shape: Shape) -> WaitingReason:
             f"no online node{carrying} has reported its inventory yet",
             "Wait for the agents' first inventory report.",
         )
-    totals = [n.total for n in usable if n.total is not None]
+    totals = [n.size for n in usable if n.size is not None]
     short = _shortfall(shape.request, totals, f"the most any online node{carrying} has")
     if short:
         return _reason("TOO_LARGE", short, "Lower the job's resources, or add a larger node.")
     frees = [n.free for n in usable if n.free is not None]
     short = _shortfall(shape.request, frees, f"the most free on any online node{carrying}")
+    if short and shape.request.gpus > max(len(free.gpus) for free in frees):
+        # GPUs are short: those out of the schedule, on nodes big enough, are part of why.
+        out = [found for n in usable if (found := _out_of_schedule(n, shape.request))]
+        if out:
+            return _reason(
+                "NO_ROOM",
+                f"{short} ({name_out_of_schedule(out, notes)})",
+                "It starts when running work ends or those GPUs are back in the schedule (a "
+                "quarantined GPU once an operator re-admits it, an unhealthy one once its "
+                "re-admission's active check passes: docs/nodes.md#gpu-health); or add nodes.",
+            )
     if short:
         services = sorted({name for n in usable for name in n.services})
         if services:
@@ -251,6 +285,80 @@ def explain(fleet: Fleet, shape: Shape) -> WaitingReason:
         f"{_count(usable[:roomy] if roomy else usable)}{carrying} "
         f"{'has' if roomy == 1 else 'have'} room; waiting for one to ask for work",
         "Nothing to do: it starts when one of them claims it (their work slots may be busy).",
+    )
+
+
+def _out_of_schedule(node: FleetNode, request: Request) -> OutOfSchedule | None:
+    """The node's GPUs out of the schedule, if it has some and is big enough for `request`."""
+    size = node.size
+    if size is None or not size.fits(request):
+        return None
+    gpus = tuple(
+        (gpu["index"], gpu["uuid"], state)
+        for gpu in size.gpus
+        if (state := node.gpu_health.get(gpu["uuid"], "healthy")) in OUT_OF_SCHEDULE
+    )
+    return OutOfSchedule(node.id, node.name, gpus) if gpus else None
+
+
+def _explain_pinned(fleet: Fleet, shape: Shape, node_id: str, uuid: str) -> WaitingReason:
+    """Why a job pinned to one GPU (a GPU's active check) waits: that node, that GPU."""
+    node = fleet.by_id.get(node_id)
+    if node is None:
+        return _reason(
+            "NO_MATCHING_NODE",
+            f"pinned to GPU {uuid} of node {node_id}, which is not enrolled",
+            "Cancel the job: it can run on that node only.",
+        )
+    gpu = next((g for g in node.size.gpus if g["uuid"] == uuid), None) if node.size else None
+    where = f"pinned to GPU {gpu['index'] if gpu else uuid} of node {node.name}"
+    if node.needs_upgrade:
+        return _reason(
+            "NODES_NEED_UPGRADE",
+            f"{where}, which needs an upgrade",
+            "Upgrade its node agent or runtime worker: see docs/COMPATIBILITY.md.",
+        )
+    if node.state != "online":
+        return _reason(
+            "NODES_OFFLINE",
+            f"{where}, which is {node.state}",
+            "Check that its node agent runs and reaches the control plane "
+            "(docs/nodes.md#troubleshooting-by-message).",
+        )
+    if node.free is None:
+        return _reason(
+            "NO_INVENTORY",
+            f"{where}, which has not reported its inventory yet",
+            "Wait for the agent's first inventory report.",
+        )
+    if gpu is None:
+        return _reason(
+            "NO_MATCHING_NODE",
+            f"{where}, whose inventory has no such GPU",
+            "Cancel the job: the GPU it is pinned to is gone from its node.",
+        )
+    if not shape.admits(node.labels, node.id) or not (
+        shape.prefer or labels_match(shape.labels, node.labels)
+    ):
+        return _reason(
+            "NO_MATCHING_NODE",
+            f"{where}, which does not carry the job's labels",
+            "Cancel the job and submit it without those labels.",
+        )
+    free = node.free
+    if not any(g["uuid"] == uuid for g in free.gpus + free.blocked):
+        return _reason(
+            "NO_ROOM",
+            f"{where}, which running work holds",
+            "It starts when that work ends (a GPU out of the schedule takes no new work).",
+        )
+    short = _shortfall(shape.request._replace(gpus=0), [free], f"the most free on {node.name}")
+    if short:
+        return _reason("NO_ROOM", f"{where}; {short}", "It starts when running work ends.")
+    return _reason(
+        "WAITING_FOR_CLAIM",
+        f"{where}, which is free; waiting for the node to ask for work",
+        "Nothing to do: it starts when the node claims it (its work slots may be busy).",
     )
 
 
@@ -290,21 +398,24 @@ def could_run_on(session: Session, node: Node, *, limit: int, scan: int = 5000) 
     """The queued jobs and pending services `node` could run, oldest first (`could_take`).
     Whether it has room now is the scheduler's business. Looks at the `scan` oldest of each."""
     inventory = node.inventory or {}
-    take = could_take(node.labels, Capacity.of_inventory(inventory) if inventory else None)
+    take = could_take(node.id, node.labels, Capacity.of_inventory(inventory) if inventory else None)
     return [work for work, shape in queued_work(session, scan=scan) if take(shape)][:limit]
 
 
-def could_take(labels: dict[str, Any] | None, total: Capacity | None) -> Callable[[Shape], bool]:
-    """Whether a node carrying `labels`, of size `total` (None: not reported yet), could run
-    work of a shape at all: its labels satisfy the shape's (or it only `prefer`s them), it
-    carries the secrets' labels, and it is big enough for it once empty."""
+def could_take(
+    node_id: str, labels: dict[str, Any] | None, size: Capacity | None
+) -> Callable[[Shape], bool]:
+    """Whether node `node_id` carrying `labels`, of size `size` (its whole inventory, its GPUs
+    out of the schedule included; None: not reported yet), could run work of a shape at all:
+    its labels satisfy the shape's (or it only `prefer`s them), it carries the secrets' labels,
+    it is the node of a pinned job, and it is big enough for it once empty."""
     carried = dict(labels or {})
 
     def fits(shape: Shape) -> bool:
         return (
             (shape.prefer or labels_match(shape.labels, carried))
-            and shape.admits(carried)
-            and (total is None or total.fits(shape.request))
+            and shape.admits(carried, node_id)
+            and (size is None or shape.fits(size))
         )
 
     return fits

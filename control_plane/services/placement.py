@@ -1,10 +1,11 @@
 """Where a service runs: the placement loop's work and why a pending service waits.
 
 A service is placed like a job — labels (`require`/`prefer`), free resources, specific GPUs
-(SC-5), and the labels of its secrets — but it holds no claim slot: `place_pending` assigns
-pending services to nodes (one transaction each, the chosen node's row locked as a job batch
-locks it, so the two never over-commit a node), and from then on it holds its resources and
-GPUs there (the scheduler's `free_capacity` counts them) until it is undeployed.
+(SC-5: never one out of the schedule, degraded ones last), and the labels of its secrets — but
+it holds no claim slot: `place_pending` assigns pending services to nodes (one transaction
+each, the chosen node's row locked as a job batch locks it, so the two never over-commit a
+node), and from then on it holds its resources and GPUs there (the scheduler's `free_capacity`
+counts them) until it is undeployed.
 
 A service whose node goes offline is placed again on another matching node; when the old node
 comes back its agent no longer finds it in its sync's answer and stops it, so it is not run
@@ -32,7 +33,8 @@ from control_plane.services._changes import DEPLOYED, record_event
 from control_plane.vault import vault
 
 #: The scheduler's `free_capacity`: each listed node's inventory (by id) less what its running
-#: jobs and deployed services hold.
+#: jobs and deployed services hold, its GPUs out of the schedule (unhealthy, quarantined) kept
+#: apart from those it hands out.
 FreeCapacity = Callable[[Session, dict[str, dict[str, Any]]], dict[str, Capacity]]
 
 

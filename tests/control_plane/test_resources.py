@@ -82,8 +82,8 @@ def test_the_view_matches_what_is_placed(tmp_path: Path, database_url: str) -> N
         job_ref = {"kind": "job", "id": held_job["job_id"], "name": held_job["job_id"]}
         service_ref = {"kind": "service", "id": service["service_id"], "name": "web"}
         assert got["gpus"] == [
-            {"index": 0, "uuid": gpu0, "model": "G", "held_by": job_ref},
-            {"index": 1, "uuid": gpu1, "model": "G", "held_by": service_ref},
+            {"index": 0, "uuid": gpu0, "model": "G", "health": "healthy", "held_by": job_ref},
+            {"index": 1, "uuid": gpu1, "model": "G", "health": "healthy", "held_by": service_ref},
         ]
         assert sorted(got["holders"], key=lambda holder: holder["kind"]) == [
             {**job_ref, "cpus": 2, "memory_mb": 1000, "gpus": [0]},
