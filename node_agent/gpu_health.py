@@ -50,6 +50,8 @@ CORRECTED_ECC_WINDOW_SECONDS = 600.0
 #: A hardware, thermal or power-brake slowdown present in every sample for this long: the GPU
 #: cannot hold its clocks (cooling, power delivery), not a moment's peak.
 THROTTLE_WINDOW_SECONDS = 60.0
+#: After an event wait answered "GPU is lost", the poll that finds which one comes this soon.
+_LOST_POLL_SECONDS = 1.0
 #: Backoff between tries after an NVML failure of the watch.
 _BACKOFF_FIRST, _BACKOFF_MAX = 1.0, 60.0
 #: How many observations `seen()` keeps.
@@ -178,20 +180,25 @@ class GpuWatcher:
             if self._failing:
                 log.info("GPU health watch: NVML answers again")
                 self._failing = False
-            next_poll = time.monotonic() + self.poll_seconds
+            polled = time.monotonic()
             while not stop.is_set():
+                next_poll = polled + self.poll_seconds
                 try:
                     data = pynvml.nvmlEventSetWait_v2(events, EVENT_WAIT_MS)
                 except pynvml.NVMLError as exc:
                     if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
-                        next_poll = 0.0  # which GPU: the poll finds out now
+                        # Which GPU: the poll finds out, soon but at most once a second, and a
+                        # wait that keeps answering so must not become a busy loop.
+                        next_poll = min(next_poll, polled + _LOST_POLL_SECONDS)
+                        if stop.wait(EVENT_WAIT_MS / 1000):
+                            return
                     elif exc.value != pynvml.NVML_ERROR_TIMEOUT:
                         raise
                 else:
                     self._event(data)
                 if time.monotonic() >= next_poll:
                     self._poll(events)
-                    next_poll = time.monotonic() + self.poll_seconds
+                    polled = time.monotonic()
         finally:
             try:
                 pynvml.nvmlEventSetFree(events)

@@ -99,12 +99,19 @@ def _state(index: int, state: str) -> Callable[[list[dict[str, Any]]], bool]:
 
 
 @contextmanager
-def watching(fake_nvml_dir: Path, tmp_path: Path, **options: Any) -> Iterator[Watch]:
+def watching(
+    fake_nvml_dir: Path, tmp_path: Path, scenario: str | None = None, **options: Any
+) -> Iterator[Watch]:
     """A watcher process over the substitute's two GPUs, faults through `Watch.faults`; lines
     already in the control file apply from its first reading."""
     control = tmp_path / "nvml-control"
     control.touch()
-    env = agent_env(tmp_path / "state", nvml_dir=fake_nvml_dir, **{CONTROL_ENV: str(control)})
+    env = agent_env(
+        tmp_path / "state",
+        nvml_dir=fake_nvml_dir,
+        scenario=scenario,
+        **{CONTROL_ENV: str(control)},
+    )
     options.setdefault("poll_seconds", 0.1)
     with (tmp_path / "watcher.log").open("w") as log:
         process = subprocess.Popen(
@@ -286,6 +293,20 @@ def test_aggregate_uncorrected_ecc_growing_is_unhealthy(
     assert evidence["kind"] == "ecc"
     assert evidence["value"] == 5
     assert evidence["detail"] == "aggregate uncorrected ECC errors grew from 3 to 5"
+
+
+def test_nvml_failing_is_logged_once_and_tried_again(fake_nvml_dir: Path, tmp_path: Path) -> None:
+    """NVML cannot be initialised: the watch neither dies nor reports, and says so once while
+    it tries again (after 1 s, then 2 s). The substitute complains of an unknown scenario at
+    each nvmlInit, so its lines count the tries."""
+    with watching(fake_nvml_dir, tmp_path, scenario="no-such-scenario") as watch:
+        time.sleep(3.5)
+        assert watch.process.poll() is None
+    log = (tmp_path / "watcher.log").read_text()
+    assert watch.reports == []
+    assert log.count("fake NVML: unknown MODELFORGE_FAKE_NVML_SCENARIO") >= 2, log
+    assert log.count("GPU health watch: cannot initialise NVML") == 1, log
+    assert "trying again with backoff up to 60 s" in log
 
 
 GPU_HEALTH = "/api/v1/agent/gpu-health"
