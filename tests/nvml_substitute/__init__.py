@@ -34,8 +34,11 @@ and reads the new complete lines at ``nvmlInit``, at every device query and ever
     an XID critical error: queued to every event set registered (``nvmlDeviceRegisterEvents`` with
     ``nvmlEventTypeXidCriticalError`` on that GPU) when the line is read, and returned in order,
     one per ``nvmlEventSetWait_v2`` call (``eventType`` ``nvmlEventTypeXidCriticalError``,
-    ``eventData`` the code, ``device`` the GPU's handle). A set registered later never sees it. A
-    wait with nothing queued returns ``NVML_ERROR_TIMEOUT`` (10) after its timeout.
+    ``eventData`` the code, ``device`` the GPU's handle, the instance ids ``0xFFFFFFFF``). A set
+    registered later never sees it. A wait with nothing queued returns ``NVML_ERROR_TIMEOUT`` (10)
+    after its timeout. ``nvmlDeviceGetSupportedEventTypes`` answers single/double bit ECC, P-state,
+    XID and clock events (registering any other type is ``NVML_ERROR_NOT_SUPPORTED``); only XID
+    events are ever generated.
 ``lose(index)`` / ``find(index)``
     the GPU falls off the bus / comes back: meanwhile every per-device call on it returns
     ``NVML_ERROR_GPU_IS_LOST`` (15). The device count, handle lookup by index and waiting on an
@@ -54,9 +57,10 @@ and reads the new complete lines at ``nvmlInit``, at every device query and ever
     a GPU reset: clears lost, the volatile ECC counters, the pending remap and retired pages and
     the throttle mask; the aggregate ECC counters, remapped row counts and a remap failure stay.
 
-A malformed line (unknown command, wrong arguments, a GPU index out of range) is ignored with one
-message on stderr. The library guards its state with a mutex: one thread may wait on an event set
-while others query devices.
+A malformed line (unknown command, wrong arguments, a GPU index out of range, longer than 255
+bytes) is ignored with one message on stderr; a last line without its newline waits for it. The
+library guards its state with a mutex: one thread may wait on an event set while others query
+devices.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@
  *                                  remap and retired pages, throttle; aggregate counters, remapped
  *                                  row counts and a remap failure stay
  *
- * A malformed line is ignored with one message on stderr. The state lines apply in every process
+ * A malformed line (or one longer than 255 bytes) is ignored with one message on stderr; a last
+ * line without its newline is read once the newline is there. The state lines apply in every process
  * that reads them. Handle lookup by index and the device count keep answering for a lost GPU;
  * nvmlEventSetWait is not a per-device call and keeps working too. One recursive mutex guards
  * all state, so one thread may wait on an event set while others query devices.
@@ -398,8 +399,8 @@ static void read_control(void)
             start = (size_t)got;
         }
         control_offset += (off_t)start;
-        if (start < (size_t)got)
-            return; /* the rest is an unfinished line */
+        if (got < CONTROL_LINE_MAX)
+            return; /* the end of the file, or of what is written of its last line */
     }
 }
 

@@ -406,7 +406,8 @@ def test_xid_reaches_a_waiting_event_set_within_100_ms(
     assert result["supported"] & 0x8  # nvmlEventTypeXidCriticalError
     assert result["idle"] == _TIMEOUT
     assert result["idle_s"] >= 0.05
-    assert result["delivered_at"] - injected_at < 0.1
+    latency = result["delivered_at"] - injected_at
+    assert latency < 0.1, f"the XID arrived {latency:.3f} s after it was written"
     no_instance = [0xFFFFFFFF, 0xFFFFFFFF]
     assert result["first"] == {"index": 1, "type": 0x8, "code": 79, "instances": no_instance}
     assert result["second"] == {"index": 0, "type": 0x8, "code": 48, "instances": no_instance}
@@ -635,21 +636,25 @@ def test_every_process_sees_state_lines_and_each_registered_set_gets_the_xid(
 
 def test_malformed_lines_are_ignored_with_one_message_each(nvml_dir: Path, control: Path) -> None:
     control.write_text(
-        "bogus 0\n"
+        "".join(f"throttle 1 {mask}\n" for mask in range(100))  # more than one read of the file
+        + "bogus 0\n"
         "xid 2 79\n"  # there are two GPUs: 0 and 1
         "ecc 0 corrected sometimes 3\n"
         "throttle 0 -1\n"
         "remap 0 1 2 3 0\n"  # pending is 0 or 1
         "lost\n"
         "\n"
+        + "#"
+        * 1000  # a line longer than the library reads is malformed, even as a comment
+        + "\n"
         "throttle 1 4\n"
         "throttle 0 8"  # no newline yet: a line still being written is not read
     )
     result = run_probe(_READ_HEALTH, nvml_dir, control=control)
 
     messages = result["_stderr"].strip().splitlines()
-    assert len(messages) == 6
-    assert all("fake NVML: ignoring malformed line" in m for m in messages)
+    assert len(messages) == 7
+    assert all(m.startswith("fake NVML: ignoring malformed line '") for m in messages)
     assert "'ecc 0 corrected sometimes 3'" in messages[2]
     assert result["gpus"][1]["throttle"] == 4
     assert result["gpus"][0]["throttle"] == 0
