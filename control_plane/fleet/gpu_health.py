@@ -21,7 +21,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from control_plane.fleet.schemas import GpuEvidence, GpuHealthRequest
+from control_plane.fleet.schemas import GpuEvidence, GpuHealthReport, GpuHealthRequest
 from control_plane.models import GpuHealth, GpuHealthEvent, Node
 
 #: The states the scheduler never places on.
@@ -64,12 +64,14 @@ class GpuChange:
     reason: str
     #: This report's evidence of the GPU, oldest first.
     evidence: list[dict[str, Any]]
+    #: Unhealthy already, and its agent reports a fault again after reporting it clean.
+    refault: bool = False
 
     @property
     def failed(self) -> bool:
-        """The rules turned it unhealthy with this report (whether or not it is quarantined):
-        the work on it must stop."""
-        return self.to_rules == "unhealthy" and self.from_rules != "unhealthy"
+        """The rules turned it unhealthy with this report (whether or not it is quarantined),
+        or it faulted again: the work on it (after a fault: only its active check) must stop."""
+        return self.to_rules == "unhealthy" and (self.from_rules != "unhealthy" or self.refault)
 
     def cause(self) -> str:
         """What made it change, for people: its newest fault (`XID 79 (GPU has fallen off the
@@ -213,43 +215,60 @@ def record_report(
             session, node_id, gpu.uuid, create_index=gpu.index, now=now
         )
         assert row is not None  # noqa: S101 - the node row exists (it authenticated)
-        row.index = gpu.index
-        row.reported = gpu.state
-        row.reported_at = now
-        evidence = evidence_of(gpu.evidence)
-        if row.rules_state == "unhealthy":
-            if gpu.state == "unhealthy":
-                row.evidence = merge_evidence(list(row.evidence or []), evidence)
-            continue  # sticky: only re-admission after a passing check ends it
-        rules = gpu.state
-        state = "quarantined" if row.quarantine_reason is not None else rules
-        if rules == row.rules_state and state == row.state:
-            row.evidence = merge_evidence(list(row.evidence or []), evidence)
-            continue
-        change = GpuChange(
-            node_id=node_id,
-            uuid=gpu.uuid,
-            index=gpu.index,
-            from_state=row.state,
-            to_state=state,
-            from_rules=row.rules_state,
-            to_rules=rules,
-            reason=gpu.reason,
-            evidence=evidence,
-        )
-        reason = gpu.reason or f"the agent reports it {rules}"
-        if change.failed:
-            reason = change.cause() if not gpu.reason else gpu.reason
-        set_state(
-            session,
-            row,
-            state=state,
-            rules_state=rules,
-            reason=reason,
-            evidence=evidence,
-            kind="state",
-            actor="agent",
-            now=now,
-        )
-        changes.append(change)
+        change = _apply(session, row, gpu, now)
+        if change is not None:
+            changes.append(change)
     return changes
+
+
+def _apply(
+    session: Session, row: GpuHealth, gpu: GpuHealthReport, now: datetime
+) -> GpuChange | None:
+    """One GPU's report by the rules; its change, if any."""
+    reported_before = row.reported
+    row.index = gpu.index
+    row.reported = gpu.state
+    row.reported_at = now
+    evidence = evidence_of(gpu.evidence)
+    if row.rules_state == "unhealthy":
+        # Sticky: only re-admission after a passing check ends it. A clean report changes
+        # nothing else; a fault reported anew (its active check may be running on it) fails
+        # what runs there again.
+        refault = gpu.state == "unhealthy" and reported_before != "unhealthy"
+        rules = "unhealthy"
+    else:
+        refault = False
+        rules = gpu.state
+    state = "quarantined" if row.quarantine_reason is not None else rules
+    if rules == row.rules_state and state == row.state and not refault:
+        if gpu.state == "unhealthy" or rules != "unhealthy":
+            row.evidence = merge_evidence(list(row.evidence or []), evidence)
+        return None
+    change = GpuChange(
+        node_id=row.node_id,
+        uuid=row.uuid,
+        index=gpu.index,
+        from_state=row.state,
+        to_state=state,
+        from_rules=row.rules_state,
+        to_rules=rules,
+        reason=gpu.reason,
+        evidence=evidence,
+        refault=refault,
+    )
+    if change.failed:
+        reason = gpu.reason or change.cause()
+    else:
+        reason = gpu.reason or f"the agent reports it {rules}"
+    set_state(
+        session,
+        row,
+        state=state,
+        rules_state=rules,
+        reason=reason,
+        evidence=evidence,
+        kind="state",
+        actor="agent",
+        now=now,
+    )
+    return change

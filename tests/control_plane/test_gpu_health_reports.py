@@ -143,6 +143,41 @@ def test_an_unhealthy_gpu_fails_the_job_on_it_and_no_other(
         assert _view(cp, on_1)["state"] == "running"
 
 
+def test_a_fault_reported_anew_fails_the_active_check_on_the_gpu(
+    tmp_path: Path, database_url: str
+) -> None:
+    """Unhealthy, then clean by its agent, re-admitted: its active check runs on it. The agent
+    reports a fault again: the check fails with GPU_FAILED and the GPU stays out."""
+    with control_plane(tmp_path, database_url, gpu_check_provider="CPUExecutionProvider") as cp:
+        node = _node(cp, cpus=16, gpus=2)
+        _accepted(cp, node, _gpu(node, 0), _xid79(node, 1))
+        _accepted(cp, node, _gpu(node, 0), _gpu(node, 1))
+        readmit = cp.client.post(
+            f"/api/v1/admin/nodes/{node['node_id']}/gpus/GPU-{node['node_id']}-1/readmit",
+            headers=cp.admin,
+        )
+        assert readmit.status_code == 202, readmit.text
+        check = readmit.json()["check"]["job_id"]
+        assignment = _claim(cp, node)
+        assert assignment is not None and assignment["job_id"] == check
+
+        again = _xid79(node, 1)
+        again["evidence"][0]["at"] = "2026-03-01T11:00:00+00:00"
+        _accepted(cp, node, _gpu(node, 0), again)
+        failed = _view(cp, check)
+        assert failed["state"] == "failed" and failed["error"]["code"] == "GPU_FAILED"
+        assert "2026-03-01T11:00:00+00:00" in failed["error"]["message"]
+        row = _row(cp, node, 1)
+        assert row is not None
+        assert (row.state, row.rules_state, row.reported) == ("unhealthy",) * 3
+        assert row.check_job_id is None and len(row.evidence) == 2
+        kinds = [(e.kind, e.from_state, e.to_state) for e in _events(cp, node, 1)]
+        assert ("state", "unhealthy", "unhealthy") in kinds and kinds[-1][0] == "check"
+
+        _accepted(cp, node, _gpu(node, 0), again)  # the refresh: nothing more
+        assert len(_events(cp, node, 1)) == len(kinds)
+
+
 def test_a_degraded_gpu_and_back(tmp_path: Path, database_url: str) -> None:
     with control_plane(tmp_path, database_url) as cp:
         node = _node(cp, cpus=16, gpus=2)
