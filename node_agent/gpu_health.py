@@ -80,7 +80,9 @@ class _Gpu:
     def __init__(self, faults: GpuFaults, handle: Any) -> None:
         self.faults = faults
         self.handle = handle
+        #: Registration done (or not worth trying again); `xid_events`: it succeeded.
         self.registered = False
+        self.xid_events = False
 
 
 class GpuWatcher:
@@ -174,12 +176,18 @@ class GpuWatcher:
         events = pynvml.nvmlEventSetCreate()
         try:
             for gpu in self._gpus:
-                gpu.registered = False
+                gpu.registered = gpu.xid_events = False
                 self._register(gpu, events)
             self._poll()
             if self._failing:
                 log.info("GPU health watch: NVML answers again")
                 self._failing = False
+            log.info(
+                "GPU health watch: watching %d GPU(s), XID events on %d, counters every %g s",
+                len(self._gpus),
+                sum(1 for gpu in self._gpus if gpu.xid_events),
+                self.poll_seconds,
+            )
             polled = time.monotonic()
             while not stop.is_set():
                 next_poll = polled + self.poll_seconds
@@ -250,7 +258,7 @@ class GpuWatcher:
                 pynvml.nvmlDeviceRegisterEvents(
                     gpu.handle, pynvml.nvmlEventTypeXidCriticalError, events
                 )
-                gpu.registered = True
+                gpu.registered = gpu.xid_events = True
             else:
                 log.warning(
                     "GPU %d (%s) reports no XID events; only its counters are watched",
