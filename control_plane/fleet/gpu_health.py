@@ -23,15 +23,17 @@ from sqlalchemy.orm import Session
 
 from control_plane.fleet.schemas import GpuEvidence, GpuHealthReport, GpuHealthRequest
 from control_plane.models import GpuHealth, GpuHealthEvent, Node
+from modelforge_contracts import gpu_health as contract
+from modelforge_contracts.gpu_health import EvidenceKind, describe_evidence, describe_xid
 
 #: The states the scheduler never places on.
 OUT_OF_SCHEDULE = frozenset({"unhealthy", "quarantined"})
 #: Every state a GPU can be in, as `state` (and the metrics' label values).
 STATES = ("healthy", "degraded", "unhealthy", "quarantined")
-#: How many evidence entries a GPU keeps: the newest.
-MAX_EVIDENCE = 16
+#: How many evidence entries a GPU keeps: the newest, as many as one report carries.
+MAX_EVIDENCE = contract.MAX_EVIDENCE
 #: Evidence kinds that make a GPU unhealthy (the others only degrade it).
-FAULT_KINDS = frozenset({"xid", "ecc", "remap", "retired_pages", "lost"})
+FAULT_KINDS = frozenset(str(kind) for kind in contract.UNHEALTHY_KINDS)
 
 
 def out_of_schedule(
@@ -80,9 +82,12 @@ class GpuChange:
         if not faults:
             return self.reason or f"the agent reports it {self.to_rules}"
         newest = faults[-1]
-        what = f"XID {newest['xid']}" if newest["kind"] == "xid" else newest["kind"]
-        detail = f" ({newest['detail']})" if newest["detail"] else ""
-        return f"{what}{detail} at {newest['at']}"
+        if newest["kind"] == EvidenceKind.XID:
+            # The catalogue's words, not the agent's detail, which already says the same.
+            return f"{describe_xid(int(newest['xid']))} at {newest['at']}"
+        if not newest.get("detail"):
+            return f"{newest['kind']} at {newest['at']}"
+        return describe_evidence(newest)
 
 
 def gpu_row(

@@ -28,6 +28,7 @@ from control_plane.schemas import (
     Text,
     Version,
 )
+from modelforge_contracts import gpu_health as gpu_contract
 
 # -- enrollments -------------------------------------------------------------------------------
 
@@ -194,7 +195,7 @@ class GpuEvidence(StrictModel):
 
     kind: Literal["xid", "ecc", "remap", "retired_pages", "lost", "throttle", "corrected_ecc"]
     at: AwareDatetime
-    detail: Annotated[Line, StringConstraints(max_length=300)] = ""
+    detail: Annotated[Line, StringConstraints(max_length=gpu_contract.MAX_DETAIL)] = ""
     xid: int | None = Field(default=None, ge=0, le=DB_INT_MAX)
     value: Count | None = None
 
@@ -222,13 +223,15 @@ class GpuHealthReport(StrictModel):
     index: int = Field(ge=0, le=255)
     uuid: Annotated[Line, StringConstraints(min_length=1, max_length=96)]
     state: GpuHealthJudgement
-    reason: Annotated[Line, StringConstraints(max_length=500)] = ""
-    evidence: Annotated[list[GpuEvidence], Field(max_length=16)] = Field(default_factory=list)
+    reason: Annotated[Line, StringConstraints(max_length=gpu_contract.MAX_REASON)] = ""
+    evidence: Annotated[list[GpuEvidence], Field(max_length=gpu_contract.MAX_EVIDENCE)] = Field(
+        default_factory=list
+    )
     #: Application XIDs (13, 31, 43, 45, ...) counted by code; never a change alone.
     xid_counts: (
         Annotated[
             dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,6}$")], Count],
-            Field(max_length=64),
+            Field(max_length=gpu_contract.MAX_XID_COUNTS),
         ]
         | None
     ) = None
@@ -237,7 +240,7 @@ class GpuHealthReport(StrictModel):
 class GpuHealthRequest(StrictModel):
     """`POST /api/v1/agent/gpu-health`: the agent's current judgement of every GPU at once."""
 
-    gpus: Annotated[list[GpuHealthReport], Field(max_length=64)]
+    gpus: Annotated[list[GpuHealthReport], Field(max_length=gpu_contract.MAX_GPUS)]
 
     @model_validator(mode="after")
     def _each_gpu_once(self) -> GpuHealthRequest:
