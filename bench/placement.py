@@ -53,10 +53,19 @@ a job lost or handed out twice, a claim answered with anything but 200 or 204 (o
 completion refused or not answered, or (in a complete run) a job that did not succeed. The latencies
 of a run with claim timeouts are censored at the timeout.
 
+``--gpu-failure [N]`` (with ``--job-gpus``, issue 28; ``bench/gpu_failure.py``): between a third
+and two thirds of the jobs placed, the load generator reports N GPUs (default 20, one per node)
+unhealthy with XID 79 through ``POST /api/v1/agent/gpu-health`` with their nodes' credentials, and
+times report sent -> answered and report sent -> the first admin read showing the GPU unhealthy;
+at the end the database must show no job placed on (or running past) a failed GPU after its
+report was answered. A job that was running on such a GPU ends ``GPU_FAILED``, and its refused
+completion (409 ``JOB_NOT_RUNNING``) is expected, not a correctness failure.
+
 Run (PostgreSQL reachable with the given user)::
 
     python bench/placement.py --jobs 1000 --nodes 100
     python bench/placement.py --preset sc3          # both SC-3 sizes and the CPU ratio
+    python bench/placement.py --jobs 3000 --nodes 1000 --job-gpus 1 --gpu-failure
 
 ``--source DIR`` runs the control plane from another checkout (e.g.
 ``git archive HEAD | tar -x -C /tmp/head``) for before/after comparisons.
@@ -79,6 +88,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import fleet
+import gpu_failure
 
 CLAIM_PATH = "/api/v1/agent/work/claim"
 HOLD_SECONDS = 25.0
@@ -198,6 +208,13 @@ class LoadGenerator:
         self.probing = False
         self.probes_submitted = 0
         self.answered_at: dict[str, float] = {}
+        #: When each job was placed in the window (perf_counter), and --gpu-failure's reports.
+        self.placed_at: list[float] = []
+        self.gpu_failures = (
+            gpu_failure.Injector(self.port, self.admin_token, credentials, config["gpu_failures"])
+            if config.get("gpu_failures")
+            else None
+        )
 
     async def connect(self) -> None:
         conns = [conn for _, conn in self.slots] + [conn for _, conn in self.lanes]
@@ -243,6 +260,7 @@ class LoadGenerator:
             else:
                 self.latencies.append(answered - max(sent, self.start))
                 self.last_placement = answered
+                self.placed_at.append(answered)
             await self.complete(node, conn, job_id)
 
     async def complete(self, node: int, conn: fleet.KeepAlive, job_id: str) -> None:
@@ -258,6 +276,8 @@ class LoadGenerator:
             response = await conn.exchange(request, 60.0)
             if response.status == 200:
                 self.counts["completed"] += 1
+            elif self.gpu_failures and self.gpu_failures.excused(node, job_id, response):
+                self.counts["GPU_FAILED jobs' completions refused 409 (expected)"] += 1
             else:
                 self._refused("complete", response)
         except TimeoutError:
@@ -302,12 +322,20 @@ class LoadGenerator:
             asyncio.create_task(self.lane(nodes, conn, self.interval * i / len(self.credentials)))
             for i, (nodes, conn) in enumerate(self.lanes)
         ]
+        injecting = (
+            asyncio.create_task(self.gpu_failures.run(lambda: len(self.unique)))
+            if self.gpu_failures
+            else None
+        )
         try:
             async with asyncio.timeout(self.max_seconds):
                 await self.done.wait()
         except TimeoutError:
             pass
         window_end = time.perf_counter()
+        if self.gpu_failures and injecting:
+            self.gpu_failures.stopping = True  # those not yet due are not sent
+            await injecting
         print("DRAINED", flush=True)
         probe_ms = await self.probe() if self.done.is_set() and self.probes else []
         self.closed = self.stopping = True
@@ -344,6 +372,9 @@ class LoadGenerator:
             "probes_submitted": self.probes_submitted,
             "counts": dict(self.counts),
             "refusals": self.refusals,
+            "gpu_failures": (
+                self.gpu_failures.result(self.placed_at, self.start) if self.gpu_failures else None
+            ),
         }
 
     async def probe(self) -> list[float]:
@@ -416,6 +447,9 @@ class Verdict:
     received_twice: int
     lost: int  # handed out by the server, never received
     phantom: int  # received, but the database shows no `running` event
+    #: Ended GPU_FAILED (--gpu-failure: their GPU failed under them; `gpu_failure.check`
+    #: holds them against the completions refused for it).
+    gpu_failed: int = 0
 
     def problems(self, expected: int, complete: bool) -> list[str]:
         found = []
@@ -428,11 +462,11 @@ class Verdict:
             )
         if self.lost or self.phantom:
             found.append(f"{self.lost} handed out but never received, {self.phantom} phantom")
-        unfinished = self.received - self.states.get("succeeded", 0)
+        unfinished = self.received - self.states.get("succeeded", 0) - self.gpu_failed
         if unfinished:
-            found.append(f"{unfinished} received jobs did not end succeeded")
-        if complete and self.states.get("succeeded", 0) != expected:
-            found.append(f"not every job succeeded: {self.states}")
+            found.append(f"{unfinished} received jobs did not end succeeded (nor GPU_FAILED)")
+        if complete and self.states.get("succeeded", 0) + self.gpu_failed != expected:
+            found.append(f"not every job succeeded (or failed with its GPU): {self.states}")
         return found
 
 
@@ -443,6 +477,9 @@ def verify(pg: fleet.Postgres, received: list[str], window: tuple[datetime, date
             " ON e.job_id = j.id AND e.kind = 'state' AND e.data->>'state' = 'running'"
             " GROUP BY j.id, j.state"
         ).fetchall()
+        gpu_failed = conn.execute(
+            "SELECT count(*) FROM jobs WHERE error_code = 'GPU_FAILED'"
+        ).fetchone()[0]
         in_window = conn.execute(
             "SELECT count(*) FROM job_events WHERE kind = 'state'"
             " AND data->>'state' = 'running' AND at BETWEEN %s AND %s",
@@ -461,6 +498,7 @@ def verify(pg: fleet.Postgres, received: list[str], window: tuple[datetime, date
         received_twice=sum(1 for n in got.values() if n > 1),
         lost=len(handed - got.keys()),
         phantom=len(got.keys() - handed),
+        gpu_failed=int(gpu_failed),
     )
 
 
@@ -555,6 +593,13 @@ def run_size(args: argparse.Namespace, jobs: int, nodes: int, database: str) -> 
                 )
             )
             print(f"queued {jobs:,} jobs in {time.perf_counter() - t:.1f} s ({how})")
+            failures = (
+                gpu_failure.plan(
+                    args.gpu_failure, jobs, node_ids(pg, nodes), [b["gpus"] for b in bodies]
+                )
+                if args.gpu_failure
+                else []
+            )
 
             config = workdir / "loadgen.json"
             received = workdir / "received.txt"
@@ -571,6 +616,7 @@ def run_size(args: argparse.Namespace, jobs: int, nodes: int, database: str) -> 
                         "probes": args.probes,
                         "admin_token": server.admin_token,
                         "received": str(received),
+                        "gpu_failures": failures,
                     }
                 )
             )
@@ -610,6 +656,7 @@ def run_size(args: argparse.Namespace, jobs: int, nodes: int, database: str) -> 
             load = json.loads(_expect(loadgen, "RESULT", errors))
             loadgen.wait()
             verdict = verify(pg, received.read_text().split(), (go_at, end_at))
+            gpu_check = gpu_failure.check(pg, load["gpu_failures"]) if failures else ([], [])
             if load["refusals"]:
                 print("refusals (first few):\n  " + "\n  ".join(load["refusals"]))
         finally:
@@ -620,7 +667,14 @@ def run_size(args: argparse.Namespace, jobs: int, nodes: int, database: str) -> 
                 server.stop()
             if not args.keep:
                 pg.drop()
-    return summarise(jobs, nodes, args, load, fleet.cpu_use(before, after), verdict)
+    return summarise(jobs, nodes, args, load, fleet.cpu_use(before, after), verdict, gpu_check)
+
+
+def node_ids(pg: fleet.Postgres, nodes: int) -> list[str]:
+    """The enrolled nodes' ids in their credentials' order (each enrolled as bench-host-<i>)."""
+    with pg.connect() as conn:
+        by_host = dict(conn.execute("SELECT hostname, id FROM nodes").fetchall())
+    return [str(by_host[f"bench-host-{i}"]) for i in range(nodes)]
 
 
 def summarise(
@@ -630,9 +684,11 @@ def summarise(
     load: dict[str, Any],
     cpu: fleet.CpuUse | None,
     verdict: Verdict,
+    gpu_check: tuple[list[tuple[str, str]], list[str]] = ([], []),
 ) -> SizeResult:
     counts: dict[str, int] = load["counts"]
     problems = verdict.problems(jobs + load["probes_submitted"], load["complete"])
+    problems += gpu_check[1]
     bad_claims = sum(
         n
         for key, n in counts.items()
@@ -713,8 +769,9 @@ def summarise(
             "received by the load generator",
             f"{verdict.received:,}, twice: {verdict.received_twice}",
         ),
-        ("correctness", "ok" if not problems else "FAILED: " + "; ".join(problems)),
     ]
+    rows += gpu_check[0]
+    rows.append(("correctness", "ok" if not problems else "FAILED: " + "; ".join(problems)))
     return SizeResult(jobs, nodes, load, cpu, verdict, rows, problems)
 
 
@@ -777,6 +834,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--slots", type=int, default=1, help="parallel claims per node (default 1)")
     parser.add_argument("--job-gpus", type=int, default=0, help="GPUs per job (default 0)")
+    parser.add_argument(
+        "--gpu-failure",
+        type=int,
+        nargs="?",
+        const=gpu_failure.DEFAULT_COUNT,
+        default=0,
+        metavar="N",
+        help="report N GPUs (default 20, one per node) failed (XID 79) while jobs are placed,"
+        " timing how soon each is out of the schedule (needs --job-gpus)",
+    )
     parser.add_argument("--max-seconds", type=float, default=120.0, help="per size (default 120)")
     parser.add_argument("--heartbeat-interval", type=float, default=10.0)
     parser.add_argument("--enroll-concurrency", type=int, default=8)
@@ -805,6 +872,8 @@ def main(argv: list[str]) -> int:
         loadgen_main(Path(argv[1]))
         return 0
     args = parse_args(argv)
+    if args.gpu_failure and args.job_gpus < 1:
+        raise SystemExit("--gpu-failure fails GPUs the jobs use: give --job-gpus 1 or more")
     sizes = list(SC3_SIZES) if args.preset == "sc3" else [(args.jobs, args.nodes)]
     # Every long poll is a connection at both ends; the server and the load generator inherit it.
     largest = max(nodes for _, nodes in sizes) * args.slots
