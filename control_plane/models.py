@@ -381,6 +381,101 @@ class Service(Base):
     placed_at: Mapped[datetime | None]
     stopped_at: Mapped[datetime | None]
     next_event_seq: Mapped[int] = mapped_column(Integer, default=1)
+    #: How many replicas it runs (issue 27); with `autoscale`, what the autoscaler last chose.
+    replicas: Mapped[int] = mapped_column(Integer, default=1)
+    #: The revision its new replicas run (`service_revisions`).
+    revision: Mapped[int] = mapped_column(Integer, default=1)
+    #: `{"min", "max", "target_in_flight", "idle_seconds"}` or None: a fixed `replicas`.
+    autoscale: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    #: The rolling update under way: `{"from", "to", "started_at", ...}`, None when none.
+    rollout: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    #: The last request the gateway sent it (scale to zero counts idleness from it).
+    last_request_at: Mapped[datetime | None]
+
+
+class ServiceRevision(Base):
+    """What a service runs at one revision (issue 27): a change of its model, weights, command or
+    settings makes a new revision, and a rolling update moves its replicas from one to the
+    next. `spec` holds the fields a replica is started from, as the service's columns do."""
+
+    __tablename__ = "service_revisions"
+
+    service_id: Mapped[str] = mapped_column(
+        ForeignKey("services.id", ondelete="CASCADE"), primary_key=True
+    )
+    revision: Mapped[int] = mapped_column(Integer, primary_key=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime]
+
+
+class ServiceReplica(Base):
+    """One running copy of a service (issue 27), placed on a node like a service is: `node_id`
+    set means it holds the service's `resources` and `assigned_gpus` there."""
+
+    __tablename__ = "service_replicas"
+    __table_args__ = (
+        Index("ix_service_replicas_service", "service_id", "ordinal"),
+        Index("ix_service_replicas_state", "state"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    service_id: Mapped[str] = mapped_column(ForeignKey("services.id", ondelete="CASCADE"))
+    ordinal: Mapped[int] = mapped_column(Integer)
+    #: The service revision it runs.
+    revision: Mapped[int] = mapped_column(Integer, default=1)
+    #: pending | starting | healthy | unhealthy | restarting | failed | draining | stopped
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    node_id: Mapped[str | None] = mapped_column(String(40), index=True)
+    assigned_gpus: Mapped[list[Any] | None] = mapped_column(JSON)
+    url: Mapped[str | None] = mapped_column(String(300))
+    grpc_url: Mapped[str | None] = mapped_column(String(300))
+    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    last_exit: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    log_tail: Mapped[list[Any] | None] = mapped_column(JSON)
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    placed_at: Mapped[datetime | None]
+    #: When it last turned healthy (warm): the gateway sends it requests from then on.
+    ready_at: Mapped[datetime | None]
+    stopped_at: Mapped[datetime | None]
+
+
+class ServiceAccessToken(Base):
+    """A bearer token that opens one service at the gateway (issue 27): shown once, kept only
+    as its SHA-256 hash; revocable; optionally rate limited."""
+
+    __tablename__ = "service_access_tokens"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    service_id: Mapped[str] = mapped_column(
+        ForeignKey("services.id", ondelete="CASCADE"), index=True
+    )
+    name: Mapped[str] = mapped_column(String(100))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    #: The token's first characters, to tell tokens apart in lists (never enough to use it).
+    hint: Mapped[str] = mapped_column(String(16))
+    #: Requests per second allowed (a token bucket of `burst`); None: unlimited.
+    rate_per_second: Mapped[float | None] = mapped_column(Float)
+    burst: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime]
+    created_by: Mapped[str] = mapped_column(String(64))
+    last_used_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
+
+
+class GatewayTunnel(Base):
+    """Which control-plane replica holds a node's tunnel (issue 27): the gateway of another
+    replica hands a request for that node's replicas to this one."""
+
+    __tablename__ = "gateway_tunnels"
+
+    node_id: Mapped[str] = mapped_column(
+        ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True
+    )
+    #: The control-plane process holding it, and the address its peers reach it at.
+    holder: Mapped[str] = mapped_column(String(64))
+    holder_address: Mapped[str] = mapped_column(String(300))
+    connected_at: Mapped[datetime]
 
 
 class ServiceEvent(Base):
