@@ -5,15 +5,18 @@ While the run is under way, the load generator (its own process) reports ``N`` G
 ``POST /api/v1/agent/gpu-health`` with that node's credential: the full snapshot of the node's
 GPUs, the failed one ``unhealthy`` with XID 79 evidence ("GPU has fallen off the bus"), the others
 healthy, as the node agent sends it. The failures are spread between a third and two thirds of
-the jobs placed, each sent once that many were placed (so several may be in flight at once).
+the jobs placed, one at a time: each is sent once that many jobs were placed and the previous
+one was answered and read back, so each measures one GPU's failure, not a burst of them (a
+burst's reports and reads would slow one another and the placements). Those not sent when the
+last job was placed are left out (a short run has room for fewer).
 
 Measured per failure:
 
 (a) report sent -> answered 200 (the control plane answers once the report is committed: the GPU
     is out of the schedule, a job running on it failed with ``GPU_FAILED``);
 (b) report sent -> the first admin read ``GET /api/v1/admin/nodes/{id}/gpus`` showing the GPU
-    unhealthy (reads sent 20 ms apart, on another connection from the moment the
-    report is sent).
+    unhealthy (reads sent 50 ms apart, each once the previous was answered, on another
+    connection from the moment the report is sent).
 
 Read from the database at the end: no job was placed on a failed GPU after its report was
 answered (``jobs.assigned_gpus`` holding that node's GPU with ``started_at`` after the answer),
@@ -43,7 +46,7 @@ XID_DETAIL = "GPU has fallen off the bus"
 #: The issue's bound: a failure reaches the scheduler within the same 2 s.
 TARGET_S = 2.0
 #: Between two admin reads while waiting for the GPU to show unhealthy.
-READ_GAP_SECONDS = 0.02
+READ_GAP_SECONDS = 0.05
 #: How long one failure is followed (its report, its reads) before it counts as not answered.
 FOLLOW_SECONDS = 60.0
 DEFAULT_COUNT = 20
@@ -113,16 +116,14 @@ class Injector:
     results: list[dict[str, Any]] = field(default_factory=list)
 
     async def run(self, placed: Any) -> None:
-        """Send each failure once `placed()` reaches its threshold; end when all are answered,
-        or (after `stop`) with those not yet due left unsent."""
-        tasks = []
+        """Send each failure once `placed()` reaches its threshold and the previous one was
+        followed to its end; once `stopping` (the last job placed), send no more."""
         for target in sorted(self.targets, key=lambda t: int(t["after_placed"])):
             while placed() < target["after_placed"] and not self.stopping:
                 await asyncio.sleep(0.002)
             if self.stopping:
                 break
-            tasks.append(asyncio.create_task(self.fail(target, placed())))
-        self.results = list(await asyncio.gather(*tasks))
+            self.results.append(await self.fail(target, placed()))
 
     def excused(self, node: int, job_id: str, response: fleet.RawResponse) -> bool:
         """Whether a refused completion is a job its GPU's failure ended (GPU_FAILED): the
@@ -239,10 +240,9 @@ def check(pg: fleet.Postgres, outcome: dict[str, Any]) -> tuple[list[tuple[str, 
     failures: list[dict[str, Any]] = outcome["failures"]
     problems: list[str] = []
     answered = [f for f in failures if f["answered_wall"] is not None]
-    if len(answered) != len(failures) or len(failures) != outcome["planned"]:
+    if len(answered) != len(failures) or not failures:
         problems.append(
-            f"GPU failures: {outcome['planned']} planned, {len(failures)} sent,"
-            f" {len(answered)} answered 200"
+            f"GPU failures: {len(failures)} sent, {len(answered)} answered 200"
             + "".join(f"; {f['status']}" for f in failures if f["answered_wall"] is None)
         )
     unseen = [f for f in failures if f["seen_s"] is None]
@@ -320,8 +320,9 @@ def _rows(
     return [
         (
             "GPU failures (XID 79 reports)",
-            f"{len(failures)} of {outcome['planned']} sent"
-            + (f", at {min(sent):,}-{max(sent):,} jobs placed" if sent else ""),
+            f"{len(failures)} of {outcome['planned']} sent, one at a time"
+            + (f", at {min(sent):,}-{max(sent):,} jobs placed" if sent else "")
+            + (" (the rest: the run ended first)" if len(failures) < outcome["planned"] else ""),
         ),
         ("  (a) report sent -> answered p50/p99/max", _ms(answered)),
         ("  (b) sent -> admin read unhealthy p50/p99/max", _ms(seen)),

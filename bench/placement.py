@@ -54,12 +54,13 @@ completion refused or not answered, or (in a complete run) a job that did not su
 of a run with claim timeouts are censored at the timeout.
 
 ``--gpu-failure [N]`` (with ``--job-gpus``, issue 28; ``bench/gpu_failure.py``): between a third
-and two thirds of the jobs placed, the load generator reports N GPUs (default 20, one per node)
-unhealthy with XID 79 through ``POST /api/v1/agent/gpu-health`` with their nodes' credentials, and
-times report sent -> answered and report sent -> the first admin read showing the GPU unhealthy;
-at the end the database must show no job placed on (or running past) a failed GPU after its
-report was answered. A job that was running on such a GPU ends ``GPU_FAILED``, and its refused
-completion (409 ``JOB_NOT_RUNNING``) is expected, not a correctness failure.
+and two thirds of the jobs placed, the load generator reports up to N GPUs (default 20, one per
+node, one at a time, as many as the run has room for) unhealthy with XID 79 through
+``POST /api/v1/agent/gpu-health`` with their nodes' credentials, and times report sent ->
+answered and report sent -> the first admin read showing the GPU unhealthy; at the end the
+database must show no job placed on (or running past) a failed GPU after its report was
+answered. A job that was running on such a GPU ends ``GPU_FAILED``, and its refused completion
+(409 ``JOB_NOT_RUNNING``) is expected, not a correctness failure.
 
 Run (PostgreSQL reachable with the given user)::
 
@@ -334,7 +335,7 @@ class LoadGenerator:
             pass
         window_end = time.perf_counter()
         if self.gpu_failures and injecting:
-            self.gpu_failures.stopping = True  # those not yet due are not sent
+            self.gpu_failures.stopping = True  # the one in flight is followed, no more are sent
             await injecting
         print("DRAINED", flush=True)
         probe_ms = await self.probe() if self.done.is_set() and self.probes else []
