@@ -40,6 +40,7 @@ from control_plane.api import (
     resources,
     secrets,
     services,
+    tunnel,
 )
 from control_plane.api.agent_fast import AgentFastPath
 from control_plane.api.edge import invalid_json
@@ -155,6 +156,7 @@ def create_front(
         try:
             yield
         finally:
+            await ctx.hub.close_all()
             await ctx.provisioner.stop()
             await ctx.scheduler.stop()
             await ctx.completions.stop()
@@ -188,6 +190,7 @@ def create_front(
     app.include_router(services.agent_router)
     app.include_router(provisioning.router)
     app.include_router(resources.router)
+    app.include_router(tunnel.router)
     console.mount_console(app)
     return compose_front(app, ctx)
 

@@ -168,7 +168,8 @@ def _serve(settings: Settings, local_node: LocalNode | None) -> None:
         interface=Interfaces.RSGI,
         # Agents and the console speak HTTP/1.1; uvloop for the event loop (HB-4 throughput).
         http=HTTPModes.http1,
-        websockets=False,
+        # The agents' tunnels (api/tunnel.py) are WebSockets.
+        websockets=True,
         loop=Loops.uvloop,
         address=settings.host,
         port=settings.port,

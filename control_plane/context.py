@@ -16,6 +16,7 @@ from control_plane.db import DatabaseAvailability
 from control_plane.fleet.credentials import CredentialAuthority
 from control_plane.fleet.heartbeats import HeartbeatBuffer
 from control_plane.fleet.liveness import ContactGrace, Liveness, LivenessThresholds
+from control_plane.gateway.tunnels import TunnelHub
 from control_plane.lanes import WorkerLanes
 from control_plane.metrics import Metrics
 from control_plane.provisioning.config import load_provisioners
@@ -43,6 +44,8 @@ class AppContext:
     sign_in_throttle: SignInThrottle = field(default_factory=SignInThrottle)
     #: Outages of the database, each logged once (the app factory makes it watch `engine`).
     database: DatabaseAvailability = field(default_factory=DatabaseAvailability)
+    #: The agents' tunnels this process holds, through which the gateway reaches replicas.
+    hub: TunnelHub = field(default_factory=TunnelHub)
     #: The threads blocking routes run on, one share per kind of request (`lanes.py`).
     lanes: WorkerLanes = field(init=False)
     #: Wakes long polls and the scheduler when jobs change, across replicas.

@@ -8,7 +8,8 @@ path's ASGI seam frames them), and everything else — including an agent
 request the fast path hands on — is served by the ASGI app (the edge, the JSON guard, FastAPI)
 through `serve_asgi`, a bridge with ASGI's semantics: the request body streamed as it arrives,
 the response sent whole or streamed, `http.disconnect` once the client has gone. The ASGI
-lifespan (migrations, background loops) runs in `__rsgi_init__` and `__rsgi_del__`.
+lifespan (migrations, background loops) runs in `__rsgi_init__` and `__rsgi_del__`. A WebSocket
+(the agents' tunnels) is served by the ASGI app through `rsgi_websocket.serve_websocket`.
 
 It never buffers a body beyond the fast path's 16 KiB, never answers anything itself but a 500
 for an app that failed before its response started, and never puts an exception's text in an
@@ -26,6 +27,7 @@ from typing import Any
 from control_plane.api.agent_fast import AgentFastPath, agent_request
 from control_plane.api.agent_frame import FAST_BODY_LIMIT, RSGI_JSON_HEADERS, HandOn, Reply
 from control_plane.api.asgi import ASGIApp, Message, Scope
+from control_plane.api.rsgi_websocket import serve_websocket
 from control_plane.errors import InternalError
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,9 @@ class ASGIOverRSGI:
             log.error("the application did not stop cleanly: %s", exc)
 
     async def __rsgi__(self, scope: Any, protocol: Any) -> None:
+        if scope.proto == "ws":
+            await serve_websocket(self.app, scope, protocol, self.lifespan.state, _address)
+            return
         await serve_asgi(self.app, scope, protocol, self.lifespan.state)
 
 
@@ -80,6 +85,9 @@ class ServedApp(ASGIOverRSGI):
         self.edge = edge
 
     async def __rsgi__(self, scope: Any, protocol: Any) -> None:
+        if scope.proto == "ws":  # the agents' tunnels (api/rsgi_websocket.py)
+            await serve_websocket(self.fast, scope, protocol, self.lifespan.state, _address)
+            return
         request = agent_request(scope.method, scope.path)
         if request is None:
             await serve_asgi(self.fast, scope, protocol, self.lifespan.state)

@@ -1,0 +1,376 @@
+"""The agents' tunnels this process holds, and the streams the gateway opens through them.
+
+One `TunnelHub` per process (on `AppContext`). The transport (`api/tunnel.py`) authenticates an
+agent's WebSocket and hands it to `TunnelHub.serve`, which holds it until it closes, its node's
+credential is revoked, or it is silent for `IDLE_TIMEOUT`. A node has one tunnel: a new one
+replaces the old. The gateway asks `connected(node_id)` and calls `open_stream`, which sends
+OPEN and returns a `Stream`: the request body goes out with `send` and `end`, the answer comes
+back through `response()` and `body()`, each direction under the protocol's flow control
+(`modelforge_contracts.tunnel`), so a stream holds at most its window in memory whatever the
+body's size. Everything runs on the event loop that serves the WebSocket; nothing here blocks.
+
+`record_holder` and `forget_holder` keep the `gateway_tunnels` row saying which process holds a
+node's tunnel (for a gateway on another replica); the caller runs them off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from datetime import datetime
+from typing import Protocol
+
+from sqlalchemy import delete
+from sqlalchemy.orm import Session
+
+from control_plane.models import GatewayTunnel
+from modelforge_contracts.tunnel import (
+    IDLE_TIMEOUT,
+    MAX_PAYLOAD,
+    MAX_STREAMS,
+    FrameType,
+    Headers,
+    OpenRequest,
+    ReceiveWindow,
+    Reset,
+    ResetCode,
+    ResponseHead,
+    SendWindow,
+    TunnelProtocolError,
+    decode,
+    encode,
+    parse_window,
+    window,
+)
+
+log = logging.getLogger(__name__)
+#: How often a held tunnel's credential and silence are checked.
+_WATCH_EVERY = 0.5
+#: WebSocket close codes the control plane ends a tunnel with.
+CLOSE_REVOKED = 4401
+CLOSE_REPLACED = 4409
+CLOSE_IDLE = 4408
+CLOSE_PROTOCOL = 1002
+CLOSE_GOING_AWAY = 1001
+
+
+class TunnelUnavailable(Exception):
+    """No tunnel to that node in this process (or it closed while the stream was opened)."""
+
+
+class StreamReset(Exception):
+    """The stream was reset (by the agent, the tunnel closing, or this side)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class TunnelSocket(Protocol):
+    """One accepted WebSocket, as the transport gives it to the hub."""
+
+    async def send(self, message: bytes) -> None: ...
+
+    async def receive(self) -> bytes | None:
+        """The next binary message; None once the WebSocket has closed."""
+        ...
+
+    async def close(self, code: int, reason: str) -> None: ...
+
+
+class Stream:
+    """One request through a tunnel (see the module's docstring)."""
+
+    def __init__(self, tunnel: Tunnel, stream_id: int) -> None:
+        self.id = stream_id
+        self._tunnel = tunnel
+        self._send_window = SendWindow()
+        self._receive_window = ReceiveWindow()
+        self._chunks: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._head: asyncio.Future[ResponseHead] = asyncio.get_running_loop().create_future()
+        self._sent_end = False
+        self._reset: StreamReset | None = None
+
+    @property
+    def peak_buffered(self) -> int:
+        """The most of the response body this stream held at once (at most its window)."""
+        return self._receive_window.peak
+
+    async def send(self, data: bytes) -> None:
+        """A piece of the request body, sent as the agent's window allows."""
+        view = memoryview(data)
+        while view:
+            self._raise_if_reset()
+            taken = await self._send_window.take(min(len(view), MAX_PAYLOAD))
+            self._raise_if_reset()
+            if not taken:
+                return  # the answer is complete: the agent reads no more of the request
+            await self._tunnel.send(encode(FrameType.DATA, self.id, bytes(view[:taken])))
+            view = view[taken:]
+
+    async def end(self) -> None:
+        """The request body is complete."""
+        self._raise_if_reset()
+        if not self._sent_end:
+            self._sent_end = True
+            await self._tunnel.send(encode(FrameType.END, self.id))
+
+    async def response(self) -> tuple[int, Headers]:
+        """The replica's status and headers; `StreamReset` if the stream ended before them."""
+        head = await self._head
+        return head.status, head.headers
+
+    async def body(self) -> AsyncIterator[bytes]:
+        """The response body as it arrives; the agent is granted more as it is consumed."""
+        while True:
+            chunk = await self._chunks.get()
+            if chunk is None:
+                self._raise_if_reset()
+                return
+            increment = self._receive_window.consumed(len(chunk))
+            if increment:
+                await self._tunnel.send_quietly(window(self.id, increment))
+            yield chunk
+
+    async def reset(self, code: str = ResetCode.CANCELLED, message: str = "") -> None:
+        """End the stream in both directions and tell the agent (the client went away)."""
+        if self._reset is not None:
+            return
+        self._ended(StreamReset(code, message))
+        await self._tunnel.send_quietly(
+            encode(FrameType.RESET, self.id, Reset(code, message).to_payload())
+        )
+
+    def _raise_if_reset(self) -> None:
+        if self._reset is not None:
+            raise self._reset
+
+    # -- frames from the agent (the tunnel's reader) ------------------------------------------
+
+    def _on_frame(self, kind: FrameType, payload: bytes) -> None:
+        if kind is FrameType.RESPONSE:
+            if self._head.done():
+                raise TunnelProtocolError("a second RESPONSE")
+            self._head.set_result(ResponseHead.from_payload(payload))
+        elif kind is FrameType.DATA:
+            if not self._head.done():
+                raise TunnelProtocolError("DATA before RESPONSE")
+            self._receive_window.received(len(payload))
+            self._chunks.put_nowait(payload)
+        elif kind is FrameType.END:
+            self._chunks.put_nowait(None)
+            self._send_window.close()
+            self._tunnel.forget(self.id)
+        elif kind is FrameType.WINDOW:
+            self._send_window.grant(parse_window(payload))
+        elif kind is FrameType.RESET:
+            reset = Reset.from_payload(payload)
+            self._ended(StreamReset(reset.code, reset.message))
+        else:
+            raise TunnelProtocolError(f"{kind.name} from an agent")
+
+    def _ended(self, reset: StreamReset) -> None:
+        """Over with `reset`: every waiter on either direction is told."""
+        if self._reset is not None:
+            return
+        self._reset = reset
+        self._send_window.close()
+        if not self._head.done():
+            self._head.set_exception(reset)
+            self._head.exception()  # retrieved: nobody may be waiting for it
+        self._chunks.put_nowait(None)
+        self._tunnel.forget(self.id)
+
+
+class Tunnel:
+    """One agent's WebSocket: its streams and its one writer."""
+
+    def __init__(self, node_id: str, socket: TunnelSocket, *, max_streams: int) -> None:
+        self.node_id = node_id
+        self.max_streams = max_streams
+        self._socket = socket
+        self._streams: dict[int, Stream] = {}
+        self._next_id = 1
+        self._write = asyncio.Lock()
+        self.closed = False
+        self.heard_at = time.monotonic()
+
+    @property
+    def streams(self) -> int:
+        return len(self._streams)
+
+    async def open(self, request: OpenRequest) -> Stream:
+        if self.closed:
+            raise TunnelUnavailable(f"the tunnel of node {self.node_id} closed")
+        if len(self._streams) >= self.max_streams:
+            raise StreamReset(
+                ResetCode.TOO_MANY_STREAMS,
+                f"the tunnel of node {self.node_id} has {self.max_streams} streams open",
+            )
+        payload = request.to_payload()
+        stream = Stream(self, self._next_id)
+        self._next_id += 1
+        self._streams[stream.id] = stream
+        try:
+            await self.send(encode(FrameType.OPEN, stream.id, payload))
+        except ConnectionError:
+            self.forget(stream.id)
+            raise TunnelUnavailable(f"the tunnel of node {self.node_id} closed") from None
+        return stream
+
+    async def send(self, message: bytes) -> None:
+        if self.closed:
+            raise ConnectionError("the tunnel closed")
+        async with self._write:
+            try:
+                await self._socket.send(message)
+            except Exception as exc:  # the transport's own closed-socket errors
+                raise ConnectionError("the tunnel closed") from exc
+
+    async def send_quietly(self, message: bytes) -> None:
+        """A frame whose loss changes nothing: the tunnel closing ends the stream anyway."""
+        with contextlib.suppress(ConnectionError):
+            await self.send(message)
+
+    def forget(self, stream_id: int) -> None:
+        self._streams.pop(stream_id, None)
+
+    async def read(self) -> None:
+        """Dispatch the agent's frames until the WebSocket closes."""
+        while (message := await self._socket.receive()) is not None:
+            self.heard_at = time.monotonic()
+            frame = decode(message)
+            if frame.stream == 0:
+                continue  # the keepalive
+            stream = self._streams.get(frame.stream)
+            if stream is None:
+                continue  # one this side reset or finished: its frames in flight are dropped
+            try:
+                stream._on_frame(frame.kind, frame.payload)
+            except TunnelProtocolError as exc:
+                code = ResetCode.FLOW_CONTROL if "window" in str(exc) else ResetCode.PROTOCOL_ERROR
+                await stream.reset(code, str(exc))
+
+    def close_streams(self, message: str) -> None:
+        self.closed = True
+        for stream in list(self._streams.values()):
+            stream._ended(StreamReset(ResetCode.TUNNEL_CLOSED, message))
+        self._streams.clear()
+
+    async def close(self, code: int, reason: str) -> None:
+        self.close_streams(reason)
+        with contextlib.suppress(Exception):
+            await self._socket.close(code, reason)
+
+
+class TunnelHub:
+    """This process's tunnels by node (see the module's docstring)."""
+
+    def __init__(self, *, max_streams: int = MAX_STREAMS, idle_timeout: float = IDLE_TIMEOUT):
+        self._tunnels: dict[str, Tunnel] = {}
+        self.max_streams = max_streams
+        self.idle_timeout = idle_timeout
+
+    def connected(self, node_id: str) -> bool:
+        tunnel = self._tunnels.get(node_id)
+        return tunnel is not None and not tunnel.closed
+
+    def nodes(self) -> list[str]:
+        """The nodes whose tunnel this process holds."""
+        return [node for node, tunnel in self._tunnels.items() if not tunnel.closed]
+
+    async def open_stream(
+        self,
+        node_id: str,
+        *,
+        replica_id: str,
+        method: str,
+        path: str,
+        query: str = "",
+        headers: Headers,
+    ) -> Stream:
+        """A new stream to `replica_id` on `node_id`: OPEN sent, nothing of the body yet.
+        `TunnelUnavailable` when this process holds no tunnel to that node."""
+        tunnel = self._tunnels.get(node_id)
+        if tunnel is None or tunnel.closed:
+            raise TunnelUnavailable(f"no tunnel to node {node_id} in this process")
+        return await tunnel.open(OpenRequest(replica_id, method, path, query, headers))
+
+    async def serve(
+        self, node_id: str, socket: TunnelSocket, *, still_active: Callable[[], bool]
+    ) -> None:
+        """Hold an accepted tunnel until it ends; `still_active` says whether the node's
+        credential still stands (memory only: it is asked twice a second)."""
+        tunnel = Tunnel(node_id, socket, max_streams=self.max_streams)
+        previous = self._tunnels.get(node_id)
+        self._tunnels[node_id] = tunnel
+        if previous is not None:
+            await previous.close(CLOSE_REPLACED, "replaced by a newer tunnel of the same node")
+        log.info("node %s opened its tunnel", node_id)
+        reader = asyncio.ensure_future(tunnel.read())
+        why = "the agent closed it"
+        try:
+            while not reader.done():
+                await asyncio.wait({reader}, timeout=_WATCH_EVERY)
+                if reader.done():
+                    break
+                if not still_active():
+                    why = "its credential was revoked"
+                    await tunnel.close(CLOSE_REVOKED, "the node credential was revoked")
+                    break
+                if time.monotonic() - tunnel.heard_at > self.idle_timeout:
+                    why = f"silent for {self.idle_timeout:g} s"
+                    await tunnel.close(CLOSE_IDLE, "the tunnel was silent")
+                    break
+            if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                exc = reader.exception()
+                if isinstance(exc, TunnelProtocolError):
+                    why = f"a protocol error ({exc})"
+                    await tunnel.close(CLOSE_PROTOCOL, "protocol error")
+                else:
+                    why = f"its connection failed ({type(exc).__name__})"
+        finally:
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
+            tunnel.close_streams(f"the tunnel of node {node_id} closed")
+            if self._tunnels.get(node_id) is tunnel:
+                del self._tunnels[node_id]
+            log.info("node %s's tunnel closed: %s", node_id, why)
+
+    async def close_node(self, node_id: str, reason: str) -> None:
+        """Close the node's tunnel (its node was deleted)."""
+        tunnel = self._tunnels.get(node_id)
+        if tunnel is not None:
+            await tunnel.close(CLOSE_REVOKED, reason)
+
+    async def close_all(self) -> None:
+        """At shutdown: every tunnel closed, the agents reconnect to whichever process serves."""
+        for tunnel in list(self._tunnels.values()):
+            await tunnel.close(CLOSE_GOING_AWAY, "the control plane is stopping")
+
+
+def record_holder(
+    session: Session, *, node_id: str, holder: str, address: str, at: datetime
+) -> None:
+    """Say in `gateway_tunnels` that process `holder` (reached at `address`) holds the tunnel."""
+    row = session.get(GatewayTunnel, node_id)
+    if row is None:
+        session.add(
+            GatewayTunnel(node_id=node_id, holder=holder, holder_address=address, connected_at=at)
+        )
+    else:
+        row.holder, row.holder_address, row.connected_at = holder, address, at
+
+
+def forget_holder(session: Session, *, node_id: str, holder: str) -> None:
+    """The row goes, unless another process holds the node's tunnel by now."""
+    session.execute(
+        delete(GatewayTunnel).where(
+            GatewayTunnel.node_id == node_id, GatewayTunnel.holder == holder
+        )
+    )

@@ -1,0 +1,301 @@
+"""The tunnel (issue 27): one WebSocket an agent opens to the control plane, over which the
+control plane's gateway reaches the replicas running on that node. The control plane never
+dials a node: the agent connects out (`TUNNEL_PATH`, the node credential as every agent call
+sends it) and the control plane opens streams inside it, one per HTTP request.
+
+Every WebSocket message is one binary frame: `type u8 | stream u32 | payload`.
+
+- OPEN (control plane -> agent): JSON `{"replica_id", "method", "path", "query", "headers"}`,
+  at most `MAX_OPEN` bytes. Stream ids are the control plane's, never 0, never reused within a
+  tunnel.
+- DATA (both): a piece of this direction's body, at most `MAX_PAYLOAD` bytes.
+- END (both): this direction's body is complete.
+- RESPONSE (agent -> control plane): JSON `{"status", "headers"}`, before any DATA.
+- RESET (both): JSON `{"code", "message"}`; the stream is over in both directions.
+- WINDOW (both): u32 increment of the sender's window for that stream. On stream 0 (increment
+  0) it is the agent's keepalive: the control plane drops a tunnel it has heard nothing from
+  for `IDLE_TIMEOUT` seconds (RSGI servers answer WebSocket pings without telling the app, so a
+  ping alone cannot show the tunnel is alive there).
+
+Flow control is per stream and direction: a sender may have at most its window in DATA payload
+unacknowledged; each side starts with `INITIAL_WINDOW` and the receiver grants more (WINDOW) as
+its reader consumes. A peer sending past its window is reset with `FLOW_CONTROL`. At most
+`MAX_STREAMS` streams are open in a tunnel: the agent resets one more with `TOO_MANY_STREAMS`.
+
+`SendWindow` and `ReceiveWindow` are the one accounting both sides use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from dataclasses import dataclass
+from enum import IntEnum, StrEnum
+from typing import Any
+
+#: The agents' WebSocket endpoint on the control plane.
+TUNNEL_PATH = "/api/v1/agent/tunnel"
+INITIAL_WINDOW = 256 * 1024
+MAX_PAYLOAD = 64 * 1024
+MAX_OPEN = 16 * 1024
+MAX_STREAMS = 256
+#: How often the agent sends its keepalive (and a WebSocket ping).
+KEEPALIVE_SECONDS = 10.0
+#: A tunnel silent this long is dropped (by the control plane; the agent's pings time out too).
+IDLE_TIMEOUT = 30.0
+#: A window never grows past this (RFC 9113's limit, for the same reason: it fits in 31 bits).
+_MAX_WINDOW = 2**31 - 1
+_HEAD = struct.Struct(">BI")
+_U32 = struct.Struct(">I")
+#: Headers of one hop: never forwarded through the tunnel in either direction.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+    }
+)
+
+
+class FrameType(IntEnum):
+    OPEN = 1
+    DATA = 2
+    END = 3
+    RESPONSE = 4
+    RESET = 5
+    WINDOW = 6
+
+
+class ResetCode(StrEnum):
+    #: The tunnel has `MAX_STREAMS` streams open already.
+    TOO_MANY_STREAMS = "TOO_MANY_STREAMS"
+    #: The other side no longer wants the stream (the client went away).
+    CANCELLED = "CANCELLED"
+    #: The agent runs no replica of that id, or has no port for it.
+    NO_SUCH_REPLICA = "NO_SUCH_REPLICA"
+    #: The replica's local port refused the connection or broke it before answering.
+    UPSTREAM_UNREACHABLE = "UPSTREAM_UNREACHABLE"
+    #: The replica broke the connection after its answer began.
+    UPSTREAM_FAILED = "UPSTREAM_FAILED"
+    #: The peer sent DATA past its window.
+    FLOW_CONTROL = "FLOW_CONTROL"
+    #: A malformed frame for this stream.
+    PROTOCOL_ERROR = "PROTOCOL_ERROR"
+    #: The tunnel closed while the stream was open.
+    TUNNEL_CLOSED = "TUNNEL_CLOSED"
+
+
+class TunnelProtocolError(ValueError):
+    """A frame that breaks this module's rules; the tunnel (or the stream) is reset."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    kind: FrameType
+    stream: int
+    payload: bytes = b""
+
+
+def encode(kind: FrameType, stream: int, payload: bytes = b"") -> bytes:
+    return _HEAD.pack(kind, stream) + payload
+
+
+def decode(message: bytes) -> Frame:
+    """One WebSocket message as a frame; `TunnelProtocolError` for anything else."""
+    if len(message) < _HEAD.size:
+        raise TunnelProtocolError("a frame shorter than its header")
+    kind, stream = _HEAD.unpack_from(message)
+    try:
+        frame_type = FrameType(kind)
+    except ValueError:
+        raise TunnelProtocolError(f"unknown frame type {kind}") from None
+    payload = bytes(message[_HEAD.size :])
+    limit = MAX_OPEN if frame_type in (FrameType.OPEN, FrameType.RESPONSE) else MAX_PAYLOAD
+    if len(payload) > limit:
+        raise TunnelProtocolError(f"a {frame_type.name} frame over {limit} bytes")
+    if stream == 0 and frame_type is not FrameType.WINDOW:
+        raise TunnelProtocolError("only the keepalive (WINDOW) uses stream 0")
+    return Frame(frame_type, stream, payload)
+
+
+def keepalive() -> bytes:
+    return encode(FrameType.WINDOW, 0, _U32.pack(0))
+
+
+def window(stream: int, increment: int) -> bytes:
+    return encode(FrameType.WINDOW, stream, _U32.pack(increment))
+
+
+def parse_window(payload: bytes) -> int:
+    if len(payload) != _U32.size:
+        raise TunnelProtocolError("a WINDOW frame's payload is 4 bytes")
+    return int(_U32.unpack(payload)[0])
+
+
+Headers = list[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class OpenRequest:
+    replica_id: str
+    method: str
+    path: str
+    query: str
+    headers: Headers
+
+    def to_payload(self) -> bytes:
+        body = {
+            "replica_id": self.replica_id,
+            "method": self.method,
+            "path": self.path,
+            "query": self.query,
+            "headers": [list(pair) for pair in self.headers],
+        }
+        payload = json.dumps(body, separators=(",", ":")).encode()
+        if len(payload) > MAX_OPEN:
+            raise TunnelProtocolError(f"the request's head is over {MAX_OPEN} bytes")
+        return payload
+
+    @classmethod
+    def from_payload(cls, payload: bytes) -> OpenRequest:
+        body = _object(payload, "OPEN")
+        fields = [body.get(name) for name in ("replica_id", "method", "path", "query")]
+        if not all(isinstance(value, str) for value in fields):
+            raise TunnelProtocolError("an OPEN frame needs replica_id, method, path and query")
+        replica_id, method, path, query = (str(value) for value in fields)
+        if not path.startswith("/"):
+            raise TunnelProtocolError("an OPEN frame's path starts with /")
+        return cls(replica_id, method, path, query, _headers(body.get("headers")))
+
+
+@dataclass(frozen=True)
+class ResponseHead:
+    status: int
+    headers: Headers
+
+    def to_payload(self) -> bytes:
+        body = {"status": self.status, "headers": [list(pair) for pair in self.headers]}
+        payload = json.dumps(body, separators=(",", ":")).encode()
+        if len(payload) > MAX_OPEN:
+            raise TunnelProtocolError(f"the response's head is over {MAX_OPEN} bytes")
+        return payload
+
+    @classmethod
+    def from_payload(cls, payload: bytes) -> ResponseHead:
+        body = _object(payload, "RESPONSE")
+        status = body.get("status")
+        if not isinstance(status, int) or isinstance(status, bool) or not 100 <= status <= 599:
+            raise TunnelProtocolError("a RESPONSE frame's status is an HTTP status")
+        return cls(status, _headers(body.get("headers")))
+
+
+@dataclass(frozen=True)
+class Reset:
+    code: str
+    message: str
+
+    def to_payload(self) -> bytes:
+        return json.dumps({"code": self.code, "message": self.message[:500]}).encode()
+
+    @classmethod
+    def from_payload(cls, payload: bytes) -> Reset:
+        try:
+            body = _object(payload, "RESET")
+        except TunnelProtocolError:
+            return cls(ResetCode.PROTOCOL_ERROR, "a RESET frame without a readable reason")
+        return cls(str(body.get("code", ResetCode.PROTOCOL_ERROR)), str(body.get("message", "")))
+
+
+def forwarded(headers: Headers) -> Headers:
+    """`headers` less those of one hop (`HOP_BY_HOP`)."""
+    return [(name, value) for name, value in headers if name.lower() not in HOP_BY_HOP]
+
+
+def _object(payload: bytes, kind: str) -> dict[str, Any]:
+    try:
+        body = json.loads(payload)
+    except (ValueError, UnicodeDecodeError):
+        raise TunnelProtocolError(f"a {kind} frame's payload is not JSON") from None
+    if not isinstance(body, dict):
+        raise TunnelProtocolError(f"a {kind} frame's payload is a JSON object")
+    return body
+
+
+def _headers(value: Any) -> Headers:
+    if not isinstance(value, list) or not all(
+        isinstance(pair, list) and len(pair) == 2 and all(isinstance(s, str) for s in pair)
+        for pair in value
+    ):
+        raise TunnelProtocolError("headers are a list of [name, value] pairs of strings")
+    return [(str(name), str(text)) for name, text in value]
+
+
+class SendWindow:
+    """How much DATA this side may still send on a stream; `take` waits for a grant."""
+
+    def __init__(self, initial: int = INITIAL_WINDOW) -> None:
+        self.available = initial
+        self._granted = asyncio.Event()
+        self._closed = False
+
+    def grant(self, increment: int) -> None:
+        if self.available + increment > _MAX_WINDOW:
+            raise TunnelProtocolError("a WINDOW past 2**31 - 1")
+        self.available += increment
+        if self.available > 0:
+            self._granted.set()
+
+    async def take(self, wanted: int) -> int:
+        """Up to `wanted` bytes of window, at least 1, once there is some; 0 when closed."""
+        while self.available <= 0 and not self._closed:
+            self._granted.clear()
+            await self._granted.wait()
+        if self._closed:
+            return 0
+        taken = min(wanted, self.available)
+        self.available -= taken
+        return taken
+
+    def close(self) -> None:
+        self._closed = True
+        self._granted.set()
+
+
+class ReceiveWindow:
+    """What the peer may still send on a stream, and when to grant it more: once the reader has
+    consumed half the initial window, all of it is granted back at once (fewer WINDOW frames)."""
+
+    def __init__(self, initial: int = INITIAL_WINDOW) -> None:
+        self.initial = initial
+        self.remaining = initial
+        self._consumed = 0
+        #: Received, not yet consumed: what this side holds for the stream.
+        self.buffered = 0
+        #: The most it ever held at once.
+        self.peak = 0
+
+    def received(self, size: int) -> None:
+        """DATA of `size` bytes arrived; `TunnelProtocolError` past the window."""
+        if size > self.remaining:
+            raise TunnelProtocolError("DATA past the stream's window")
+        self.remaining -= size
+        self.buffered += size
+        self.peak = max(self.peak, self.buffered)
+
+    def consumed(self, size: int) -> int:
+        """The reader took `size` bytes; the increment to grant now (0: none yet)."""
+        self.buffered -= size
+        self._consumed += size
+        if self._consumed < self.initial // 2:
+            return 0
+        increment, self._consumed = self._consumed, 0
+        self.remaining += increment
+        return increment
