@@ -70,14 +70,16 @@ class Capacity:
     def fits(self, request: Request, pinned: str | None = None) -> bool:
         """Whether `request` fits; `pinned` (a GPU's UUID): a job pinned to that GPU, which
         fits when the GPU is free, in the schedule or not, whatever its GPU count."""
+        if pinned is None:
+            return (
+                request.cpus <= self.cpus + 1e-9
+                and request.gpus <= len(self.gpus)
+                and request.memory_mb <= self.memory_mb
+            )
         return (
             request.cpus <= self.cpus + 1e-9
             and request.memory_mb <= self.memory_mb
-            and (
-                request.gpus <= len(self.gpus)
-                if pinned is None
-                else any(gpu["uuid"] == pinned for gpu in self.gpus + self.blocked)
-            )
+            and any(gpu["uuid"] == pinned for gpu in self.gpus + self.blocked)
         )
 
     def pick_gpus(self, request: Request, pinned: str | None = None) -> list[dict[str, Any]]:
@@ -90,7 +92,9 @@ class Capacity:
     def minus(self, request: Request, held_gpus: list[Any] | None) -> Capacity:
         held = {gpu.get("uuid") for gpu in held_gpus or []}
         gpus = tuple(gpu for gpu in self.gpus if gpu["uuid"] not in held)
-        blocked = tuple(gpu for gpu in self.blocked if gpu["uuid"] not in held)
+        blocked = self.blocked
+        if blocked:
+            blocked = tuple(gpu for gpu in blocked if gpu["uuid"] not in held)
         if held_gpus is None:
             # A job running from before GPUs were assigned: it holds as many as it asked for,
             # which ones unknown; count them off the end so the total stays right.
@@ -167,7 +171,7 @@ class Shape:
 
     def fits(self, capacity: Capacity) -> bool:
         """Whether its job fits `capacity` (a pinned job: its GPU is free there)."""
-        return capacity.fits(self.request, self.pinned_gpu)
+        return capacity.fits(self.request, self.pinned[1] if self.pinned else None)
 
 
 def _label_items(labels: dict[str, Any]) -> tuple[tuple[str, str], ...]:
