@@ -36,6 +36,8 @@ ACTIONS = frozenset(
         "service.deploy",
         "service.restart",
         "service.undeploy",
+        "service_token.create",
+        "service_token.revoke",
         "model.create",
         "secret.set",
         "secret.delete",

@@ -72,7 +72,7 @@ COMPOSITION = {"app", "context", "cli", "__main__", "local_node", "local_process
 #: Transport and periodic work: above every domain.
 UPPER = {"api", "background"}
 #: Domain package -> the other domains it may import. The order, lowest first: access, artifacts,
-#: vault, catalog -> fleet -> jobs, services -> scheduling -> provisioning.
+#: vault, catalog -> fleet -> jobs, services -> scheduling -> gateway -> provisioning.
 DOMAINS: dict[str, set[str]] = {
     "access": set(),
     "artifacts": set(),
@@ -82,6 +82,16 @@ DOMAINS: dict[str, set[str]] = {
     "jobs": {"access", "artifacts", "vault", "catalog", "fleet"},
     "services": {"access", "artifacts", "vault", "catalog", "fleet"},
     "scheduling": {"access", "artifacts", "vault", "catalog", "fleet", "jobs", "services"},
+    "gateway": {
+        "access",
+        "artifacts",
+        "vault",
+        "catalog",
+        "fleet",
+        "jobs",
+        "services",
+        "scheduling",
+    },
     "provisioning": {
         "access",
         "artifacts",
@@ -91,6 +101,7 @@ DOMAINS: dict[str, set[str]] = {
         "jobs",
         "services",
         "scheduling",
+        "gateway",
     },
 }
 #: Scheduling's low modules: value types and wake-ups, which any domain may import; they import

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request, status
+from fastapi import APIRouter, Query, Request, Response, status
 from sqlalchemy.orm import Session
 
 from control_plane.api.deps import (
@@ -21,8 +21,11 @@ from control_plane.context import AppContext
 from control_plane.models import Service
 from control_plane.scheduling.waiting import explain
 from control_plane.schemas import DB_INT_MAX, ResourceId
-from control_plane.services import lifecycle, placement, sync
+from control_plane.services import access_tokens, lifecycle, placement, sync
 from control_plane.services.schemas import (
+    AccessTokenCreate,
+    AccessTokenMinted,
+    AccessTokenPublic,
     AgentServicesDesired,
     AgentServicesSync,
     ServiceCreate,
@@ -108,6 +111,62 @@ def undeploy_service(
     audit("service.undeploy", service_id)
     service = lifecycle.undeploy(session=session, clock=ctx.clock, service_id=service_id)
     return _service_view(ctx, session, service)
+
+
+# -- access tokens (the gateway's) -------------------------------------------------------------
+
+
+@router.post(
+    "/services/{service_id}/access-tokens",
+    status_code=status.HTTP_201_CREATED,
+    response_model=AccessTokenMinted,
+)
+def mint_access_token(
+    service_id: ResourceId,
+    body: AccessTokenCreate,
+    response: Response,
+    ctx: ContextDep,
+    session: SessionDep,
+    audit: AuditDep,
+) -> AccessTokenMinted:
+    """The token is in this answer only; lists show its hint."""
+    audit(
+        "service_token.create",
+        service_id,
+        name=body.name,
+        rate_per_second=body.rate_per_second,
+        burst=body.burst,
+    )
+    minted = access_tokens.mint(
+        session=session, clock=ctx.clock, service_id=service_id, actor=audit.actor, request=body
+    )
+    audit.target = f"{service_id}/{minted.row.id}"
+    # The one-time token: no cache (browser, proxy) may keep a copy.
+    response.headers["Cache-Control"] = "no-store"
+    public = access_tokens.token_public(minted.row)
+    return AccessTokenMinted(**public.model_dump(), token=minted.token)
+
+
+@router.get("/services/{service_id}/access-tokens", response_model=list[AccessTokenPublic])
+def list_access_tokens(service_id: ResourceId, session: SessionDep) -> list[AccessTokenPublic]:
+    rows = access_tokens.list_tokens(session=session, service_id=service_id)
+    return [access_tokens.token_public(row) for row in rows]
+
+
+@router.delete("/services/{service_id}/access-tokens/{token_id}", response_model=AccessTokenPublic)
+def revoke_access_token(
+    service_id: ResourceId,
+    token_id: ResourceId,
+    ctx: ContextDep,
+    session: SessionDep,
+    audit: AuditDep,
+) -> AccessTokenPublic:
+    """Revoked for good; the gateway refuses it within a second."""
+    audit("service_token.revoke", f"{service_id}/{token_id}")
+    row = access_tokens.revoke(
+        session=session, clock=ctx.clock, service_id=service_id, token_id=token_id
+    )
+    return access_tokens.token_public(row)
 
 
 # -- the agents' service sync -------------------------------------------------------------------

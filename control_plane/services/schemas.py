@@ -220,3 +220,37 @@ class AgentServiceSpec(BaseModel):
 class AgentServicesDesired(BaseModel):
     services: list[AgentServiceSpec]
     poll_interval_seconds: float
+
+
+# -- access tokens (the gateway's) -------------------------------------------------------------
+
+
+class AccessTokenCreate(StrictModel):
+    """A service's access token: `rate_per_second` requests a second with bursts of `burst`
+    (default: a second's worth), per control-plane process; neither: unlimited."""
+
+    model_config = ConfigDict(strict=True)
+
+    name: Annotated[Line, StringConstraints(min_length=1, max_length=100)]
+    rate_per_second: Annotated[float, Field(gt=0, le=1_000_000)] | None = None
+    burst: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+
+
+class AccessTokenPublic(BaseModel):
+    """A token as lists show it: its hint, never the token."""
+
+    id: str
+    service_id: str
+    name: str
+    hint: str
+    rate_per_second: float | None
+    burst: int | None
+    created_at: datetime
+    created_by: str
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+
+
+class AccessTokenMinted(AccessTokenPublic):
+    #: Shown once, in the answer to the mint; only its SHA-256 digest is kept.
+    token: str = Field(repr=False)

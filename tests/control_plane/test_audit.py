@@ -35,6 +35,8 @@ AUDITED = {
     "POST /api/v1/services": "service.deploy",
     "DELETE /api/v1/services/{service_id}": "service.undeploy",
     "POST /api/v1/services/{service_id}/restart": "service.restart",
+    "POST /api/v1/services/{service_id}/access-tokens": "service_token.create",
+    "DELETE /api/v1/services/{service_id}/access-tokens/{token_id}": "service_token.revoke",
 }
 #: Routes that change nothing an operator administers: a check that only reads the release
 #: manifest, the start command (its token was minted, and audited, already), and signing in or
@@ -125,6 +127,11 @@ def test_each_admin_action_is_audited_with_its_target_and_no_secret(
         done.append(("model.create", "m@1"))
         _ok(client.post("/api/v1/admin/artifacts/sweep", headers=admin, json={"dry_run": True}))
         service = _deploy(cp, secrets=["HF_TOKEN"])
+        tokens = f"/api/v1/services/{service['service_id']}/access-tokens"
+        access = _ok(client.post(tokens, headers=admin, json={"name": "app"}), 201)
+        done.append(("service_token.create", f"{service['service_id']}/{access['id']}"))
+        _ok(client.delete(f"{tokens}/{access['id']}", headers=admin))
+        done.append(("service_token.revoke", f"{service['service_id']}/{access['id']}"))
         _ok(client.post(f"/api/v1/services/{service['service_id']}/restart", headers=admin))
         done.append(("service.restart", service["service_id"]))
         _ok(client.delete(f"/api/v1/services/{service['service_id']}", headers=admin))
@@ -144,6 +151,7 @@ def test_each_admin_action_is_audited_with_its_target_and_no_secret(
         assert all(entry["actor"] == "admin-token" for entry in entries)
         text = str(entries)
         assert SECRET_VALUE not in text and minted["token"] not in text
+        assert access["token"] not in text
         assert cp.admin["X-ModelForge-Admin-Token"] not in text
 
 
