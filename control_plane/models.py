@@ -1,65 +1,76 @@
 """ORM tables. Alembic owns the schema; these classes describe it for queries.
 
-Timestamps are UTC-aware everywhere (`UTCDateTime` restores the zone SQLite drops). Secrets are
-never stored: enrollment tokens and claim nonces as SHA-256 hashes, credentials by `jti` only.
+The services' and the gateway's tables live in `service_tables.py`, the base in `table_base.py`;
+both are re-exported here, the one place to import a table from. Timestamps are UTC-aware
+everywhere (`UTCDateTime` restores the zone SQLite drops). Secrets are never stored: enrollment
+tokens and claim nonces as SHA-256 hashes, credentials by `jti` only.
 """
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
-    DateTime,
-    Dialect,
     Float,
     ForeignKey,
     Index,
     Integer,
     LargeBinary,
-    MetaData,
     String,
     Table,
     Text,
-    TypeDecorator,
     text,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import Mapped, mapped_column
 
+from control_plane.service_tables import (
+    SERVICES,
+    GatewayTunnel,
+    Service,
+    ServiceAccessToken,
+    ServiceEvent,
+    ServiceReplica,
+    ServiceRevision,
+)
+from control_plane.table_base import NAMING_CONVENTION, Base, UTCDateTime
 
-class UTCDateTime(TypeDecorator[datetime]):
-    impl = DateTime(timezone=True)
-    cache_ok = True
-
-    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
-        if value is None:
-            return None
-        if value.tzinfo is None:
-            raise ValueError("naive datetime given to a UTC column")
-        value = value.astimezone(UTC)
-        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
-
-    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
-        if value is None:
-            return None
-        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-
-
-NAMING_CONVENTION = {
-    "ix": "ix_%(column_0_label)s",
-    "uq": "uq_%(table_name)s_%(column_0_name)s",
-    "ck": "ck_%(table_name)s_%(constraint_name)s",
-    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
-    "pk": "pk_%(table_name)s",
-}
-
-
-class Base(DeclarativeBase):
-    metadata = MetaData(naming_convention=NAMING_CONVENTION)
-    type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON}
+__all__ = [
+    "JOB_EVENTS",
+    "JOBS",
+    "NAMING_CONVENTION",
+    "SERVICES",
+    "Artifact",
+    "ArtifactUpload",
+    "AuditEntry",
+    "Base",
+    "ConsoleSession",
+    "ControlPlanePresence",
+    "GatewayTunnel",
+    "GpuHealth",
+    "GpuHealthEvent",
+    "Job",
+    "JobEvent",
+    "Model",
+    "Node",
+    "NodeCredential",
+    "NodeEnrollment",
+    "NodeEvent",
+    "ProvisionEvent",
+    "ProvisionRequest",
+    "Secret",
+    "Service",
+    "ServiceAccessToken",
+    "ServiceEvent",
+    "ServiceReplica",
+    "ServiceRevision",
+    "SigningKey",
+    "TelemetrySample",
+    "UTCDateTime",
+]
 
 
 class NodeEnrollment(Base):
@@ -343,153 +354,6 @@ class Secret(Base):
         return f"Secret(name={self.name!r}, labels={self.labels!r})"
 
 
-class Service(Base):
-    """A long-running model server (WL-5a), placed on a node for as long as it is deployed.
-    `node_id` set means it holds `resources` and `assigned_gpus` there; `generation` grows
-    with each restart asked for, which the node's agent acts on."""
-
-    __tablename__ = "services"
-    __table_args__ = (Index("ix_services_state", "state"),)
-
-    id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    name: Mapped[str] = mapped_column(String(100))
-    #: pending | starting | healthy | unhealthy | restarting | stopped | failed
-    state: Mapped[str] = mapped_column(String(16), default="pending")
-    command: Mapped[list[Any] | None] = mapped_column(JSON)
-    runner: Mapped[str | None] = mapped_column(String(16))
-    weights: Mapped[str | None] = mapped_column(String(71))
-    model: Mapped[str | None] = mapped_column(String(201))
-    params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    env: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    secrets: Mapped[list[Any]] = mapped_column(JSON, default=list)
-    labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    worker_policy: Mapped[str] = mapped_column(String(16), default="require")
-    resources: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    health: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    restart: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    node_id: Mapped[str | None] = mapped_column(String(40), index=True)
-    assigned_gpus: Mapped[list[Any] | None] = mapped_column(JSON)
-    url: Mapped[str | None] = mapped_column(String(300))
-    #: `host:port` of its gRPC front (the `onnx` runner), as gRPC clients take it.
-    grpc_url: Mapped[str | None] = mapped_column(String(300))
-    restarts: Mapped[int] = mapped_column(Integer, default=0)
-    last_exit: Mapped[dict[str, Any] | None] = mapped_column(JSON)
-    generation: Mapped[int] = mapped_column(Integer, default=1)
-    log_tail: Mapped[list[Any] | None] = mapped_column(JSON)
-    created_at: Mapped[datetime]
-    updated_at: Mapped[datetime]
-    placed_at: Mapped[datetime | None]
-    stopped_at: Mapped[datetime | None]
-    next_event_seq: Mapped[int] = mapped_column(Integer, default=1)
-    #: How many replicas it runs (issue 27); with `autoscale`, what the autoscaler last chose.
-    replicas: Mapped[int] = mapped_column(Integer, default=1)
-    #: The revision its new replicas run (`service_revisions`).
-    revision: Mapped[int] = mapped_column(Integer, default=1)
-    #: `{"min", "max", "target_in_flight", "idle_seconds"}` or None: a fixed `replicas`.
-    autoscale: Mapped[dict[str, Any] | None] = mapped_column(JSON)
-    #: The rolling update under way: `{"from", "to", "started_at", ...}`, None when none.
-    rollout: Mapped[dict[str, Any] | None] = mapped_column(JSON)
-    #: The last request the gateway sent it (scale to zero counts idleness from it).
-    last_request_at: Mapped[datetime | None]
-
-
-class ServiceRevision(Base):
-    """What a service runs at one revision (issue 27): a change of its model, weights, command or
-    settings makes a new revision, and a rolling update moves its replicas from one to the
-    next. `spec` holds the fields a replica is started from, as the service's columns do."""
-
-    __tablename__ = "service_revisions"
-
-    service_id: Mapped[str] = mapped_column(
-        ForeignKey("services.id", ondelete="CASCADE"), primary_key=True
-    )
-    revision: Mapped[int] = mapped_column(Integer, primary_key=True)
-    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
-    created_at: Mapped[datetime]
-
-
-class ServiceReplica(Base):
-    """One running copy of a service (issue 27), placed on a node like a service is: `node_id`
-    set means it holds the service's `resources` and `assigned_gpus` there."""
-
-    __tablename__ = "service_replicas"
-    __table_args__ = (
-        Index("ix_service_replicas_service", "service_id", "ordinal"),
-        Index("ix_service_replicas_state", "state"),
-    )
-
-    id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    service_id: Mapped[str] = mapped_column(ForeignKey("services.id", ondelete="CASCADE"))
-    ordinal: Mapped[int] = mapped_column(Integer)
-    #: The service revision it runs.
-    revision: Mapped[int] = mapped_column(Integer, default=1)
-    #: pending | starting | healthy | unhealthy | restarting | failed | draining | stopped
-    state: Mapped[str] = mapped_column(String(16), default="pending")
-    node_id: Mapped[str | None] = mapped_column(String(40), index=True)
-    assigned_gpus: Mapped[list[Any] | None] = mapped_column(JSON)
-    url: Mapped[str | None] = mapped_column(String(300))
-    grpc_url: Mapped[str | None] = mapped_column(String(300))
-    restarts: Mapped[int] = mapped_column(Integer, default=0)
-    last_exit: Mapped[dict[str, Any] | None] = mapped_column(JSON)
-    log_tail: Mapped[list[Any] | None] = mapped_column(JSON)
-    created_at: Mapped[datetime]
-    updated_at: Mapped[datetime]
-    placed_at: Mapped[datetime | None]
-    #: When it last turned healthy (warm): the gateway sends it requests from then on.
-    ready_at: Mapped[datetime | None]
-    stopped_at: Mapped[datetime | None]
-
-
-class ServiceAccessToken(Base):
-    """A bearer token that opens one service at the gateway (issue 27): shown once, kept only
-    as its SHA-256 hash; revocable; optionally rate limited."""
-
-    __tablename__ = "service_access_tokens"
-
-    id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    service_id: Mapped[str] = mapped_column(
-        ForeignKey("services.id", ondelete="CASCADE"), index=True
-    )
-    name: Mapped[str] = mapped_column(String(100))
-    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
-    #: The token's first characters, to tell tokens apart in lists (never enough to use it).
-    hint: Mapped[str] = mapped_column(String(16))
-    #: Requests per second allowed (a token bucket of `burst`); None: unlimited.
-    rate_per_second: Mapped[float | None] = mapped_column(Float)
-    burst: Mapped[int | None] = mapped_column(Integer)
-    created_at: Mapped[datetime]
-    created_by: Mapped[str] = mapped_column(String(64))
-    last_used_at: Mapped[datetime | None]
-    revoked_at: Mapped[datetime | None]
-
-
-class GatewayTunnel(Base):
-    """Which control-plane replica holds a node's tunnel (issue 27): the gateway of another
-    replica hands a request for that node's replicas to this one."""
-
-    __tablename__ = "gateway_tunnels"
-
-    node_id: Mapped[str] = mapped_column(
-        ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True
-    )
-    #: The control-plane process holding it, and the address its peers reach it at.
-    holder: Mapped[str] = mapped_column(String(64))
-    holder_address: Mapped[str] = mapped_column(String(300))
-    connected_at: Mapped[datetime]
-
-
-class ServiceEvent(Base):
-    __tablename__ = "service_events"
-    __table_args__ = (Index("uq_service_events_service_seq", "service_id", "seq", unique=True),)
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    service_id: Mapped[str] = mapped_column(ForeignKey("services.id", ondelete="CASCADE"))
-    seq: Mapped[int] = mapped_column(Integer)
-    at: Mapped[datetime]
-    kind: Mapped[str] = mapped_column(String(16))
-    data: Mapped[Any] = mapped_column(JSON)
-
-
 class AuditEntry(Base):
     """One admin action (AU-1): appended, never updated. Never holds a secret value."""
 
@@ -565,4 +429,3 @@ class ConsoleSession(Base):
 #: parameters) that the ORM's per-object path would make one round trip each.
 JOBS = cast(Table, Job.__table__)
 JOB_EVENTS = cast(Table, JobEvent.__table__)
-SERVICES = cast(Table, Service.__table__)
