@@ -88,7 +88,7 @@ export function GpuHealth({ nodeId }: { nodeId: string }) {
               <div className="actions start">
                 <button type="button" className="secondary" onClick={() => setQuarantining(gpu)}>
                   {gpu.quarantine ? "Change reason" : "Quarantine"}
-                  <span className="visually-hidden"> GPU {gpu.index}</span>
+                  <span className="visually-hidden">{gpu.quarantine ? " of" : ""} GPU {gpu.index}</span>
                 </button>
                 {(gpu.state === "quarantined" || gpu.state === "unhealthy") && (
                   <button type="button" disabled={busy} onClick={() => void readmit(gpu)}>
@@ -225,8 +225,8 @@ function QuarantineDialog(props: {
 
   return (
     <Confirm
-      title={`Quarantine GPU ${props.gpu.index}?`}
-      action="Quarantine"
+      title={props.gpu.quarantine ? `Change the quarantine reason of GPU ${props.gpu.index}?` : `Quarantine GPU ${props.gpu.index}?`}
+      action={props.gpu.quarantine ? "Change reason" : "Quarantine"}
       onConfirm={() => void confirm()}
       onCancel={props.onCancel}
     >
