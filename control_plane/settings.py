@@ -95,6 +95,21 @@ class Settings(BaseSettings):
     gpu_check_provider: Literal["CUDAExecutionProvider", "CPUExecutionProvider"] = (
         "CUDAExecutionProvider"
     )
+    #: The gateway (issue 27, docs/services.md "One address: the gateway"): the largest request
+    #: body it carries to a replica, in bytes (413 past it).
+    gateway_max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=16 * 1024, le=4 * 1024**3)
+    #: A request body up to this size is kept so that a transport failure can be retried once on
+    #: another replica; a larger one is not retried.
+    gateway_retry_body_bytes: int = Field(default=8 * 1024 * 1024, ge=0, le=256 * 1024 * 1024)
+    #: A client that sends no part of its body for this long is answered 408.
+    gateway_body_timeout_seconds: float = Field(default=30.0, gt=0, le=600)
+    #: Requests one service takes at once through this process; more wait in its queue.
+    gateway_max_concurrent_per_service: int = Field(default=256, ge=1, le=100_000)
+    #: Requests that may wait per service, each at most the wait below, before a 503.
+    gateway_queue_per_service: int = Field(default=1024, ge=0, le=1_000_000)
+    gateway_queue_seconds: float = Field(default=10.0, gt=0, le=300)
+    #: How long a request for a service scaled to zero waits for a replica to get ready.
+    gateway_cold_start_seconds: float = Field(default=120.0, gt=0, le=1800)
 
     @model_validator(mode="after")
     def _check_liveness(self) -> Self:

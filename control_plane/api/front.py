@@ -5,7 +5,11 @@
   else with the ASGI app below through its bridge; it runs the ASGI lifespan.
 - `AgentFastPath` (`agent_fast.py`): the outermost ASGI app (what the tests' in-process client
   calls). It answers heartbeats, claims and completions it is sure of, and hands anything else
-  on, body intact, to the edge.
+  on, body intact, to the gateway.
+- `Gateway` (`gateway.py`): every deployed service at this address (the Open Inference
+  Protocol at `/v2/...`, any service at `/services/{name}/...`), carried to a replica through
+  its node's tunnel; anything else goes on to the edge. It bounds its own bodies (the edge's
+  general limit is for the API's JSON, not for tensors).
 - `Edge` (`edge.py`): body limits, the query check, the security headers.
 - `JsonGuard` (`edge.py`): too deep, non-finite or malformed JSON refused.
 - the FastAPI app (`app.py`): the routes and the one mapping of errors to HTTP.
@@ -22,9 +26,14 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from control_plane.api.agent_fast import AgentFastPath
+from control_plane.api.asgi import ASGIApp
 from control_plane.api.edge import Edge, JsonGuard
+from control_plane.api.gateway import Gateway, GatewayLimits
 from control_plane.api.rsgi import ServedApp
 from control_plane.context import AppContext
+from control_plane.gateway.auth import GatewayAuth
+from control_plane.gateway.metrics import GatewayMetrics
+from control_plane.gateway.routing import RoutingSnapshot, RoutingTable, read_snapshot
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,7 @@ class Front:
     """The control plane's served layers, outermost first (see the module's docstring)."""
 
     agent_fast: AgentFastPath
+    gateway: Gateway
     edge: Edge
     json_guard: JsonGuard
     routes: FastAPI
@@ -43,13 +53,50 @@ class Front:
 
     def served(self) -> ServedApp:
         """The RSGI app Granian serves: the fast path on RSGI, in front of the ASGI app."""
-        return ServedApp(self.agent_fast, self.edge)
+        return ServedApp(self.agent_fast, self.gateway)
 
 
 def compose_front(routes: FastAPI, ctx: AppContext) -> Front:
     """Put the seams in front of the FastAPI app `routes`; `ctx` is the running context."""
     json_guard = JsonGuard(routes)
     edge = Edge(json_guard, ctx)
+    gateway = compose_gateway(edge, ctx)
     return Front(
-        agent_fast=AgentFastPath(edge, ctx), edge=edge, json_guard=json_guard, routes=routes
+        agent_fast=AgentFastPath(gateway, ctx),
+        gateway=gateway,
+        edge=edge,
+        json_guard=json_guard,
+        routes=routes,
+    )
+
+
+def compose_gateway(app: ASGIApp, ctx: AppContext) -> Gateway:
+    """The gateway in front of `app`: its routing table, token checks and metrics."""
+    settings = ctx.settings
+
+    def read() -> RoutingSnapshot:
+        with ctx.read_session_factory() as session:
+            return read_snapshot(session)
+
+    liveness = ctx.liveness
+    return Gateway(
+        app,
+        table=RoutingTable(read=read, node_state=liveness.state_of, clock=ctx.clock),
+        opener=lambda: ctx.hub,
+        auth=GatewayAuth(
+            read_sessions=ctx.read_session_factory,
+            write_sessions=ctx.session_factory,
+            clock=ctx.clock,
+        ),
+        metrics=GatewayMetrics(ctx.metrics.registry),
+        clock=ctx.clock,
+        limits=GatewayLimits(
+            body_bytes=settings.gateway_max_body_bytes,
+            retry_bytes=settings.gateway_retry_body_bytes,
+            body_timeout=settings.gateway_body_timeout_seconds,
+            concurrent=settings.gateway_max_concurrent_per_service,
+            queue=settings.gateway_queue_per_service,
+            queue_wait=settings.gateway_queue_seconds,
+            cold_start_wait=settings.gateway_cold_start_seconds,
+        ),
     )

@@ -1,0 +1,410 @@
+"""The gateway: every deployed service at the control plane's own address (issue 27).
+
+A named layer of the `Front` (`api/front.py`), just inside the agents' fast path and in front of
+the edge: it answers its own paths and hands every other request on untouched.
+
+- The Open Inference Protocol (v2, KServe's REST protocol) for `onnx` services:
+  `GET /v2/health/live`, `GET /v2/health/ready` (no token: the gateway itself),
+  `GET /v2/models/{name}` (metadata, from a replica), `GET /v2/models/{name}/ready` (from the
+  routing table: 200 while a replica takes requests, else 503), `POST /v2/models/{name}/infer`,
+  and each under `/v2/models/{name}/versions/{v}/...` too. `{name}` is the service's name; the
+  replica is asked under its model's own name.
+- Any service at `/services/{name}/{path...}` (any method, bodies streamed both ways); the
+  replica gets `/{path...}` with the query. (`/services` and `/services/{id}` stay the console's.)
+
+Each request needs a token of that service (`Authorization: Bearer mfs_...`): 401 without one,
+429 past its rate (`authorize`). Then the bounds: headers, the body (413 by its length or as
+it arrives), a place among the service's concurrent requests (503 once its queue is full or its
+wait ran out), a client slow to send its body (408). Replica choice is `gateway/balancer.py`'s
+over `gateway/routing.py`'s rotation; the carrying, `gateway_forward.py`'s. Every answer of its
+own is the protocol's error shape, `{"error": "<message>"}`, naming what to do next.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from urllib.parse import unquote
+
+from control_plane import RELEASE_VERSION
+from control_plane.api.asgi import ASGIApp, Receive, Scope, Send
+from control_plane.api.edge import SECURITY_HEADERS
+from control_plane.api.gateway_forward import (
+    DROPPED_REQUEST_HEADERS,
+    BodyTooLarge,
+    ClientGone,
+    ClientTimeout,
+    Opener,
+    RequestBody,
+    TransportFailed,
+    finish,
+    open_exchange,
+    relay_response,
+)
+from control_plane.clock import Clock
+from control_plane.gateway.auth import GatewayAuth, GatewayDenied
+from control_plane.gateway.balancer import Admission, Balancer, Refused
+from control_plane.gateway.metrics import GatewayMetrics
+from control_plane.gateway.routing import RoutingSnapshot, RoutingTable, ServiceTarget
+
+log = logging.getLogger(__name__)
+
+#: The most header bytes a gateway request may bring (a tunnel's OPEN frame holds 16 KiB).
+MAX_HEADER_BYTES = 12 * 1024
+_MODEL = re.compile(r"^/v2/models/([^/]+)(/versions/([^/]+))?(/ready|/infer)?/?$")
+_SERVICE = re.compile(r"^/services/([^/]+)/(.*)$")
+_JSON = (b"content-type", b"application/json")
+
+
+#: Asks for a replica of a service scaled to zero (the services' autoscale; may be None).
+ScaleUp = Callable[[ServiceTarget], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class GatewayLimits:
+    body_bytes: int = 64 * 1024 * 1024
+    retry_bytes: int = 8 * 1024 * 1024
+    body_timeout: float = 30.0
+    concurrent: int = 64
+    queue: int = 256
+    queue_wait: float = 10.0
+    cold_start_wait: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """What a gateway path asks: `what` is live, ready, server, model, model_ready or proxy."""
+
+    what: str
+    name: str = ""
+    path: str = ""
+
+
+def gateway_target(method: str, path: str) -> _Target | None:
+    """Which of the gateway's requests `method path` is, if one."""
+    if path.startswith("/v2"):
+        if path in ("/v2", "/v2/"):
+            return _Target("server")
+        if path == "/v2/health/live":
+            return _Target("live")
+        if path == "/v2/health/ready":
+            return _Target("ready")
+        found = _MODEL.match(path)
+        if found is None:
+            return None
+        name, versioned, version, action = found.groups()
+        name = unquote(name)
+        if action == "/ready":
+            return _Target("model_ready", name)
+        # The replica's server answers its model's name; the name part is replaced later.
+        suffix = (versioned or "") + (action or "")
+        return _Target("model", name, suffix)
+    if path.startswith("/services/"):
+        found = _SERVICE.match(path)
+        if found is None:
+            return None
+        return _Target("proxy", unquote(found.group(1)), "/" + found.group(2))
+    return None
+
+
+class Gateway:
+    """The gateway layer: its paths answered here, the rest handed to `app` (the edge)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        table: RoutingTable,
+        opener: Callable[[], Opener | None],
+        auth: GatewayAuth,
+        metrics: GatewayMetrics,
+        clock: Clock,
+        limits: GatewayLimits,
+        scale_up: ScaleUp | None = None,
+    ) -> None:
+        self.app = app
+        self.table = table
+        self.opener = opener
+        self.auth = auth
+        self.metrics = metrics
+        self.clock = clock
+        self.limits = limits
+        self.scale_up = scale_up
+        self.balancer = Balancer()
+        self.admission = Admission(
+            limit=limits.concurrent, queue=limits.queue, wait=limits.queue_wait
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        target = None
+        if scope["type"] == "http":
+            target = gateway_target(scope["method"], scope["path"])
+        if target is None:
+            await self.app(scope, receive, send)
+            return
+        started = self.clock.monotonic()
+        label, status = "", 500
+        try:
+            label, status = await self._serve(target, scope, receive, send)
+        finally:
+            self.metrics.answered(label, status, self.clock.monotonic() - started)
+
+    async def _serve(
+        self, target: _Target, scope: Scope, receive: Receive, send: Send
+    ) -> tuple[str, int]:
+        """Serve one gateway request; returns the service's label and the status answered."""
+        what = target.what
+        if what == "live":
+            return "", await _answer(send, 200, {"live": True})
+        if what == "server":
+            body = {"name": "modelforge", "version": RELEASE_VERSION, "extensions": []}
+            return "", await _answer(send, 200, body)
+        try:
+            snapshot = await self.table.current()
+        except Exception:  # noqa: BLE001 - the database: logged once by the table
+            if what == "ready":
+                return "", await _answer(send, 503, {"ready": False})
+            message = "the gateway cannot read which replicas serve now; retry in a few seconds"
+            return "", await _error(send, 503, message)
+        if what == "ready":
+            return "", await _answer(send, 200, {"ready": True})
+        return await self._serve_service(target, snapshot, scope, receive, send)
+
+    async def _serve_service(
+        self,
+        target: _Target,
+        snapshot: RoutingSnapshot,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> tuple[str, int]:
+        method = scope["method"]
+        headers = scope["headers"]
+        authorization = _header(headers, b"authorization")
+        service = snapshot.services.get(target.name)
+        if service is None:
+            # Refused as a wrong token is: a name is not confirmed to one without its token.
+            self.metrics.error("", "unauthorized")
+            return "", await _unauthorized(send, target.name)
+        label = service.name
+        try:
+            await self.auth.authorize_async(authorization, service.id)
+        except GatewayDenied as denial:
+            self.metrics.error(label, denial.cause)
+            extra = [(k.lower().encode(), v.encode()) for k, v in denial.headers.items()]
+            return label, await _error(send, denial.status, denial.message, extra)
+        if target.what in ("model", "model_ready") and service.kind != "onnx":
+            message = (
+                f"service {service.name!r} runs a command, not a model: reach it at "
+                f"/services/{service.name}/<path>"
+            )
+            return label, await _error(send, 404, message)
+        if target.what == "model_ready":
+            ready = bool(self.table.rotation(snapshot, service))
+            body = {"name": service.name, "ready": ready}
+            return label, await _answer(send, 200 if ready else 503, body)
+        if sum(len(name) + len(value) for name, value in headers) > MAX_HEADER_BYTES:
+            self.metrics.error(label, "headers_too_large")
+            message = f"the request's headers pass {MAX_HEADER_BYTES} bytes; send fewer or shorter"
+            return label, await _error(send, 431, message)
+        declared = _header(headers, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limits.body_bytes:
+            self.metrics.error(label, "too_large")
+            return label, await _error(send, 413, self._too_large(), [(b"connection", b"close")])
+        if target.what == "model":
+            path = f"/v2/models/{service.model_name}{target.path}"
+            if method == "POST" and not target.path.endswith("/infer"):
+                return label, await _error(send, 405, "POST is for .../infer; GET the metadata")
+        else:
+            path = target.path
+        forwarded = [
+            (name.decode("latin-1"), value.decode("latin-1"))
+            for name, value in headers
+            if name.decode("latin-1").lower() not in DROPPED_REQUEST_HEADERS
+        ]
+        query = scope.get("query_string", b"").decode("latin-1")
+        try:
+            self.metrics.queue.labels(label).inc()
+            try:
+                await self.admission.enter(label)
+            finally:
+                self.metrics.queue.labels(label).dec()
+        except Refused as refused:
+            self.metrics.error(label, "busy")
+            return label, await _error(send, 503, self._busy(service, full=refused.full))
+        self.metrics.in_flight.labels(label).inc()
+        try:
+            return label, await self._forward(
+                service, snapshot, scope, receive, send, method, path, query, forwarded
+            )
+        finally:
+            self.metrics.in_flight.labels(label).dec()
+            self.admission.leave(label)
+
+    async def _forward(
+        self,
+        service: ServiceTarget,
+        snapshot: RoutingSnapshot,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        method: str,
+        path: str,
+        query: str,
+        headers: list[tuple[str, str]],
+    ) -> int:
+        label = service.name
+        limits = self.limits
+        body = RequestBody(
+            receive,
+            limit=limits.body_bytes,
+            timeout=limits.body_timeout,
+            retry_bytes=limits.retry_bytes,
+        )
+        tried: set[str] = set()
+        failure = ""
+        try:
+            for attempt in (0, 1):
+                rotation = self.table.rotation(snapshot, service)
+                if not rotation and attempt == 0 and service.scales_from_zero:
+                    snapshot, rotation = await self._wait_warm(service)
+                replica = self.balancer.choose(rotation, exclude=frozenset(tried))
+                if replica is None or replica.node_id is None:
+                    break
+                opener = self.opener()
+                if opener is None:
+                    failure = "no tunnel hub"
+                    break
+                tried.add(replica.id)
+                self.balancer.started(replica.id)
+                try:
+                    exchange = await open_exchange(
+                        opener,
+                        node_id=replica.node_id,
+                        replica_id=replica.id,
+                        method=method,
+                        path=path,
+                        query=query,
+                        headers=headers,
+                        body=body,
+                    )
+                except TransportFailed as failed:
+                    self.balancer.ended(replica.id)
+                    self.metrics.error(label, "transport")
+                    failure = failed.cause
+                    if not body.replayable:
+                        break
+                    if attempt == 0:
+                        self.metrics.error(label, "retried")
+                    continue
+                try:
+                    await relay_response(exchange, send, SECURITY_HEADERS)
+                finally:
+                    self.balancer.ended(replica.id)
+                    if exchange.pump.done():
+                        await finish(exchange.pump)
+                return exchange.status
+        except ClientTimeout:
+            self.metrics.error(label, "client_timeout")
+            message = (
+                f"no part of the request body arrived for {limits.body_timeout:g} s; "
+                "send the body without pausing"
+            )
+            return await _error(send, 408, message, [(b"connection", b"close")])
+        except BodyTooLarge:
+            self.metrics.error(label, "too_large")
+            return await _error(send, 413, self._too_large(), [(b"connection", b"close")])
+        except ClientGone:
+            self.metrics.error(label, "client_gone")
+            return 499
+        finally:
+            body.close()
+        if tried:
+            message = (
+                f"no replica of service {label!r} could be reached ({failure or 'transport'}); "
+                "retry in a few seconds"
+            )
+            self.metrics.error(label, "unreachable")
+            return await _error(send, 502, message)
+        self.metrics.error(label, "no_replica")
+        return await _error(send, 503, self._no_replica(service))
+
+    async def _wait_warm(self, service: ServiceTarget) -> tuple[RoutingSnapshot, list]:  # type: ignore[type-arg]
+        """Hold a request for a service scaled to zero while a replica starts (bounded)."""
+        if self.scale_up is not None:
+            await self.scale_up(service)
+        deadline = self.clock.monotonic() + self.limits.cold_start_wait
+        while True:
+            left = deadline - self.clock.monotonic()
+            await self.table.next_read(max(0.0, min(left, 1.0)))
+            snapshot = await self.table.current()
+            current = snapshot.services.get(service.name, service)
+            rotation = self.table.rotation(snapshot, current)
+            if rotation or self.clock.monotonic() >= deadline:
+                return snapshot, rotation
+
+    def _too_large(self) -> str:
+        return (
+            f"the request body is larger than the gateway accepts ({self.limits.body_bytes} "
+            "bytes); send a smaller one, or an operator raises MODELFORGE_GATEWAY_MAX_BODY_BYTES"
+        )
+
+    def _busy(self, service: ServiceTarget, *, full: bool) -> str:
+        limits = self.limits
+        why = (
+            f"{limits.queue} requests already wait"
+            if full
+            else f"none of its {limits.concurrent} places came free within {limits.queue_wait:g} s"
+        )
+        return (
+            f"service {service.name!r} is busy: {why}; retry later, or add replicas "
+            "(or raise MODELFORGE_GATEWAY_MAX_CONCURRENT_PER_SERVICE)"
+        )
+
+    def _no_replica(self, service: ServiceTarget) -> str:
+        if service.scales_from_zero:
+            return (
+                f"no replica of service {service.name!r} became ready within "
+                f"{self.limits.cold_start_wait:g} s of the request; retry, or see the "
+                "service's events (GET /api/v1/services/{id}/events)"
+            )
+        return (
+            f"service {service.name!r} has no replica ready ({service.state}); retry once it "
+            "is healthy, or see its events (GET /api/v1/services/{id}/events)"
+        )
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    for key, value in headers:
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _answer(
+    send: Send, status: int, body: object, extra: list[tuple[bytes, bytes]] | None = None
+) -> int:
+    data = json.dumps(body, separators=(",", ":")).encode()
+    headers = [_JSON, (b"content-length", str(len(data)).encode()), *SECURITY_HEADERS]
+    await send(
+        {"type": "http.response.start", "status": status, "headers": headers + (extra or [])}
+    )
+    await send({"type": "http.response.body", "body": data})
+    return status
+
+
+async def _error(
+    send: Send, status: int, message: str, extra: list[tuple[bytes, bytes]] | None = None
+) -> int:
+    return await _answer(send, status, {"error": message}, extra)
+
+
+async def _unauthorized(send: Send, name: str) -> int:
+    message = (
+        f"a valid access token of service {name!r} is needed (Authorization: Bearer mfs_...); "
+        "an administrator mints one with POST /api/v1/services/{id}/access-tokens"
+    )
+    return await _error(send, 401, message, [(b"www-authenticate", b'Bearer realm="modelforge"')])

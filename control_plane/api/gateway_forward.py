@@ -1,0 +1,263 @@
+"""How the gateway carries one request to a replica and its response back (`gateway.py` decides
+which service and whether; this module, how).
+
+- The request body is read from the client a chunk at a time, each within `body_timeout`
+  seconds (else `ClientTimeout`: 408), counted against `body_limit` (else `BodyTooLarge`: 413),
+  and sent on as it arrives, at the pace the tunnel's window allows (`Stream.send` waits).
+- What was read is kept for a second attempt only up to `retry_bytes`; past it the request can
+  no longer be retried (`RequestBody.replayable`).
+- A transport failure before the response started (no tunnel to the node, the stream reset, the
+  node refused the connection) is `TransportFailed`: the caller may try another replica once.
+  After the response started nothing is retried: a failure then ends the response short
+  (`ResponseBroken`, which makes the HTTP server drop the connection, so the client cannot
+  take a cut body for a whole one).
+- The response body goes to the client as it comes, each chunk sent before the next is taken
+  from the tunnel, so a slow client slows the replica, never fills memory.
+
+It never logs a request's data, its headers or a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from control_plane.api.asgi import Message, Receive, Send
+from modelforge_contracts.tunnel import HOP_BY_HOP
+
+#: Request headers never sent on to a replica: the token (the replica must never see one) and
+#: those of one HTTP hop.
+DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {"authorization", "cookie"}
+#: Response headers of one hop, never sent on to the client.
+DROPPED_RESPONSE_HEADERS = HOP_BY_HOP
+
+
+class Stream(Protocol):
+    """One request's stream through a node's tunnel (`gateway.tunnels`)."""
+
+    async def send(self, data: bytes) -> None: ...
+
+    def end(self) -> Any: ...
+
+    async def response(self) -> tuple[int, Sequence[Sequence[str]]]: ...
+
+    def body(self) -> AsyncIterator[bytes]: ...
+
+    def reset(self, code: str, message: str) -> Any: ...
+
+
+class Opener(Protocol):
+    """What opens a stream to a replica: the tunnel hub (`gateway.tunnels.TunnelHub`)."""
+
+    async def open_stream(
+        self,
+        node_id: str,
+        *,
+        replica_id: str,
+        method: str,
+        path: str,
+        query: str,
+        headers: list[tuple[str, str]],
+    ) -> Stream: ...
+
+
+class ClientTimeout(Exception):
+    """The client sent no part of its body for `body_timeout` seconds."""
+
+
+class BodyTooLarge(Exception):
+    """The body passed the gateway's limit while it arrived."""
+
+
+class ClientGone(Exception):
+    """The client went away before its body was complete, or before it was answered."""
+
+
+class TransportFailed(Exception):
+    """The replica could not be reached, or its stream broke before the response started."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+class ResponseBroken(Exception):
+    """The stream broke after the response started: the client's connection is dropped."""
+
+
+async def _settle(value: Any) -> None:
+    if inspect.isawaitable(value):
+        await value
+
+
+class RequestBody:
+    """The client's body, read once, kept up to `retry_bytes` so a second attempt replays it."""
+
+    def __init__(self, receive: Receive, *, limit: int, timeout: float, retry_bytes: int) -> None:
+        self._receive = receive
+        self.limit, self.timeout, self.retry_bytes = limit, timeout, retry_bytes
+        self.kept: list[bytes] = []
+        self.size = 0
+        self.done = False
+        self.replayable = True
+        self._pending: asyncio.Task[Message] | None = None
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body from its start (what was kept), then on from the client."""
+        if not self.replayable:
+            raise RuntimeError("the body was not kept: it cannot be sent again")
+        for chunk in list(self.kept):
+            yield chunk
+        while not self.done:
+            chunk = await self._next()
+            if chunk:
+                yield chunk
+
+    async def _next(self) -> bytes:
+        # A read cancelled by a failed attempt is not lost: the next attempt takes it up.
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._receive())
+        try:
+            message = await asyncio.wait_for(asyncio.shield(self._pending), self.timeout)
+        except TimeoutError:
+            raise ClientTimeout from None
+        self._pending = None
+        if message["type"] != "http.request":
+            raise ClientGone
+        chunk = bytes(message.get("body", b""))
+        self.size += len(chunk)
+        if self.size > self.limit:
+            raise BodyTooLarge
+        self.done = not message.get("more_body")
+        if self.replayable:
+            if self.size <= self.retry_bytes:
+                self.kept.append(chunk)
+            else:
+                self.replayable, self.kept = False, []
+        return chunk
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+
+
+@dataclass
+class Exchange:
+    """One attempt's result: the response started (`status`, `headers`) on `stream`."""
+
+    stream: Stream
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    #: The task sending the request body (still running when the replica answered early).
+    pump: asyncio.Task[None]
+
+
+async def open_exchange(
+    opener: Opener,
+    *,
+    node_id: str,
+    replica_id: str,
+    method: str,
+    path: str,
+    query: str,
+    headers: list[tuple[str, str]],
+    body: RequestBody,
+) -> Exchange:
+    """Open a stream to the replica, send the body, and wait for the response to start.
+
+    Raises `TransportFailed` (another replica may be tried), or the client's own failures
+    (`ClientTimeout`, `BodyTooLarge`, `ClientGone`) with the stream reset."""
+    try:
+        stream = await opener.open_stream(
+            node_id, replica_id=replica_id, method=method, path=path, query=query, headers=headers
+        )
+    except Exception as exc:  # TunnelUnavailable, or the tunnel refused the stream
+        raise TransportFailed(type(exc).__name__) from None
+    pump = asyncio.ensure_future(_pump(stream, body))
+    pump.add_done_callback(_retrieve)
+    answered = asyncio.ensure_future(stream.response())
+    try:
+        await asyncio.wait({pump, answered}, return_when=asyncio.FIRST_COMPLETED)
+        if pump.done() and pump.exception() is not None and not answered.done():
+            failure = pump.exception()
+            assert failure is not None  # noqa: S101 - checked above
+            answered.cancel()
+            await _settle(stream.reset("CANCELLED", _reset_reason(failure)))
+            if isinstance(failure, ClientTimeout | BodyTooLarge | ClientGone):
+                raise failure
+            raise TransportFailed(type(failure).__name__)
+        try:
+            status, raw_headers = await answered
+        except Exception as exc:  # reset before the response, or the tunnel went away
+            pump.cancel()
+            raise TransportFailed(type(exc).__name__) from None
+    except BaseException:
+        answered.cancel()
+        pump.cancel()
+        raise
+    headers_out = [
+        (str(name).lower().encode("latin-1"), str(value).encode("latin-1"))
+        for name, value in raw_headers
+        if str(name).lower() not in DROPPED_RESPONSE_HEADERS
+    ]
+    return Exchange(stream=stream, status=int(status), headers=headers_out, pump=pump)
+
+
+async def _pump(stream: Stream, body: RequestBody) -> None:
+    async for chunk in body.chunks():
+        await stream.send(chunk)
+    await _settle(stream.end())
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    # A body still being sent when the response ended: its failure is nobody's to answer.
+    if not task.cancelled():
+        task.exception()
+
+
+def _reset_reason(failure: BaseException) -> str:
+    if isinstance(failure, ClientTimeout):
+        return "the client stopped sending its body"
+    if isinstance(failure, BodyTooLarge):
+        return "the body is larger than the gateway accepts"
+    return "the client went away"
+
+
+async def relay_response(
+    exchange: Exchange, send: Send, extra: Sequence[tuple[bytes, bytes]]
+) -> int:
+    """Send the response to the client as it comes; returns the body bytes sent. Raises
+    `ResponseBroken` when the stream breaks on the way."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": exchange.status,
+            "headers": [*exchange.headers, *extra],
+        }
+    )
+    sent = 0
+    try:
+        async for chunk in exchange.stream.body():
+            if chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                sent += len(chunk)
+    except (asyncio.CancelledError, ClientGone):
+        raise
+    except Exception as exc:
+        raise ResponseBroken(type(exc).__name__) from None
+    finally:
+        if not exchange.pump.done():
+            exchange.pump.cancel()
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return sent
+
+
+async def finish(awaitable: Awaitable[Any]) -> None:
+    """Await `awaitable`, ignoring what it raised (a task being let go)."""
+    try:
+        await awaitable
+    except BaseException:  # noqa: BLE001, S110 - only let go
+        pass

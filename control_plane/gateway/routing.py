@@ -1,0 +1,231 @@
+"""The gateway's routing table: which replicas of which service take traffic, held in memory.
+
+The table is read from the database (`read`: the services' deployed targets, and the last stored
+heartbeat of each node they run on) at most every `interval` seconds, and only while requests
+come: a request finds it in memory, never queries. A request that finds it older than `max_age`
+(the first one, or after a quiet while) waits for one read; younger, it is served from what is
+held while a read runs beside it. Liveness is judged per request, in memory, from the stored
+heartbeat and those not yet flushed (`fleet.liveness.Liveness`), so a replica whose node turns
+stale leaves the rotation at once, not at the next read.
+
+It never decides who may call a service (`auth.py`) nor which replica a request gets
+(`balancer.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from control_plane.clock import Clock
+from control_plane.models import Node, Service, ServiceReplica
+
+log = logging.getLogger(__name__)
+
+#: Replica states the gateway sends requests to (a draining replica finishes what it holds).
+_SERVING = "healthy"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaTarget:
+    """One replica as the gateway sees it."""
+
+    id: str
+    node_id: str | None
+    state: str
+    ready_at: datetime | None
+    revision: int = 1
+    draining: bool = False
+
+    @property
+    def warm(self) -> bool:
+        """Healthy, ready once (its model loaded), and not draining."""
+        return (
+            self.state == _SERVING
+            and self.ready_at is not None
+            and not self.draining
+            and self.node_id is not None
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceTarget:
+    """A deployed service: what the gateway needs to route to it."""
+
+    id: str
+    name: str
+    #: `onnx` (the Open Inference Protocol at /v2) or `command` (at /services/{name}/...).
+    kind: str
+    #: The model's name on the replicas' own servers (`/v2/models/{model_name}`).
+    model_name: str
+    state: str
+    replicas: tuple[ReplicaTarget, ...] = ()
+    autoscale: dict[str, Any] | None = None
+
+    @property
+    def scales_from_zero(self) -> bool:
+        return bool(self.autoscale) and int((self.autoscale or {}).get("min", 1)) == 0
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSnapshot:
+    """What one read gave: the services by name, and each node's stored last heartbeat."""
+
+    services: dict[str, ServiceTarget] = field(default_factory=dict)
+    heartbeats: dict[str, datetime | None] = field(default_factory=dict)
+
+
+#: Reads a snapshot (blocking: it runs on a worker thread).
+SnapshotReader = Callable[[], RoutingSnapshot]
+#: Judges a node's liveness state from its id and stored heartbeat (`Liveness.state_of`).
+NodeState = Callable[[str, "datetime | None", datetime], str]
+
+
+def snapshot_of(
+    services: Iterable[ServiceTarget], heartbeats: dict[str, datetime | None]
+) -> RoutingSnapshot:
+    return RoutingSnapshot({service.name: service for service in services}, heartbeats)
+
+
+def read_snapshot(session: Session) -> RoutingSnapshot:
+    """Every deployed service with its replicas, and the stored heartbeat of their nodes: two
+    queries, whatever the number of services."""
+    rows = session.execute(
+        select(
+            Service.id,
+            Service.name,
+            Service.state,
+            Service.command,
+            Service.runner,
+            Service.autoscale,
+            ServiceReplica.id,
+            ServiceReplica.node_id,
+            ServiceReplica.state,
+            ServiceReplica.ready_at,
+            ServiceReplica.revision,
+        )
+        .outerjoin(ServiceReplica, ServiceReplica.service_id == Service.id)
+        .where(Service.state != "stopped")
+        .order_by(Service.id, ServiceReplica.ordinal)
+    ).all()
+    heads: dict[str, tuple[Any, ...]] = {}
+    replicas: dict[str, list[ReplicaTarget]] = {}
+    for sid, name, state, command, runner, autoscale, rid, node, rstate, ready, rev in rows:
+        heads.setdefault(sid, (name, state, command, runner, autoscale))
+        group = replicas.setdefault(sid, [])
+        if rid is not None:
+            draining = rstate == "draining"
+            group.append(ReplicaTarget(rid, node, rstate, ready, rev or 1, draining))
+    services = []
+    for sid, (name, state, command, runner, autoscale) in heads.items():
+        kind = "command" if command is not None and runner is None else "onnx"
+        services.append(
+            ServiceTarget(sid, name, kind, name, state, tuple(replicas[sid]), autoscale)
+        )
+    nodes = {r.node_id for group in replicas.values() for r in group if r.node_id is not None}
+    heartbeats: dict[str, datetime | None] = {}
+    if nodes:
+        found = session.execute(
+            select(Node.id, Node.last_heartbeat_at).where(Node.id.in_(sorted(nodes)))
+        ).all()
+        heartbeats = {node_id: at for node_id, at in found}
+    return snapshot_of(services, heartbeats)
+
+
+class RoutingTable:
+    """The snapshot in memory, refreshed while requests come (see the module's docstring)."""
+
+    def __init__(
+        self,
+        *,
+        read: SnapshotReader,
+        node_state: NodeState,
+        clock: Clock,
+        interval: float = 0.25,
+        max_age: float = 2.0,
+    ) -> None:
+        self._read = read
+        self._node_state = node_state
+        self._clock = clock
+        self.interval = interval
+        self.max_age = max_age
+        self._snapshot: RoutingSnapshot | None = None
+        self._read_at = float("-inf")
+        self._reading: asyncio.Task[None] | None = None
+        #: Set each time a read lands (a request held for a cold service waits on it).
+        self._landed = asyncio.Event()
+
+    @property
+    def age(self) -> float:
+        return self._clock.monotonic() - self._read_at
+
+    def ready(self) -> bool:
+        """Whether the table was read within `max_age` (the gateway's own readiness)."""
+        return self._snapshot is not None and self.age <= self.max_age
+
+    async def current(self) -> RoutingSnapshot:
+        """The snapshot, read first when there is none younger than `max_age`."""
+        age = self.age
+        if self._snapshot is not None and age <= self.max_age:
+            if age > self.interval:
+                self._start_read()
+            return self._snapshot
+        await self.refresh()
+        assert self._snapshot is not None  # noqa: S101 - `refresh` raised otherwise
+        return self._snapshot
+
+    async def refresh(self) -> None:
+        """Read now (joining a read already running); raises what the read raised."""
+        task = self._start_read()
+        await asyncio.shield(task)
+
+    async def next_read(self, timeout: float) -> None:
+        """Wait for the next read to land (starting one), at most `timeout` seconds."""
+        self._start_read()
+        landed = self._landed
+        try:
+            await asyncio.wait_for(landed.wait(), timeout)
+        except TimeoutError:
+            return
+
+    def _start_read(self) -> asyncio.Task[None]:
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.get_running_loop().create_task(self._read_once())
+        return self._reading
+
+    async def _read_once(self) -> None:
+        started = self._clock.monotonic()
+        try:
+            snapshot = await asyncio.to_thread(self._read)
+        except Exception as exc:
+            log.warning("the gateway could not read its routing table: %s", type(exc).__name__)
+            raise
+        self._snapshot, self._read_at = snapshot, started
+        landed, self._landed = self._landed, asyncio.Event()
+        landed.set()
+
+    def set(self, snapshot: RoutingSnapshot) -> None:
+        """Hold `snapshot` as if just read (a read that lands later replaces it)."""
+        self._snapshot, self._read_at = snapshot, self._clock.monotonic()
+        landed, self._landed = self._landed, asyncio.Event()
+        landed.set()
+
+    def live(self, snapshot: RoutingSnapshot, replica: ReplicaTarget) -> bool:
+        """Whether the replica's node is online now (in memory: the stored heartbeat and the
+        ones not yet flushed)."""
+        node_id = replica.node_id
+        if node_id is None:
+            return False
+        stored = snapshot.heartbeats.get(node_id)
+        return self._node_state(node_id, stored, self._clock.now()) == "online"
+
+    def rotation(self, snapshot: RoutingSnapshot, service: ServiceTarget) -> list[ReplicaTarget]:
+        """The replicas that take requests now: warm, on an online node."""
+        return [r for r in service.replicas if r.warm and self.live(snapshot, r)]
