@@ -137,9 +137,11 @@ class GatewayAuth:
         digest = sha256_hex(token)
         cached = self._fresh(digest)
         if cached is None:
+            # Counted from before the read: a revoke committed during it still ends in `ttl`.
+            read_at = self._clock.monotonic()
             with self._read_sessions() as session:
                 grant = access_tokens.verify(session, token)
-            cached = self._remember(digest, grant)
+            cached = self._remember(digest, grant, read_at)
         return self._admit(cached.grant, service)
 
     def authorize_cached(self, presented: str | None, service: str) -> Grant | None:
@@ -183,9 +185,9 @@ class GatewayAuth:
             return None
         return cached
 
-    def _remember(self, digest: str, grant: Grant | None) -> _Cached:
+    def _remember(self, digest: str, grant: Grant | None, read_at: float) -> _Cached:
         now = self._clock.monotonic()
-        cached = _Cached(grant, now + self.ttl)
+        cached = _Cached(grant, read_at + self.ttl)
         with self._lock:
             if len(self._cache) >= self.max_cached:
                 for key in [k for k, v in self._cache.items() if v.expires <= now]:
