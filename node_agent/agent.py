@@ -11,6 +11,8 @@ its loops until stopped, each on its own thread and schedule:
 - the work slots and the cancellation watch (node_agent.work), once the node has reported itself;
 - beside them the services this node must run (node_agent.services), synced with the control
   plane every poll interval it gives and kept in line on the runtime worker;
+- the tunnel (node_agent.tunnel), always open while the agent runs: the control plane's
+  gateway reaches this node's replicas through it, on their local ports;
 - with a maximum idle time (`MODELFORGE_AGENT_MAX_IDLE_SECONDS`), the idle watch: once the
   node has had no job and no service for that long since the slots started (node_agent.idle),
   it logs why and stops the agent, which exits with 0;
@@ -59,6 +61,7 @@ from node_agent.local_api import serve_local_api
 from node_agent.preflight import PreflightResult
 from node_agent.retry import EXIT_CONFIG, AgentStopped, ControlPlaneError, Interrupted
 from node_agent.services import ServiceKeeper
+from node_agent.tunnel import LocalPorts, TunnelClient, tls_context
 from node_agent.work import WorkRunner
 from node_agent.worker_link import WorkerWatch, wait_or_wake
 
@@ -262,7 +265,7 @@ class Agent:
                 activity=self.activity,
             ).start()
             control_plane = self.control_plane
-            ServiceKeeper(
+            keeper = ServiceKeeper(
                 control_plane=control_plane,
                 worker_socket=self.settings.worker_socket,
                 agent_socket=self.settings.socket,
@@ -273,6 +276,18 @@ class Agent:
                 service_host=self.settings.service_host,
                 worker=self.worker,
                 activity=self.activity,
+            )
+            keeper.start()
+            TunnelClient(
+                control_plane_url=self.settings.control_plane_url,
+                credential=identity.credential,
+                ports=LocalPorts(keeper.worker_view).port,
+                stop=self.stop,
+                tls=tls_context(
+                    self.settings.control_plane_url,
+                    verify=self.settings.tls_verify,
+                    ca_cert_path=self.settings.ca_cert_path,
+                ),
             ).start()
             if self.max_idle_seconds > 0:
                 self._loop("idle watch", self._idle_watch, lambda: _IDLE_WATCH_EVERY)
