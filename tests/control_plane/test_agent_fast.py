@@ -15,6 +15,7 @@ import pytest
 from control_plane.api.agent_fast import AgentFastPath
 from control_plane.api.agent_frame import FAST_BODY_LIMIT
 from control_plane.api.edge import Edge
+from control_plane.api.gateway import Gateway
 from modelforge_contracts import protocol
 from tests.control_plane.test_jobs import _claim, _node, _submit
 from tests.factories import ControlPlane, control_plane, heartbeat_body
@@ -23,7 +24,9 @@ from tests.factories import ControlPlane, control_plane, heartbeat_body
 def _fast_path(cp: ControlPlane) -> AgentFastPath:
     served = cp.client.app
     assert isinstance(served, AgentFastPath)  # the served app: the fast path is outermost,
-    assert isinstance(served.app, Edge)  # and whatever it does not answer meets the edge
+    # Whatever it does not answer meets the gateway, and what that does not take, the edge.
+    assert isinstance(served.app, Gateway)
+    assert isinstance(served.app.app, Edge)
     return served
 
 
