@@ -62,7 +62,15 @@ NODE_STATES: tuple[str, ...] = ("online", "stale", "offline")
 #: The job states counted at scrape time; finished jobs are counted as outcomes instead.
 ACTIVE_JOB_STATES = ("queued", "running")
 #: The service states counted at scrape time (WL-5a); undeployed (`stopped`) ones are not.
-SERVICE_STATES = ("pending", "starting", "healthy", "unhealthy", "restarting", "failed")
+SERVICE_STATES = (
+    "pending",
+    "starting",
+    "healthy",
+    "degraded",
+    "unhealthy",
+    "restarting",
+    "failed",
+)
 #: A GPU's health states (issue 28: the fleet's `gpu_health.STATES`); this floor module imports
 #: no domain.
 GPU_STATES = ("healthy", "degraded", "unhealthy", "quarantined")

@@ -158,6 +158,8 @@ class ServiceEvent(Base):
     at: Mapped[datetime]
     kind: Mapped[str] = mapped_column(String(16))
     data: Mapped[Any] = mapped_column(JSON)
+    #: The replica it happened to (issue 27); None for the service as a whole.
+    replica_id: Mapped[str | None] = mapped_column(String(40))
 
 
 SERVICES = cast(Table, Service.__table__)

@@ -4,12 +4,14 @@ Every poll interval (the control plane's answer sets it; 2 s until it does) the 
 asks the runtime worker what it runs (`GET /v1/services`), reports that to the control plane
 (`POST /api/v1/agent/services/sync`: each service's state, ports, restarts, last exit, the events
 not reported before and the tail of its output) and gets back the services this node must run.
-Then it reconciles: a wanted service the worker does not run, or runs at another generation, has
-its weights fetched through the node's artifact cache and is handed to the worker (`PUT
-/v1/services/{id}`, with the agent's socket and private paths as for a job); a service the worker
-runs that is not wanted is stopped (`DELETE`). Weights that cannot be fetched make the service
-`failed`, reported once with a `WEIGHTS_UNAVAILABLE` error event, and are tried again at the next
-poll.
+Each is run and reported by the id the control plane sends, its `replica_id` (a service's
+replicas are apart, and may share a node), or the service's id from a control plane older than
+replicas. Then it reconciles: a wanted service the worker does not run, or runs at another
+generation, has its weights fetched through the node's artifact cache and is handed to the
+worker (`PUT /v1/services/{id}`, with the agent's socket and private paths as for a job); a
+service the worker runs that is not wanted is stopped (`DELETE`). Weights that cannot be fetched
+make the service `failed`, reported once with a `WEIGHTS_UNAVAILABLE` error event, and are tried
+again at the next poll.
 
 It runs only while the control plane accepts the runtime worker (`worker_compatible`). A failed
 sync is logged once per streak and tried again; nothing is reconciled without both answers. A
@@ -180,6 +182,7 @@ class ServiceKeeper:
         desired = answer.get("services")
         if not isinstance(desired, list):
             return
+        desired = [_keyed(spec) for spec in desired]
         self._wanted = _service_ids(desired)
         self.activity.services(len(self._ran | self._wanted))
         self._services_down.want(desired)
@@ -385,6 +388,15 @@ def _service_ids(services: Any) -> set[str]:
         for entry in services
         if isinstance(entry, dict) and isinstance(entry.get("service_id"), str)
     }
+
+
+def _keyed(spec: Any) -> Any:
+    """A spec keyed by the id this node runs it by: its `replica_id` (issue 27: a service's
+    replicas may share a node); from a control plane before replicas, its `service_id`. The
+    worker's service id and every report carry that id."""
+    if isinstance(spec, dict) and isinstance(spec.get("replica_id"), str):
+        return {**spec, "service_id": spec["replica_id"]}
+    return spec
 
 
 def _interval(value: Any) -> float:

@@ -18,10 +18,10 @@ from control_plane.api.deps import (
 )
 from control_plane.api.routing import LaneRoute
 from control_plane.context import AppContext
-from control_plane.models import Service
+from control_plane.models import Service, ServiceReplica
 from control_plane.scheduling.waiting import explain
 from control_plane.schemas import DB_INT_MAX, ResourceId
-from control_plane.services import access_tokens, lifecycle, placement, sync
+from control_plane.services import access_tokens, lifecycle, placement, replicas, sync
 from control_plane.services.schemas import (
     AccessTokenCreate,
     AccessTokenMinted,
@@ -42,14 +42,21 @@ agent_router = APIRouter(prefix="/api/v1/agent", tags=["agent"], route_class=Lan
 SYNC_INTERVAL_SECONDS = 2.0
 
 
-def _service_view(ctx: AppContext, session: Session, service: Service) -> ServicePublic:
+def _service_view(
+    ctx: AppContext,
+    session: Session,
+    service: Service,
+    copies: list[ServiceReplica] | None = None,
+) -> ServicePublic:
     # Why a pending service waits is read from the scheduler's fleet, built only when asked.
     reason = placement.waiting_reason(
         session=session,
         service=service,
         explain=lambda shape: explain(ctx.scheduler.fleet(session), shape),
     )
-    return lifecycle.service_public(service, reason)
+    if copies is None:
+        copies = replicas.of_service(session, service.id)
+    return lifecycle.service_public(service, copies, reason)
 
 
 @router.post("/services", status_code=status.HTTP_201_CREATED, response_model=ServicePublic)
@@ -68,12 +75,13 @@ def list_services(
     session: SessionDep,
     state: Annotated[
         str | None,
-        Query(pattern="^(pending|starting|healthy|unhealthy|restarting|stopped|failed)$"),
+        Query(pattern="^(pending|starting|healthy|degraded|unhealthy|restarting|stopped|failed)$"),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> list[ServicePublic]:
     rows = lifecycle.list_services(session=session, state=state, limit=limit)
-    return [_service_view(ctx, session, row) for row in rows]
+    copies = replicas.by_service(session, [row.id for row in rows])
+    return [_service_view(ctx, session, row, copies[row.id]) for row in rows]
 
 
 @router.get("/services/{service_id}", response_model=ServicePublic)

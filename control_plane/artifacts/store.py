@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
 from control_plane.errors import InvalidRequest, NotFound, StorageFull
-from control_plane.models import Artifact, ArtifactUpload, Job, Service
+from control_plane.models import Artifact, ArtifactUpload, Job, Service, ServiceReplica
 from control_plane.storage import is_storage_full
 
 log = logging.getLogger(__name__)
@@ -157,11 +157,16 @@ def _named_by_jobs_of(session: Session, *, clock: Clock, digest: str, node_id: s
     for inputs, entrypoint in rows:
         if digest in (inputs or {}).values() or (entrypoint or {}).get("model") == digest:
             return True
-    # The weights of a service placed on it (WL-5a).
+    # The weights of a service with a replica placed on it (WL-5a, issue 27).
     service = session.execute(
-        select(Service.id).where(
-            Service.node_id == node_id, Service.weights == digest, Service.state != "stopped"
+        select(Service.id)
+        .join(ServiceReplica, ServiceReplica.service_id == Service.id)
+        .where(
+            ServiceReplica.node_id == node_id,
+            ServiceReplica.state != "stopped",
+            Service.weights == digest,
         )
+        .limit(1)
     ).first()
     return service is not None
 

@@ -48,6 +48,7 @@ from control_plane.models import (
     ProvisionEvent,
     ProvisionRequest,
     Service,
+    ServiceReplica,
 )
 from control_plane.provisioning import slurm
 from control_plane.provisioning.config import Profile, SlurmProvisioner
@@ -387,8 +388,8 @@ def _idle_since(session: Session, request: ProvisionRequest) -> datetime | None:
             select(Job.id).where(Job.node_id == node_id, Job.state == "running").limit(1)
         ).first()
         or session.execute(
-            select(Service.id)
-            .where(Service.node_id == node_id, Service.state != "stopped")
+            select(ServiceReplica.id)
+            .where(ServiceReplica.node_id == node_id, ServiceReplica.state != "stopped")
             .limit(1)
         ).first()
     )
@@ -415,7 +416,9 @@ def _waiting_shapes(session: Session) -> set[Shape]:
         Shape.of(labels, policy, resources)
         for labels, policy, resources in session.execute(
             select(Service.labels, Service.worker_policy, Service.resources).where(
-                Service.state == "pending"
+                Service.id.in_(
+                    select(ServiceReplica.service_id).where(ServiceReplica.state == "pending")
+                )
             )
         )
     )

@@ -31,7 +31,7 @@ from control_plane.clock import Clock
 from control_plane.fleet.gpu_health import out_of_schedule
 from control_plane.fleet.liveness import Liveness
 from control_plane.jobs.reports import cancel_unstarted
-from control_plane.models import JOB_EVENTS, JOBS, Job, JobEvent, Node, Service
+from control_plane.models import JOB_EVENTS, JOBS, Job, JobEvent, Node, Service, ServiceReplica
 from control_plane.scheduling.dispatch import CAPACITY, job_key, jobs_changed, queued_key
 from control_plane.scheduling.queue import JobQueue, QueuedJob
 from control_plane.scheduling.shapes import Capacity, Request, Shape, labels_match
@@ -228,13 +228,22 @@ def held_back(
     jobs = select(Job.node_id, Job.resources, Job.assigned_gpus, Job.id, Job.model).where(
         Job.state == "running"
     )
-    services = select(
-        Service.node_id, Service.name, Service.resources, Service.assigned_gpus, Service.id
-    ).where(Service.state != "stopped")
+    # A service's replica holds its service's resources and its own GPUs on its node.
+    services = (
+        select(
+            ServiceReplica.node_id,
+            Service.name,
+            Service.resources,
+            ServiceReplica.assigned_gpus,
+            Service.id,
+        )
+        .join(Service, Service.id == ServiceReplica.service_id)
+        .where(ServiceReplica.state.not_in(("pending", "stopped")))
+    )
     if len(free) <= _IN_LIST_MAX:
         jobs = jobs.where(Job.node_id.in_(list(free)))
-        services = services.where(Service.node_id.in_(list(free)))
-    # Else every running job and deployed service, filtered here: a thousand-element IN list
+        services = services.where(ServiceReplica.node_id.in_(list(free)))
+    # Else every running job and placed replica, filtered here: a thousand-element IN list
     # costs PostgreSQL more to plan than the rows it saves.
     for node_id, resources, held_gpus, job_id, model in session.execute(jobs):
         if node_id in free:

@@ -18,7 +18,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from control_plane.fleet.liveness import Liveness
-from control_plane.models import Job, Service
+from control_plane.models import Job, ServiceReplica
 from control_plane.scheduling.placement import Holding
 from control_plane.scheduling.schemas import (
     FleetTotals,
@@ -209,7 +209,14 @@ def _fleet_totals(session: Session, nodes: list[NodeResources]) -> FleetTotals:
     for node in nodes:
         by_state[node.state] += 1
     queued_jobs = session.scalar(select(func.count()).where(Job.state == "queued")) or 0
-    pending_services = session.scalar(select(func.count()).where(Service.state == "pending")) or 0
+    pending_services = (
+        session.scalar(
+            select(func.count(func.distinct(ServiceReplica.service_id))).where(
+                ServiceReplica.state == "pending"
+            )
+        )
+        or 0
+    )
     return FleetTotals(
         nodes=len(nodes),
         nodes_by_state=by_state,

@@ -21,7 +21,7 @@ from control_plane.errors import InvalidRequest, NotFound
 from control_plane.fleet.gpu_health import OUT_OF_SCHEDULE
 from control_plane.fleet.liveness import Liveness
 from control_plane.jobs.schemas import WaitingReason
-from control_plane.models import Job, Node, Service
+from control_plane.models import Job, Node, Service, ServiceReplica
 from control_plane.scheduling.gpu_reasons import GpuNotes, OutOfSchedule, name_out_of_schedule
 from control_plane.scheduling.placement import Holding, gpu_health, held_back
 from control_plane.scheduling.queue import QUEUED_COLUMNS, queued_job
@@ -441,9 +441,14 @@ def queued_work(session: Session, *, scan: int = 5000) -> list[tuple[QueuedWork,
             labels=dict(row.labels or {}),
         )
         found.append((work, queued_job(row).shape))
+    # A service waits while one of its replicas does.
     services = session.scalars(
         select(Service)
-        .where(Service.state == "pending")
+        .where(
+            Service.id.in_(
+                select(ServiceReplica.service_id).where(ServiceReplica.state == "pending")
+            )
+        )
         .order_by(Service.created_at, Service.id)
         .limit(scan)
     )

@@ -1,10 +1,10 @@
 """Services as users see them: deploy, get, list, restart, undeploy, their events and their
 public views.
 
-A deployed service is `pending` until the placement loop gives it a node (`placement`); it is
-never deleted: undeploying it stops it (`stopped`) and keeps its record and events.
-`generation` grows with each restart asked for; the agent restarts a service whose generation
-changed.
+A deployed service runs `replicas` copies (`replicas`), each `pending` until the placement
+loop gives it a node (`placement`); it is never deleted: undeploying it stops it and all its
+replicas (`stopped`) and keeps its record and events. `generation` grows with each restart asked
+for; the agents restart every replica whose generation changed.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from control_plane.clock import Clock
 from control_plane.errors import Conflict, InvalidRequest, NotFound
 from control_plane.events import events_after
 from control_plane.fleet.schemas import AssignedGpu
-from control_plane.models import Service, ServiceEvent
+from control_plane.models import Service, ServiceEvent, ServiceReplica
 from control_plane.security import new_id
+from control_plane.services import replicas
 from control_plane.services._changes import record_event
 from control_plane.services.schemas import (
     Instances,
@@ -78,11 +79,15 @@ def deploy(*, session: Session, clock: Clock, request: ServiceCreate) -> Service
         restart=request.restart.model_dump(),
         restarts=0,
         generation=1,
+        replicas=request.replicas,
+        revision=1,
         created_at=now,
         updated_at=now,
         next_event_seq=1,
     )
     session.add(service)
+    session.flush()  # the service's row before its replicas' (their foreign key)
+    replicas.start(session, service, now)
     record_event(session, service, now, "state", {"state": "pending"})
     session.flush()
     return service
@@ -176,22 +181,31 @@ def undeploy(*, session: Session, clock: Clock, service_id: str) -> Service:
     now = clock.now()
     service.state = "stopped"
     service.stopped_at = service.updated_at = now
-    service.url = service.grpc_url = None
+    replicas.stop_all(session, service, now)
     record_event(session, service, now, "state", {"state": "stopped", "reason": "undeployed"})
     return service
 
 
-def service_public(service: Service, waiting_reason: dict[str, str] | None = None) -> ServicePublic:
+def service_public(
+    service: Service,
+    copies: list[ServiceReplica],
+    waiting_reason: dict[str, str] | None = None,
+) -> ServicePublic:
+    """The service's view from its row and its replicas (`replicas.of_service`)."""
+    shown = replicas.representative(copies)
     return ServicePublic(
         service_id=service.id,
         name=service.name,
         state=service.state,
-        node_id=service.node_id if service.state != "stopped" else None,
-        url=service.url,
-        grpc_url=service.grpc_url,
-        restarts=service.restarts,
-        last_exit=service.last_exit,
-        gpus=[AssignedGpu.model_validate(gpu) for gpu in service.assigned_gpus or []],
+        node_id=shown.node_id if shown else None,
+        url=shown.url if shown else None,
+        grpc_url=shown.grpc_url if shown else None,
+        restarts=sum(copy.restarts for copy in copies),
+        last_exit=shown.last_exit if shown else None,
+        gpus=[
+            AssignedGpu.model_validate(gpu)
+            for gpu in ((shown.assigned_gpus or []) if shown else [])
+        ],
         command=service.command,
         runner=service.runner,
         weights=service.weights,
@@ -208,11 +222,15 @@ def service_public(service: Service, waiting_reason: dict[str, str] | None = Non
         updated_at=service.updated_at,
         stopped_at=service.stopped_at,
         waiting_reason=waiting_reason,
-        log_tail=list(service.log_tail or []),
+        log_tail=list(shown.log_tail or []) if shown else [],
         batching=(service.params or {}).get("batching") if service.runner == "onnx" else None,
         instances=(service.params or {}).get("instances") if service.runner == "onnx" else None,
+        desired_replicas=service.replicas,
+        replicas=[replicas.replica_public(copy) for copy in copies if copy.state != "stopped"],
     )
 
 
 def event_public(event: ServiceEvent) -> ServiceEventPublic:
-    return ServiceEventPublic(seq=event.seq, at=event.at, kind=event.kind, data=event.data)
+    return ServiceEventPublic(
+        seq=event.seq, at=event.at, kind=event.kind, data=event.data, replica_id=event.replica_id
+    )

@@ -1,15 +1,16 @@
 """Where a service runs: the placement loop's work and why a pending service waits.
 
-A service is placed like a job — labels (`require`/`prefer`), free resources, specific GPUs
-(SC-5: never one out of the schedule, degraded ones last), and the labels of its secrets — but
-it holds no claim slot: `place_pending` assigns pending services to nodes (one transaction
-each, the chosen node's row locked as a job batch locks it, so the two never over-commit a
-node), and from then on it holds its resources and GPUs there (the scheduler's `free_capacity`
-counts them) until it is undeployed.
+Each replica of a service is placed like a job — labels (`require`/`prefer`), free resources,
+specific GPUs (SC-5: never one out of the schedule, degraded ones last), and the labels of its
+secrets — but it holds no claim slot: `place_pending` assigns pending replicas to nodes (one
+transaction each, under its service's row lock, the chosen node's row locked as a job batch
+locks it, so the two never over-commit a node), on a node none of its siblings is on where one
+fits, else beside them on other GPUs; from then on it holds its service's resources and its
+GPUs there (the scheduler's `free_capacity` counts them) until it is undeployed.
 
-A service whose node goes offline is placed again on another matching node; when the old node
-comes back its agent no longer finds it in its sync's answer and stops it, so it is not run
-twice.
+A replica whose node goes offline is placed again on another matching node, its siblings left
+where they are; when the old node comes back its agent no longer finds it in its sync's answer
+and stops it, so it is not run twice.
 
 The scheduler sits above this package: what it knows (a node's free capacity, why a shape
 waits) is passed in, never imported.
@@ -27,9 +28,10 @@ from sqlalchemy.orm import Session
 from control_plane.clock import Clock
 from control_plane.errors import InvalidRequest, NotFound
 from control_plane.fleet.liveness import Liveness
-from control_plane.models import Node, Service
+from control_plane.models import Node, Service, ServiceReplica
 from control_plane.scheduling.shapes import Capacity, Request, Shape, labels_match
-from control_plane.services._changes import DEPLOYED, record_event
+from control_plane.services import replicas
+from control_plane.services._changes import DEPLOYED
 from control_plane.vault import vault
 
 #: The scheduler's `free_capacity`: each listed node's inventory (by id) less what its running
@@ -48,53 +50,52 @@ def shape_of(session: Session, service: Service) -> Shape:
 def place_pending(
     *, session_factory: Any, clock: Clock, liveness: Liveness, free_capacity: FreeCapacity
 ) -> int:
-    """Give each pending service a node (oldest first), and put back in `pending` the services
-    whose node went offline. One transaction per service; returns how many were placed."""
+    """Give each pending replica a node (its service's oldest first), and put back in `pending`
+    the replicas whose node went offline. One transaction per replica; returns how many were
+    placed."""
     with session_factory.begin() as session:
         _replace_lost(session, clock, liveness)
     placed = 0
     with session_factory() as session:
-        pending = list(
-            session.scalars(
-                select(Service.id)
-                .where(Service.state == "pending")
-                .order_by(Service.created_at)
-                .limit(100)
-            )
-        )
-    for service_id in pending:
+        pending = session.execute(
+            select(ServiceReplica.id, ServiceReplica.service_id)
+            .join(Service, Service.id == ServiceReplica.service_id)
+            .where(ServiceReplica.state == "pending", Service.state != "stopped")
+            .order_by(Service.created_at, ServiceReplica.ordinal)
+            .limit(100)
+        ).all()
+    for replica_id, service_id in pending:
         with session_factory.begin() as session:
-            placed += _place_one(session, clock, liveness, free_capacity, service_id)
+            placed += _place_one(session, clock, liveness, free_capacity, service_id, replica_id)
     return placed
 
 
 def _replace_lost(session: Session, clock: Clock, liveness: Liveness) -> None:
     now = clock.now()
     rows = session.execute(
-        select(Service.id, Service.node_id, Node.last_heartbeat_at)
-        .outerjoin(Node, Node.id == Service.node_id)
-        .where(Service.node_id.is_not(None), Service.state.in_(DEPLOYED))
+        select(ServiceReplica.id, ServiceReplica.service_id, ServiceReplica.node_id)
+        .add_columns(Node.last_heartbeat_at)
+        .outerjoin(Node, Node.id == ServiceReplica.node_id)
+        .where(ServiceReplica.node_id.is_not(None), ServiceReplica.state.in_(DEPLOYED))
     ).all()
-    for service_id, node_id, last in rows:
+    for replica_id, service_id, node_id, last in rows:
         if node_id is None:
             continue
         gone = last is None and session.get(Node, node_id) is None
         if not gone and liveness.state_of(node_id, last, now) != "offline":
             continue
         service = session.get(Service, service_id, with_for_update=True)
-        if service is None or service.node_id != node_id or service.state not in DEPLOYED:
+        replica = session.get(ServiceReplica, replica_id)
+        if (
+            service is None
+            or replica is None
+            or replica.node_id != node_id
+            or replica.state not in DEPLOYED
+        ):
             continue
-        service.state, service.node_id, service.assigned_gpus, service.url = (
-            "pending",
-            None,
-            None,
-            None,
-        )
-        service.grpc_url = None
-        service.updated_at = now
         why = "its node was deleted" if gone else "its node went offline"
-        data = {"state": "pending", "reason": why, "node_id": node_id}
-        record_event(session, service, now, "state", data)
+        replicas.unplace(session, service, replica, now, reason=why)
+        replicas.summarise(session, service, now, replicas.of_service(session, service_id))
 
 
 def _place_one(
@@ -103,9 +104,13 @@ def _place_one(
     liveness: Liveness,
     free_capacity: FreeCapacity,
     service_id: str,
+    replica_id: str,
 ) -> int:
     service = session.get(Service, service_id, with_for_update=True)
-    if service is None or service.state != "pending":
+    replica = session.get(ServiceReplica, replica_id)
+    if service is None or service.state == "stopped" or replica is None:
+        return 0
+    if replica.state != "pending":
         return 0
     try:
         shape = shape_of(session, service)
@@ -125,19 +130,22 @@ def _place_one(
     ]
     carrying = [row for row in online if labels_match(shape.labels, dict(row.labels or {}))]
     others = [row for row in online if row not in carrying] if shape.prefer else []
+    # Its siblings' nodes last: a node of its own where one fits, else another GPU of theirs.
+    copies = replicas.of_service(session, service_id)
+    taken = {copy.node_id for copy in copies if copy.node_id and copy.state in DEPLOYED}
+    candidates = sorted(carrying + others, key=lambda row: row.id in taken)
     request = Request.of(service.resources)
-    for row in carrying + others:
+    for row in candidates:
         # The node's row lock: a job batch holding it finishes first, then its jobs count.
         session.execute(select(Node.id).where(Node.id == row.id).with_for_update())
         free = free_capacity(session, {row.id: row.inventory})[row.id]
         if not free.fits(request):
             continue
         gpus = free.pick_gpus(request)
-        service.state, service.node_id, service.assigned_gpus = "starting", row.id, gpus
-        service.placed_at = service.updated_at = now
-        record_event(
-            session, service, now, "state", {"state": "starting", "node_id": row.id, "gpus": gpus}
-        )
+        replica.node_id, replica.assigned_gpus = row.id, gpus
+        replica.placed_at = now
+        replicas.set_state(session, service, replica, now, "starting", node_id=row.id, gpus=gpus)
+        replicas.summarise(session, service, now, copies)
         return 1
     return 0
 
@@ -145,10 +153,10 @@ def _place_one(
 def waiting_reason(
     *, session: Session, service: Service, explain: Callable[[Shape], BaseModel]
 ) -> dict[str, str] | None:
-    """Why a pending service waits (None once it is placed): its secrets' trouble, else what
-    `explain` says of its shape. `explain` is the scheduler's, over its fleet; it answers a
-    `WaitingReason`, named here by its base: that schema lives in `jobs`, a peer of this
-    package, which it may not import."""
+    """Why a pending service waits (None once one of its replicas is placed): its secrets'
+    trouble, else what `explain` says of its shape. `explain` is the scheduler's, over its
+    fleet; it answers a `WaitingReason`, named here by its base: that schema lives in `jobs`, a
+    peer of this package, which it may not import."""
     if service.state != "pending":
         return None
     try:

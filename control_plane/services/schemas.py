@@ -97,6 +97,8 @@ class ServiceCreate(StrictModel):
     #: The onnx runner's dynamic batching and model instances (kept with its params).
     batching: ServiceBatching | None = None
     instances: Instances | None = None
+    #: How many copies run, each placed on a node of its own where one fits (else on other GPUs).
+    replicas: Annotated[int, Field(ge=1, le=16, strict=True)] = 1
 
     @model_validator(mode="after")
     def _what_runs(self) -> ServiceCreate:
@@ -122,14 +124,34 @@ class ServiceCreate(StrictModel):
 
 
 ServiceState = Literal[
-    "pending", "starting", "healthy", "unhealthy", "restarting", "stopped", "failed"
+    "pending", "starting", "healthy", "degraded", "unhealthy", "restarting", "stopped", "failed"
 ]
+
+
+class ServiceReplicaPublic(BaseModel):
+    """One running copy of a service (issue 27)."""
+
+    id: str
+    ordinal: int
+    revision: int
+    state: str
+    node_id: str | None
+    url: str | None
+    grpc_url: str | None
+    restarts: int
+    last_exit: dict[str, Any] | None
+    #: When it last turned healthy (warm); None while it is not.
+    ready_at: datetime | None
+    assigned_gpus: list[AssignedGpu]
 
 
 class ServicePublic(BaseModel):
     service_id: str
     name: str
+    #: Its replicas' summary: `healthy` when all are, `degraded` when some are.
     state: ServiceState
+    #: `node_id`, `url`, `grpc_url`, `gpus`, `last_exit` and `log_tail` are those of its first
+    #: healthy replica (else its first placed one); `restarts` counts all its replicas'.
     node_id: str | None
     url: str | None
     #: `host:port` of the service's gRPC front (the `onnx` runner), as gRPC clients take it.
@@ -159,6 +181,9 @@ class ServicePublic(BaseModel):
     #: The onnx runner's dynamic batching and instances, as deployed (None: off, the default).
     batching: dict[str, Any] | None = None
     instances: int | None = None
+    #: How many replicas it runs, and each of them (stopped ones left out).
+    desired_replicas: int = 1
+    replicas: list[ServiceReplicaPublic] = Field(default_factory=list)
 
 
 class ServiceEventPublic(BaseModel):
@@ -166,6 +191,8 @@ class ServiceEventPublic(BaseModel):
     at: datetime
     kind: str
     data: Any
+    #: The replica it happened to; None for the service as a whole.
+    replica_id: str | None = None
 
 
 # -- the agents' service sync ------------------------------------------------------------------
@@ -178,6 +205,8 @@ class AgentServiceEvent(StrictModel):
 
 
 class AgentServiceStatus(StrictModel):
+    #: The id the agent runs it by: the `replica_id` of its spec (an agent from before replicas:
+    #: the service's id).
     service_id: Annotated[str, StringConstraints(max_length=64)]
     generation: Annotated[int, Field(ge=0, le=DB_INT_MAX)]
     state: Literal["starting", "healthy", "unhealthy", "restarting", "failed", "stopped"]
@@ -203,6 +232,8 @@ class AgentServicesSync(StrictModel):
 
 class AgentServiceSpec(BaseModel):
     service_id: str
+    #: The id the agent runs it by (the runtime worker's service id) and reports it by.
+    replica_id: str
     generation: int
     name: str
     command: list[str] | None

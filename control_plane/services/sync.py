@@ -1,10 +1,13 @@
 """The agents' services sync (`POST /api/v1/agent/services/sync`, every few seconds).
 
 The node's agent reports what its runtime worker runs — state, port, restarts, last exit, new
-events, the tail of the output — and gets back the services assigned to it, with their secrets'
-values for its process only. A service not in that answer (undeployed, or placed elsewhere) is
-stopped by the agent. Its URL is built from the address the control plane saw the agent
-connect from, or the agent's `MODELFORGE_AGENT_SERVICE_HOST`.
+events, the tail of the output — and gets back the replicas placed on it, with their services'
+secrets' values for its process only. Each spec carries the service's id and name and the
+replica's id (`replica_id`), which the agent runs it by and reports it by (an agent from before
+replicas reports by the service's id: its first replica on the node is meant). A replica not in
+that answer (undeployed, or placed elsewhere) is stopped by the agent. Its URL is built from the
+address the control plane saw the agent connect from, or the agent's
+`MODELFORGE_AGENT_SERVICE_HOST`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
 from control_plane.fleet.schemas import AssignedGpu
-from control_plane.models import Service
+from control_plane.models import Service, ServiceReplica
+from control_plane.services import replicas
 from control_plane.services._changes import DEPLOYED, record_event
 from control_plane.services.schemas import AgentServiceSpec, AgentServicesSync
 from control_plane.vault import vault as secrets_vault
@@ -38,49 +42,42 @@ def sync(
     seen_host: str,
     body: AgentServicesSync,
 ) -> list[AgentServiceSpec]:
-    """Record what the node reports of its services; answer with the services it must run."""
+    """Record what the node reports of its replicas; answer with the replicas it must run."""
     now = clock.now()
     host = body.service_host or seen_host
-    reported = {status.service_id: status for status in body.services}
-    rows = (
-        list(
-            session.scalars(
-                select(Service)
-                .where(Service.id.in_(list(reported)))
-                .order_by(Service.id)
-                .with_for_update()
-            )
-        )
-        if reported
-        else []
-    )
-    for service in rows:
-        status = reported[service.id]
-        if service.node_id != node_id or service.state not in DEPLOYED:
+    held = _held_here(session, node_id)
+    by_id = {replica.id: (service, replica) for service, replica in held}
+    # An agent from before replicas reports by the service's id: its first replica here.
+    first_of: dict[str, tuple[Service, ServiceReplica]] = {}
+    for service, replica in held:
+        first_of.setdefault(service.id, (service, replica))
+    touched: dict[str, Service] = {}
+    for status in body.services:
+        found = by_id.get(status.service_id) or first_of.get(status.service_id)
+        if found is None:
             continue  # no longer this node's: the answer leaves it out and the agent stops it
+        service, replica = found
+        touched[service.id] = service
         for event in status.events:
-            record_event(session, service, event.at or now, event.kind, event.data)
+            record_event(
+                session, service, event.at or now, event.kind, event.data, replica_id=replica.id
+            )
         if status.generation != service.generation:
             continue  # a restart asked for is on its way
-        if status.state in _REPORTED and status.state != service.state:
-            service.state = status.state
-            record_event(session, service, now, "state", {"state": status.state})
-        service.restarts = status.restarts
-        service.last_exit = status.last_exit
-        service.log_tail = status.log_tail[-_LOG_TAIL:]
-        service.url = _url(host, status.port) if status.port else None
-        service.grpc_url = _address(host, status.grpc_port) if status.grpc_port else None
-        service.updated_at = now
+        if status.state in _REPORTED and status.state != replica.state:
+            replicas.set_state(session, service, replica, now, status.state)
+        replica.restarts = status.restarts
+        replica.last_exit = status.last_exit
+        replica.log_tail = status.log_tail[-_LOG_TAIL:]
+        replica.url = _url(host, status.port) if status.port else None
+        replica.grpc_url = _address(host, status.grpc_port) if status.grpc_port else None
+        replica.updated_at = service.updated_at = now
     desired = []
-    for service in session.scalars(
-        select(Service)
-        .where(Service.node_id == node_id, Service.state.in_(DEPLOYED))
-        .order_by(Service.created_at)
-    ):
+    for service, replica in held:
         values = secrets_vault.values_for(session, vault, list(service.secrets or []), carried)
         if values is None:
-            if service.state != "failed":
-                service.state, service.updated_at = "failed", now
+            if replica.state != "failed":
+                replicas.set_state(session, service, replica, now, "failed")
                 record_event(
                     session,
                     service,
@@ -92,11 +89,14 @@ def sync(
                         "the service's secrets, or a secret was deleted; undeploy it and "
                         "deploy it again",
                     },
+                    replica_id=replica.id,
                 )
+                touched[service.id] = service
             continue
         desired.append(
             AgentServiceSpec(
                 service_id=service.id,
+                replica_id=replica.id,
                 generation=service.generation,
                 name=service.name,
                 command=service.command,
@@ -105,13 +105,53 @@ def sync(
                 params=service.params,
                 env=service.env,
                 secrets=values,
-                assigned_gpus=[AssignedGpu.model_validate(g) for g in service.assigned_gpus or []],
+                assigned_gpus=[AssignedGpu.model_validate(g) for g in replica.assigned_gpus or []],
                 resources=service.resources,
                 health=service.health,
                 restart=service.restart,
             )
         )
+    copies = replicas.by_service(session, touched)
+    for service_id, service in touched.items():
+        replicas.summarise(session, service, now, copies[service_id])
     return desired
+
+
+def _held_here(session: Session, node_id: str) -> list[tuple[Service, ServiceReplica]]:
+    """The replicas placed on `node_id` (their services' oldest first, then by ordinal), their
+    services' rows locked, in id order, before the replicas are read again under the locks."""
+    service_ids = sorted(
+        set(
+            session.scalars(
+                select(ServiceReplica.service_id).where(
+                    ServiceReplica.node_id == node_id, ServiceReplica.state.in_(DEPLOYED)
+                )
+            )
+        )
+    )
+    if not service_ids:
+        return []
+    services = {
+        service.id: service
+        for service in session.scalars(
+            select(Service)
+            .where(Service.id.in_(service_ids))
+            .order_by(Service.id)
+            .with_for_update()
+        )
+    }
+    rows = session.scalars(
+        select(ServiceReplica)
+        .where(
+            ServiceReplica.node_id == node_id,
+            ServiceReplica.state.in_(DEPLOYED),
+            ServiceReplica.service_id.in_(list(services)),
+        )
+        .order_by(ServiceReplica.ordinal)
+    )
+    held = [(services[replica.service_id], replica) for replica in rows]
+    held.sort(key=lambda pair: (pair[0].created_at, pair[0].id, pair[1].ordinal))
+    return held
 
 
 def _url(host: str, port: int) -> str:
