@@ -18,6 +18,7 @@ from control_plane.api.deps import (
 )
 from control_plane.api.routing import LaneRoute
 from control_plane.context import AppContext
+from control_plane.gateway.traffic import ServiceTraffic, read_traffic
 from control_plane.models import Service, ServiceReplica
 from control_plane.scheduling.waiting import explain
 from control_plane.schemas import DB_INT_MAX, ResourceId
@@ -175,6 +176,16 @@ def revoke_access_token(
         session=session, clock=ctx.clock, service_id=service_id, token_id=token_id
     )
     return access_tokens.token_public(row)
+
+
+@router.get("/services/{service_id}/traffic", response_model=ServiceTraffic)
+def service_traffic(service_id: ResourceId, ctx: ContextDep, session: SessionDep) -> ServiceTraffic:
+    """The gateway's counters for the service in this control-plane process, cumulative since
+    it started (what `/metrics` exports, for one service): the console turns reads into rates."""
+    service = lifecycle.get_service(session=session, service_id=service_id)
+    return read_traffic(
+        ctx.metrics.registry, service_id=service.id, name=service.name, read_at=ctx.clock.now()
+    )
 
 
 # -- the agents' service sync -------------------------------------------------------------------
