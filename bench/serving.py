@@ -63,7 +63,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -83,6 +83,15 @@ function init(args)
   local headers = {["Content-Type"] = args[2]}
   if args[3] ~= "" then
     headers["Inference-Header-Content-Length"] = args[3]
+  end
+  -- More headers (bench/gateway.py's token), one "Name: value" a line, from a file: never argv.
+  if args[4] ~= nil and args[4] ~= "" then
+    local extra = io.open(args[4], "rb")
+    for line in extra:lines() do
+      local name, value = line:match("^([^:]+):%s*(.-)%s*$")
+      if name then headers[name] = value end
+    end
+    extra:close()
   end
   request_bytes = wrk.format("POST", nil, headers, body)
 end
@@ -332,17 +341,38 @@ def kserve(scratch: Path, model: Path, python: Path) -> Server:
 # -- load generators --------------------------------------------------------------------------
 
 
+class Measured(Protocol):
+    """What a load run measures the CPU of: a `Server`, or bench/gateway.py's whole stack."""
+
+    name: str
+
+    @property
+    def port(self) -> int: ...
+
+    def cpu_seconds(self) -> float: ...
+
+
 def wrk_load(
-    server: Server, body: Body, connections: int, duration: int, scenario: str, scratch: Path
+    server: Measured,
+    body: Body,
+    connections: int,
+    duration: int,
+    scenario: str,
+    scratch: Path,
+    *,
+    url: str | None = None,
+    headers: Path | None = None,
 ) -> Result:
+    """`wrk` against `url` (default: the server's own infer path) with `body`; `headers`: a file
+    of more request headers, one `Name: value` a line."""
     script = scratch / "infer.lua"
     script.write_text(WRK_SCRIPT)
     threads = min(connections, 2)
-    url = f"http://127.0.0.1:{server.port}/v2/models/{MODEL}/infer"
+    url = url or f"http://127.0.0.1:{server.port}/v2/models/{MODEL}/infer"
     command = [
         "wrk", "-t", str(threads), "-c", str(connections), "-d", f"{duration}s",
         "--timeout", "10s", "-s", str(script), url,
-        "--", str(body.path), body.content_type, body.header_length,
+        "--", str(body.path), body.content_type, body.header_length, str(headers or ""),
     ]  # fmt: skip
     before_cpu, before_client = server.cpu_seconds(), _children_cpu()
     out = subprocess.run(command, capture_output=True, text=True, check=False)
