@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
 from control_plane.errors import GpuNotFound
-from control_plane.fleet.gpu_health import gpu_row, set_state
+from control_plane.fleet.gpu_health import gpu_row, lock_node, set_state
 from control_plane.fleet.nodes import get_node
 from control_plane.fleet.schemas import (
     GpuCheck,
@@ -57,9 +57,9 @@ def _inventory_gpus(node: Node) -> list[dict[str, Any]]:
 def find_gpu(session: Session, *, node_id: str, uuid: str, lock: bool = False) -> AdminGpu:
     """The node's GPU `uuid`, from its row or its inventory; NODE_NOT_FOUND, GPU_NOT_FOUND.
     With `lock`, the node's row and then the GPU's are locked, in the order the agents' reports
-    and the scheduler's batches take them."""
+    take them (`gpu_health.lock_node`)."""
     if lock:
-        session.scalars(select(Node.id).where(Node.id == node_id).with_for_update()).first()
+        lock_node(session, node_id)
     node = get_node(session=session, node_id=node_id)
     row = gpu_row(session, node_id, uuid, lock=lock)
     if row is not None:

@@ -107,7 +107,9 @@ def gpu_row(
     row = session.scalars(query.with_for_update() if lock else query).first()
     if row is not None or create_index is None:
         return row
-    node = session.scalars(select(Node).where(Node.id == node_id).with_for_update()).first()
+    node = session.scalars(
+        select(Node).where(Node.id == node_id).with_for_update(key_share=True)
+    ).first()
     row = session.scalars(query.with_for_update()).first()  # created while we waited
     if row is not None or node is None:
         return row
@@ -197,6 +199,19 @@ def evidence_of(entries: list[GpuEvidence]) -> list[dict[str, Any]]:
     return stored
 
 
+def lock_node(session: Session, node_id: str) -> None:
+    """Lock the node's row, the first of the rows a GPU's change takes. The order is node,
+    jobs, GPUs: a report that may fail jobs locks the node's running jobs before its GPUs
+    (`scheduling.gpu_health`), because a job's end (an agent's completion, a cancellation, the
+    sweep) locks the job's row and then, for an active check, its GPU's; the other order would
+    let a report and a completion group on PostgreSQL wait on each other for good.
+
+    `FOR NO KEY UPDATE`: it still serialises with a batch placing on the node (which takes
+    `FOR UPDATE`), but not with a row that only references the node (a GPU's timeline entry
+    written by a job's end takes `FOR KEY SHARE` on it through its foreign key)."""
+    session.execute(select(Node.id).where(Node.id == node_id).with_for_update(key_share=True))
+
+
 def record_report(
     session: Session, *, node_id: str, report: GpuHealthRequest, now: datetime
 ) -> list[GpuChange]:
@@ -206,8 +221,11 @@ def record_report(
     The node's row is locked first: reports of one node and a batch placing on it (which locks
     the same row, then reads the GPUs out of the schedule) are serialised, so no job is placed
     on a GPU this report takes out without the report's transaction seeing and failing it. A
-    GPU the node's inventory does not list yet is recorded all the same (inventories lag)."""
-    session.execute(select(Node.id).where(Node.id == node_id).with_for_update())
+    GPU the node's inventory does not list yet is recorded all the same (inventories lag).
+
+    Locks are taken node, then (the caller's, when it may fail jobs) the jobs, then the GPUs:
+    the order of every other writer of these rows (`lock_node`)."""
+    lock_node(session, node_id)
     rows = {
         row.uuid: row
         for row in session.scalars(

@@ -15,6 +15,17 @@ from control_plane.models import Job
 GPU_FAILED = "GPU_FAILED"
 
 
+def lock_running(session: Session, *, node_id: str) -> None:
+    """Lock the rows of the jobs running on `node_id` (in id order, as a completion group takes
+    them), before a GPU's row: a job's end locks its row, then its active check's GPU's."""
+    session.execute(
+        select(Job.id)
+        .where(Job.node_id == node_id, Job.state == "running")
+        .order_by(Job.id)
+        .with_for_update()
+    ).all()
+
+
 def fail_on_gpu(
     session: Session, *, node_id: str, uuid: str, message: str, now: datetime
 ) -> list[str]:

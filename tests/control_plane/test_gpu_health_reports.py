@@ -11,10 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 from control_plane.background.service_placement import place_services
-from control_plane.models import GpuHealth, GpuHealthEvent
+from control_plane.jobs.reports import Outcome, complete_jobs
+from control_plane.models import GpuHealth, GpuHealthEvent, Job
 from tests.control_plane.test_gpu_assignment import _view
 from tests.control_plane.test_jobs import _claim, _node, _submit
 from tests.control_plane.test_metrics import _parse, _value
@@ -291,3 +292,63 @@ def test_reports_need_the_node_credential_and_bad_ones_change_nothing(
         with cp.ctx.session_factory() as session:
             assert session.scalar(select(func.count()).select_from(GpuHealth)) == 0
             assert session.scalar(select(func.count()).select_from(GpuHealthEvent)) == 0
+
+
+def test_a_report_and_the_check_s_completion_take_their_locks_in_one_order(
+    tmp_path: Path, pg_database_url: str
+) -> None:
+    """PostgreSQL. A completion group locks its jobs and then, for an active check, the check's
+    GPU; a report failing that GPU's work locks the node's running jobs before its GPUs. So a
+    completion holding the check's row while the report arrives never waits on the report:
+    both commit (in the other order the two waited on each other and one was aborted)."""
+    with control_plane(tmp_path, pg_database_url, gpu_check_provider="CPUExecutionProvider") as cp:
+        node = _node(cp, cpus=16, gpus=2)
+        _accepted(cp, node, _gpu(node, 0), _xid79(node, 1))
+        _accepted(cp, node, _gpu(node, 0), _gpu(node, 1))
+        readmit = cp.client.post(
+            f"/api/v1/admin/nodes/{node['node_id']}/gpus/GPU-{node['node_id']}-1/readmit",
+            headers=cp.admin,
+        )
+        assert readmit.status_code == 202, readmit.text
+        check = readmit.json()["check"]["job_id"]
+        assignment = _claim(cp, node)
+        assert assignment is not None and assignment["job_id"] == check
+        again = _xid79(node, 1)
+        again["evidence"][0]["at"] = "2026-03-01T11:00:00+00:00"
+
+        with cp.ctx.session_factory() as completion, ThreadPoolExecutor(1) as pool:
+            completion.execute(text("SET LOCAL lock_timeout = '10s'"))
+            completion.execute(select(Job.id).where(Job.id == check).with_for_update()).all()
+            report = pool.submit(_report, cp, node, _gpu(node, 0), again)
+            _until_a_backend_waits_on_a_lock(cp)
+            outcome = Outcome(check, node["node_id"], "succeeded", {"ok": True}, {}, None)
+            (problem,) = complete_jobs(session=completion, clock=cp.clock, outcomes=[outcome])
+            assert problem is None
+            completion.commit()
+            answered = report.result(timeout=30)
+        assert answered.status_code == 200, answered.text
+
+        assert _view(cp, check)["state"] == "succeeded"
+        row = _row(cp, node, 1)
+        assert row is not None and row.check_job_id is None
+        # The check passed on a GPU reported clean; the report that came next failed it again.
+        assert (row.state, row.rules_state, row.reported) == ("unhealthy",) * 3
+        kinds = [(e.kind, e.to_state) for e in _events(cp, node, 1)]
+        assert kinds[-2:] == [("readmit", "healthy"), ("state", "unhealthy")]
+
+
+def _until_a_backend_waits_on_a_lock(cp: ControlPlane) -> None:
+    deadline = time.monotonic() + 10
+    with cp.ctx.session_factory() as session:
+        while time.monotonic() < deadline:
+            waiting = session.scalar(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND datname = current_database()"
+                )
+            )
+            session.rollback()
+            if waiting:
+                return
+            time.sleep(0.02)
+    raise AssertionError("the report never waited on the completion's lock")
