@@ -254,7 +254,10 @@ def test_a_killed_command_service_is_restarted_and_undeploy_ends_its_group(
     service_id = service["service_id"]
     healthy = _service_state(server, service_id, "healthy", 30)
     assert healthy["url"].startswith("http://127.0.0.1:")
-    pid = _worker_services(node)[service_id]["pid"]
+    # The worker runs it by its replica's id (issue 27), the one the control plane sent.
+    (replica,) = healthy["replicas"]
+    run_as = replica["id"]
+    pid = _worker_services(node)[run_as]["pid"]
     os.kill(pid, signal.SIGKILL)
     wait_until(
         lambda: server.get(f"/api/v1/services/{service_id}")["restarts"] == 1,
@@ -263,12 +266,12 @@ def test_a_killed_command_service_is_restarted_and_undeploy_ends_its_group(
     )
     again = _service_state(server, service_id, "healthy", 15)
     assert again["last_exit"]["signal"] == signal.SIGKILL
-    new_pid = _worker_services(node)[service_id]["pid"]
+    new_pid = _worker_services(node)[run_as]["pid"]
     assert new_pid != pid and _group_members(new_pid)
 
     _call(server, "DELETE", f"/api/v1/services/{service_id}")
     wait_until(lambda: not _group_members(new_pid), 15, "the service's group to end")
-    wait_until(lambda: service_id not in _worker_services(node), 15, "the worker to forget it")
+    wait_until(lambda: run_as not in _worker_services(node), 15, "the worker to forget it")
 
 
 def test_a_service_holding_the_gpus_keeps_a_gpu_job_waiting(
