@@ -35,6 +35,7 @@ ACTIONS = frozenset(
         "job.delete",
         "service.deploy",
         "service.restart",
+        "service.update",
         "service.undeploy",
         "service_token.create",
         "service_token.revoke",

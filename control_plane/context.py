@@ -24,6 +24,7 @@ from control_plane.provisioning.provisioner import Provisioner
 from control_plane.scheduling.completions import Completions
 from control_plane.scheduling.dispatch import Dispatcher
 from control_plane.scheduling.scheduler import Scheduler
+from control_plane.services.autoscale import Autoscaler, Traffic
 from control_plane.settings import Settings
 from control_plane.vault.vault import Vault
 
@@ -46,6 +47,10 @@ class AppContext:
     database: DatabaseAvailability = field(default_factory=DatabaseAvailability)
     #: The agents' tunnels this process holds, through which the gateway reaches replicas.
     hub: TunnelHub = field(default_factory=TunnelHub)
+    #: The gateway's requests per service in this process, which the autoscaler sizes from.
+    traffic: Traffic = field(init=False)
+    #: The autoscaler's scale-down windows (this process's).
+    autoscaler: Autoscaler = field(init=False)
     #: The threads blocking routes run on, one share per kind of request (`lanes.py`).
     lanes: WorkerLanes = field(init=False)
     #: Wakes long polls and the scheduler when jobs change, across replicas.
@@ -63,6 +68,8 @@ class AppContext:
 
     def __post_init__(self) -> None:
         self.dispatcher = Dispatcher(clock=self.clock)
+        self.traffic = Traffic(self.clock)
+        self.autoscaler = Autoscaler(self.clock)
         self.lanes = WorkerLanes.create(queue_seconds=self.settings.request_queue_seconds)
         self.contact_grace = ContactGrace(clock=self.clock, database=self.database)
         self.vault = Vault(self.settings.data_dir)

@@ -70,6 +70,7 @@ SERVICE_STATES = (
     "unhealthy",
     "restarting",
     "failed",
+    "idle",
 )
 #: A GPU's health states (issue 28: the fleet's `gpu_health.STATES`); this floor module imports
 #: no domain.

@@ -110,6 +110,11 @@ class Settings(BaseSettings):
     gateway_queue_seconds: float = Field(default=10.0, gt=0, le=300)
     #: How long a request for a service scaled to zero waits for a replica to get ready.
     gateway_cold_start_seconds: float = Field(default=120.0, gt=0, le=1800)
+    #: A rolling update fails when its new replicas are not all healthy and warm by then.
+    service_rollout_timeout_seconds: float = Field(default=900.0, ge=10, le=86400)
+    #: How long a replica taken out of the rotation (rollout, scale down) keeps running for the
+    #: requests already sent to it before it is stopped: above the longest request.
+    service_drain_seconds: float = Field(default=30.0, ge=0, le=3600)
 
     @model_validator(mode="after")
     def _check_liveness(self) -> Self:

@@ -21,6 +21,7 @@ nothing but the layers: the routes and the context come from `app.py`.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from fastapi import FastAPI
@@ -34,6 +35,8 @@ from control_plane.context import AppContext
 from control_plane.gateway.auth import GatewayAuth
 from control_plane.gateway.metrics import GatewayMetrics
 from control_plane.gateway.routing import RoutingSnapshot, RoutingTable, read_snapshot
+from control_plane.scheduling.placement import free_capacity
+from control_plane.services import autoscale, placement
 
 
 @dataclass(frozen=True)
@@ -99,4 +102,20 @@ def compose_gateway(app: ASGIApp, ctx: AppContext) -> Gateway:
             queue_wait=settings.gateway_queue_seconds,
             cold_start_wait=settings.gateway_cold_start_seconds,
         ),
+        scale_up=lambda target: asyncio.to_thread(wake_service, ctx, target.id),
+        traffic=ctx.traffic,
     )
+
+
+def wake_service(ctx: AppContext, service_id: str) -> None:
+    """A request waits for a service with no warm replica: ask for one (`autoscale.wake`) and
+    place it now rather than at the placement loop's next round."""
+    with ctx.session_factory.begin() as session:
+        asked = autoscale.wake(session=session, clock=ctx.clock, service_id=service_id)
+    if asked:
+        placement.place_pending(
+            session_factory=ctx.session_factory,
+            clock=ctx.clock,
+            liveness=ctx.liveness,
+            free_capacity=free_capacity,
+        )

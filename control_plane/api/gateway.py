@@ -49,6 +49,7 @@ from control_plane.gateway.auth import GatewayAuth, GatewayDenied
 from control_plane.gateway.balancer import Admission, Balancer, Refused
 from control_plane.gateway.metrics import GatewayMetrics
 from control_plane.gateway.routing import RoutingSnapshot, RoutingTable, ServiceTarget
+from control_plane.services.autoscale import Traffic
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,7 @@ class Gateway:
         clock: Clock,
         limits: GatewayLimits,
         scale_up: ScaleUp | None = None,
+        traffic: Traffic | None = None,
     ) -> None:
         self.app = app
         self.table = table
@@ -133,6 +135,8 @@ class Gateway:
         self.clock = clock
         self.limits = limits
         self.scale_up = scale_up
+        #: Each service's requests in flight and last request, which its autoscaling reads.
+        self.traffic = traffic or Traffic(clock)
         self.balancer = Balancer()
         self.admission = Admission(
             limit=limits.concurrent, queue=limits.queue, wait=limits.queue_wait
@@ -226,6 +230,27 @@ class Gateway:
             if name.decode("latin-1").lower() not in DROPPED_REQUEST_HEADERS
         ]
         query = scope.get("query_string", b"").decode("latin-1")
+        self.traffic.began(service.id)
+        try:
+            return await self._admitted(
+                service, snapshot, scope, receive, send, method, path, query, forwarded
+            )
+        finally:
+            self.traffic.ended(service.id)
+
+    async def _admitted(
+        self,
+        service: ServiceTarget,
+        snapshot: RoutingSnapshot,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        method: str,
+        path: str,
+        query: str,
+        forwarded: list[tuple[str, str]],
+    ) -> tuple[str, int]:
+        label = service.name
         try:
             self.metrics.queue.labels(label).inc()
             try:

@@ -22,7 +22,7 @@ from control_plane.gateway.traffic import ServiceTraffic, read_traffic
 from control_plane.models import Service, ServiceReplica
 from control_plane.scheduling.waiting import explain
 from control_plane.schemas import DB_INT_MAX, ResourceId
-from control_plane.services import access_tokens, lifecycle, placement, replicas, sync
+from control_plane.services import access_tokens, lifecycle, placement, replicas, rollout, sync
 from control_plane.services.schemas import (
     AccessTokenCreate,
     AccessTokenMinted,
@@ -32,6 +32,7 @@ from control_plane.services.schemas import (
     ServiceCreate,
     ServiceEventPublic,
     ServicePublic,
+    ServiceUpdate,
 )
 
 router = APIRouter(
@@ -76,7 +77,9 @@ def list_services(
     session: SessionDep,
     state: Annotated[
         str | None,
-        Query(pattern="^(pending|starting|healthy|degraded|unhealthy|restarting|stopped|failed)$"),
+        Query(
+            pattern="^(pending|starting|healthy|degraded|unhealthy|restarting|stopped|failed|idle)$"
+        ),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> list[ServicePublic]:
@@ -100,6 +103,27 @@ def service_events(
 ) -> list[ServiceEventPublic]:
     rows = lifecycle.list_events(session=session, service_id=service_id, after=after, limit=limit)
     return [lifecycle.event_public(row) for row in rows]
+
+
+@router.patch("/services/{service_id}", response_model=ServicePublic)
+def update_service(
+    service_id: ResourceId,
+    body: ServiceUpdate,
+    ctx: ContextDep,
+    session: SessionDep,
+    audit: AuditDep,
+) -> ServicePublic:
+    """Change a service: what runs -> a new revision rolled out (new replicas warm before the
+    old ones drain); `replicas` or `autoscale` alone -> scaled. 409 ROLLOUT_IN_PROGRESS."""
+    audit("service.update", service_id, fields=sorted(body.model_fields_set))
+    service = rollout.change(
+        session=session,
+        clock=ctx.clock,
+        service_id=service_id,
+        request=body,
+        deadline=ctx.settings.service_rollout_timeout_seconds,
+    )
+    return _service_view(ctx, session, service)
 
 
 @router.post("/services/{service_id}/restart", response_model=ServicePublic)

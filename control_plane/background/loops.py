@@ -1,5 +1,6 @@
 """The periodic work of a control plane process: heartbeat flush, liveness sweep, credential
-refresh, telemetry and console-session retention, job sweep, artifact sweep, presence mark.
+refresh, telemetry and console-session retention, job sweep, artifact sweep, presence mark,
+the services' rolling updates and autoscaling.
 
 A loop never dies of a failure and never floods the log with one. Each failure is judged as a
 request's would be (`errors.refusal_for`): a database outage is reported once for the whole
@@ -30,12 +31,15 @@ from control_plane.fleet.liveness import mark_alive
 from control_plane.fleet.nodes import sweep_liveness
 from control_plane.fleet.reports import prune_telemetry
 from control_plane.jobs import reports as job_reports
+from control_plane.services import autoscale, rollout
 
 log = logging.getLogger(__name__)
 
 #: How often the control plane marks itself alive in the database: at the next start, its
 #: downtime is taken to have begun at most this long before it really did.
 PRESENCE_INTERVAL_SECONDS = 5.0
+#: How often rollouts take their next step and autoscaled services are sized.
+SERVICE_SCALING_INTERVAL_SECONDS = 1.0
 
 
 async def _every(
@@ -133,6 +137,25 @@ def sweep_artifacts(ctx: AppContext) -> artifact_sweep.SweepReport:
     return report
 
 
+def advance_rollouts(ctx: AppContext) -> int:
+    """Each rolling update's next step; draining replicas past the drain period stopped."""
+    return rollout.advance(
+        session_factory=ctx.session_factory,
+        clock=ctx.clock,
+        drain_seconds=ctx.settings.service_drain_seconds,
+    )
+
+
+def autoscale_services(ctx: AppContext) -> int:
+    """Autoscaled services sized from this process's gateway traffic (`services/autoscale`)."""
+    return autoscale.apply(
+        session_factory=ctx.session_factory,
+        clock=ctx.clock,
+        autoscaler=ctx.autoscaler,
+        loads=ctx.traffic.loads(),
+    )
+
+
 def start_loops(ctx: AppContext) -> list[asyncio.Task[None]]:
     # From now on the nodes can reach this process: their silence until now was its downtime.
     ctx.contact_grace.serving()
@@ -148,6 +171,8 @@ def start_loops(ctx: AppContext) -> list[asyncio.Task[None]]:
         ("retention", 60.0, lambda: prune(ctx)),
         ("job sweep", s.liveness_sweep_interval_seconds, lambda: sweep_jobs(ctx)),
         ("presence mark", PRESENCE_INTERVAL_SECONDS, lambda: mark_presence(ctx)),
+        ("service rollouts", SERVICE_SCALING_INTERVAL_SECONDS, lambda: advance_rollouts(ctx)),
+        ("service autoscale", SERVICE_SCALING_INTERVAL_SECONDS, lambda: autoscale_services(ctx)),
     ]
     if s.artifact_sweep_interval_seconds > 0:
         specs.append(

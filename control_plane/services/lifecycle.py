@@ -41,6 +41,38 @@ ONNX_HEALTH_PATH = "/v2/health/ready"
 
 
 def deploy(*, session: Session, clock: Clock, request: ServiceCreate) -> Service:
+    spec = resolve_spec(session=session, request=request)
+    autoscale = request.autoscale.model_dump() if request.autoscale is not None else None
+    count = request.replicas
+    if autoscale is not None:  # starts within its bounds (at 1 when its min is 0)
+        count = max(autoscale["min"], min(autoscale["max"], count))
+    now = clock.now()
+    service = Service(
+        id=new_id("svc"),
+        name=request.name,
+        state="pending",
+        **spec,
+        restarts=0,
+        generation=1,
+        replicas=count,
+        revision=1,
+        autoscale=autoscale,
+        created_at=now,
+        updated_at=now,
+        next_event_seq=1,
+    )
+    session.add(service)
+    session.flush()  # the service's row before its replicas' (their foreign key)
+    replicas.start(session, service, now)
+    record_event(session, service, now, "state", {"state": "pending"})
+    session.flush()
+    return service
+
+
+def resolve_spec(*, session: Session, request: ServiceCreate) -> dict[str, Any]:
+    """What a replica of `request` runs (`replicas.REVISION_FIELDS`): its model resolved to
+    weights, params and runner, its weights and secrets checked, its health path the runner's
+    own when not given. Raises what a deploy of it would."""
     runner, weights, params = request.runner, request.weights, dict(request.params)
     if request.model is not None:
         model = catalog.resolve(session, request.model, named_by="The service")
@@ -60,37 +92,20 @@ def deploy(*, session: Session, clock: Clock, request: ServiceCreate) -> Service
     health = (request.health or ServiceHealth()).model_dump()
     if health["path"] is None:  # the runner's own: the onnx model server answers 404 on `/`
         health["path"] = ONNX_HEALTH_PATH if runner == "onnx" else "/"
-    now = clock.now()
-    service = Service(
-        id=new_id("svc"),
-        name=request.name,
-        state="pending",
-        command=list(request.command) if request.command is not None else None,
-        runner=runner,
-        weights=weights,
-        model=request.model,
-        params=params,
-        env=dict(request.env),
-        secrets=list(request.secrets),
-        labels=dict(request.labels),
-        worker_policy=request.worker_policy,
-        resources=request.resources.model_dump(),
-        health=health,
-        restart=request.restart.model_dump(),
-        restarts=0,
-        generation=1,
-        replicas=request.replicas,
-        revision=1,
-        created_at=now,
-        updated_at=now,
-        next_event_seq=1,
-    )
-    session.add(service)
-    session.flush()  # the service's row before its replicas' (their foreign key)
-    replicas.start(session, service, now)
-    record_event(session, service, now, "state", {"state": "pending"})
-    session.flush()
-    return service
+    return {
+        "command": list(request.command) if request.command is not None else None,
+        "runner": runner,
+        "weights": weights,
+        "model": request.model,
+        "params": params,
+        "env": dict(request.env),
+        "secrets": list(request.secrets),
+        "labels": dict(request.labels),
+        "worker_policy": request.worker_policy,
+        "resources": request.resources.model_dump(),
+        "health": health,
+        "restart": request.restart.model_dump(),
+    }
 
 
 def _serving_params(
@@ -227,6 +242,10 @@ def service_public(
         instances=(service.params or {}).get("instances") if service.runner == "onnx" else None,
         desired_replicas=service.replicas,
         replicas=[replicas.replica_public(copy) for copy in copies if copy.state != "stopped"],
+        revision=service.revision,
+        autoscale=service.autoscale,
+        rollout=service.rollout,
+        last_request_at=service.last_request_at,
     )
 
 

@@ -133,6 +133,8 @@ def stop_all(session: Session, service: Service, now: datetime) -> None:
 def summary_state(desired: int, states: Iterable[str]) -> str:
     live = [state for state in states if state not in _GONE]
     healthy = live.count("healthy")
+    if desired == 0 and not healthy:
+        return "idle"  # scaled to zero (autoscale): its next request asks for a replica
     if healthy and healthy >= desired:
         return "healthy"
     if healthy:

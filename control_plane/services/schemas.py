@@ -79,6 +79,31 @@ class ServiceBatching(StrictModel):
 Instances = Annotated[int, Field(ge=1, le=64, strict=True)]
 
 
+class ServiceAutoscale(StrictModel):
+    """Replicas sized by the requests in flight at the gateway (docs/services.md, Autoscaling
+    and scale to zero): `ceil(in flight / target_in_flight)` within `[min, max]`; fewer only
+    after `scale_down_seconds` of wishing for fewer; zero (`min` 0) after `idle_seconds`
+    without a request."""
+
+    model_config = ConfigDict(strict=True)
+
+    min: Annotated[int, Field(ge=0, le=16)] = 1
+    max: Annotated[int, Field(ge=1, le=16)]
+    target_in_flight: Annotated[float, Field(gt=0, le=100_000)]
+    idle_seconds: Annotated[float, Field(ge=1, le=7 * 86400)] = 300.0
+    scale_down_seconds: Annotated[float, Field(ge=0, le=86400)] = 60.0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ServiceAutoscale:
+        if self.min > self.max:
+            raise ValueError("min must not exceed max")
+        return self
+
+
+#: How many copies run, each placed on a node of its own where one fits (else on other GPUs).
+ReplicaCount = Annotated[int, Field(ge=1, le=16, strict=True)]
+
+
 class ServiceCreate(StrictModel):
     name: Name
     #: argv; `{weights}` becomes the local path of the weights, `{port}` a free port.
@@ -98,7 +123,10 @@ class ServiceCreate(StrictModel):
     batching: ServiceBatching | None = None
     instances: Instances | None = None
     #: How many copies run, each placed on a node of its own where one fits (else on other GPUs).
-    replicas: Annotated[int, Field(ge=1, le=16, strict=True)] = 1
+    replicas: ReplicaCount = 1
+    #: Replicas that follow the gateway's traffic (then `replicas` is only the start, kept in
+    #: its bounds); None: `replicas` fixed.
+    autoscale: ServiceAutoscale | None = None
 
     @model_validator(mode="after")
     def _what_runs(self) -> ServiceCreate:
@@ -120,11 +148,57 @@ class ServiceCreate(StrictModel):
         return self
 
 
+class ServiceUpdate(StrictModel):
+    """A change of a deployed service (`PATCH`): each field given replaces the service's; one of
+    what runs (all but `replicas` and `autoscale`) makes a new revision and rolls it out.
+    A new `model` or `weights` brings its own params, batching and instances unless given."""
+
+    command: Annotated[list[Argument], Field(min_length=1, max_length=200)] | None = None
+    runner: Literal["onnx"] | None = None
+    weights: Digest | None = None
+    model: ModelRef | None = None
+    params: dict[str, Any] | None = None
+    labels: Labels | None = None
+    worker_policy: Literal["require", "prefer"] | None = None
+    resources: JobResources | None = None
+    health: ServiceHealth | None = None
+    restart: ServiceRestart | None = None
+    env: Annotated[dict[EnvName, EnvValue], Field(max_length=100)] | None = None
+    secrets: SecretNames | None = None
+    batching: ServiceBatching | None = None
+    instances: Instances | None = None
+    replicas: ReplicaCount | None = None
+    #: null turns autoscaling off (`replicas` stays as it is).
+    autoscale: ServiceAutoscale | None = None
+
+    @model_validator(mode="after")
+    def _something(self) -> ServiceUpdate:
+        if not self.model_fields_set:
+            raise ValueError("give at least one field to change")
+        for name in self.model_fields_set - {"autoscale", "batching", "instances", "health"}:
+            if getattr(self, name) is None and name not in (
+                "command",
+                "runner",
+                "weights",
+                "model",
+            ):
+                raise ValueError(f"{name} must not be null")
+        return self
+
+
 # -- views -------------------------------------------------------------------------------------
 
 
 ServiceState = Literal[
-    "pending", "starting", "healthy", "degraded", "unhealthy", "restarting", "stopped", "failed"
+    "pending",
+    "starting",
+    "healthy",
+    "degraded",
+    "unhealthy",
+    "restarting",
+    "stopped",
+    "failed",
+    "idle",
 ]
 
 
@@ -184,6 +258,13 @@ class ServicePublic(BaseModel):
     #: How many replicas it runs, and each of them (stopped ones left out).
     desired_replicas: int = 1
     replicas: list[ServiceReplicaPublic] = Field(default_factory=list)
+    #: The revision its new replicas run; its autoscaling (None: `desired_replicas` fixed).
+    revision: int = 1
+    autoscale: dict[str, Any] | None = None
+    #: The last rolling update: `state` running, succeeded, failed (with `reason`) or cancelled.
+    rollout: dict[str, Any] | None = None
+    #: The last request the gateway carried to it (scale to zero counts idleness from it).
+    last_request_at: datetime | None = None
 
 
 class ServiceEventPublic(BaseModel):

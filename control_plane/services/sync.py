@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from control_plane.clock import Clock
 from control_plane.fleet.schemas import AssignedGpu
 from control_plane.models import Service, ServiceReplica
-from control_plane.services import replicas
+from control_plane.services import replicas, rollout
 from control_plane.services._changes import DEPLOYED, record_event
 from control_plane.services.schemas import AgentServiceSpec, AgentServicesSync
 from control_plane.vault import vault as secrets_vault
@@ -28,6 +28,8 @@ from control_plane.vault.vault import Vault
 
 #: The states an agent may report of a service it runs.
 _REPORTED = {"starting", "healthy", "unhealthy", "restarting", "failed"}
+#: The replicas a node runs: those deployed, and draining ones finishing their requests.
+_RUN = (*DEPLOYED, "draining")
 #: The lines of a service's output kept from its agent's last report.
 _LOG_TAIL = 50
 
@@ -64,7 +66,8 @@ def sync(
             )
         if status.generation != service.generation:
             continue  # a restart asked for is on its way
-        if status.state in _REPORTED and status.state != replica.state:
+        # A draining replica stays out of the rotation whatever it reports (`rollout`).
+        if status.state in _REPORTED and replica.state not in (status.state, "draining"):
             replicas.set_state(session, service, replica, now, status.state)
         replica.restarts = status.restarts
         replica.last_exit = status.last_exit
@@ -73,8 +76,11 @@ def sync(
         replica.grpc_url = _address(host, status.grpc_port) if status.grpc_port else None
         replica.updated_at = service.updated_at = now
     desired = []
+    # Each replica runs its own revision's spec (a rollout runs two side by side).
+    specs = rollout.revision_specs(session, {(s.id, r.revision) for s, r in held})
     for service, replica in held:
-        values = secrets_vault.values_for(session, vault, list(service.secrets or []), carried)
+        spec = specs.get((service.id, replica.revision)) or rollout.spec_of(service)
+        values = secrets_vault.values_for(session, vault, list(spec["secrets"] or []), carried)
         if values is None:
             if replica.state != "failed":
                 replicas.set_state(session, service, replica, now, "failed")
@@ -99,16 +105,16 @@ def sync(
                 replica_id=replica.id,
                 generation=service.generation,
                 name=service.name,
-                command=service.command,
-                runner=service.runner,
-                weights=service.weights,
-                params=service.params,
-                env=service.env,
+                command=spec["command"],
+                runner=spec["runner"],
+                weights=spec["weights"],
+                params=spec["params"],
+                env=spec["env"],
                 secrets=values,
                 assigned_gpus=[AssignedGpu.model_validate(g) for g in replica.assigned_gpus or []],
-                resources=service.resources,
-                health=service.health,
-                restart=service.restart,
+                resources=spec["resources"],
+                health=spec["health"],
+                restart=spec["restart"],
             )
         )
     copies = replicas.by_service(session, touched)
@@ -124,7 +130,7 @@ def _held_here(session: Session, node_id: str) -> list[tuple[Service, ServiceRep
         set(
             session.scalars(
                 select(ServiceReplica.service_id).where(
-                    ServiceReplica.node_id == node_id, ServiceReplica.state.in_(DEPLOYED)
+                    ServiceReplica.node_id == node_id, ServiceReplica.state.in_(_RUN)
                 )
             )
         )
@@ -144,7 +150,7 @@ def _held_here(session: Session, node_id: str) -> list[tuple[Service, ServiceRep
         select(ServiceReplica)
         .where(
             ServiceReplica.node_id == node_id,
-            ServiceReplica.state.in_(DEPLOYED),
+            ServiceReplica.state.in_(_RUN),
             ServiceReplica.service_id.in_(list(services)),
         )
         .order_by(ServiceReplica.ordinal)

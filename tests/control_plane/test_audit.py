@@ -35,6 +35,7 @@ AUDITED = {
     "POST /api/v1/services": "service.deploy",
     "DELETE /api/v1/services/{service_id}": "service.undeploy",
     "POST /api/v1/services/{service_id}/restart": "service.restart",
+    "PATCH /api/v1/services/{service_id}": "service.update",
     "POST /api/v1/services/{service_id}/access-tokens": "service_token.create",
     "DELETE /api/v1/services/{service_id}/access-tokens/{token_id}": "service_token.revoke",
 }
@@ -134,6 +135,9 @@ def test_each_admin_action_is_audited_with_its_target_and_no_secret(
         done.append(("service_token.revoke", f"{service['service_id']}/{access['id']}"))
         _ok(client.post(f"/api/v1/services/{service['service_id']}/restart", headers=admin))
         done.append(("service.restart", service["service_id"]))
+        patch = {"replicas": 2}
+        _ok(client.patch(f"/api/v1/services/{service['service_id']}", headers=admin, json=patch))
+        done.append(("service.update", service["service_id"]))
         _ok(client.delete(f"/api/v1/services/{service['service_id']}", headers=admin))
         done.append(("service.undeploy", service["service_id"]))
         _ok(client.post("/api/v1/admin/secrets/rotate-key", headers=admin))
