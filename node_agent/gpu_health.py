@@ -214,15 +214,26 @@ class GpuWatcher:
                 pass
 
     def _open(self) -> None:
-        """The GPUs to watch, each with its handle (None while NVML cannot give it)."""
+        """The GPUs to watch, each with its handle (None while NVML cannot give it: real NVML
+        answers GPU_IS_LOST to the lookup of a GPU that fell off the bus; the poll reads it
+        as lost and looks it up again)."""
         if self._wanted is not None:
             wanted = sorted(self._wanted.items())
         else:
             count = pynvml.nvmlDeviceGetCount()
             wanted = []
             for index in range(count):
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                wanted.append((index, text(pynvml.nvmlDeviceGetUUID(handle))))
+                try:
+                    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                    uuid = text(pynvml.nvmlDeviceGetUUID(handle))
+                except pynvml.NVMLError as exc:
+                    if exc.value != pynvml.NVML_ERROR_GPU_IS_LOST:
+                        raise
+                    # Without its UUID it cannot be reported; the agent names its GPUs (the
+                    # preflight's) and so watches a GPU lost from the start as lost.
+                    log.warning("GPU %d is lost (%s): not watched", index, exc)
+                    continue
+                wanted.append((index, uuid))
         gpus = []
         for index, uuid in wanted:
             faults = GpuFaults(

@@ -85,8 +85,16 @@ class Nvml:
         return gpus
 
     def telemetry(self, index: int, uuid: str, *, strict: bool = False) -> dict[str, Any]:
-        """One GPU's telemetry. With `strict`, a failing core reading raises `NVMLError`."""
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        """One GPU's telemetry. With `strict`, a failing core reading raises `NVMLError`.
+        Otherwise a GPU NVML cannot hand out (real NVML answers GPU_IS_LOST to the lookup of
+        a GPU that fell off the bus) has its index and UUID alone: the other GPUs' readings
+        still go out, and the missing ones say it."""
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except pynvml.NVMLError:
+            if strict:
+                raise
+            return {"index": index, "uuid": uuid}
 
         def core(read: Callable[[], T]) -> T | None:
             return read() if strict else _optional(read)

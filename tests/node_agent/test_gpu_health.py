@@ -23,6 +23,8 @@ from tests.node_agent.conftest import (
     CLAIM,
     ENROLL,
     ENROLLED,
+    HEARTBEAT,
+    TELEMETRY,
     Answer,
     Recorded,
     RecordingServer,
@@ -43,8 +45,11 @@ import json, sys, threading
 from node_agent.gpu_health import GpuWatcher
 
 stop = threading.Event()
+options = json.loads(sys.argv[1])
+if "gpus" in options:  # index -> uuid, its keys strings in JSON
+    options["gpus"] = {int(index): uuid for index, uuid in options["gpus"].items()}
 watcher = GpuWatcher(
-    on_change=lambda gpus: print(json.dumps({"gpus": gpus}), flush=True), **json.loads(sys.argv[1])
+    on_change=lambda gpus: print(json.dumps({"gpus": gpus}), flush=True), **options
 )
 thread = threading.Thread(target=watcher.run, args=(stop,))
 thread.start()
@@ -365,3 +370,120 @@ def test_the_agent_reports_gpu_health_at_once_and_again(
         assert stop_agent(agent) == 0, log.read_text()
         server.stop()
     assert "GPU 1 (GPU-66666666-7777-8888-9999-000000000000) is now unhealthy" in log.read_text()
+
+
+def test_a_gpu_lost_from_the_start_is_watched_as_lost_until_it_answers(
+    fake_nvml_dir: Path, tmp_path: Path
+) -> None:
+    """NVML answers GPU_IS_LOST to the lookup of GPU 1 (as real NVML does for a GPU off the
+    bus) from the watch's start: the watch runs, GPU 1 unhealthy (lost), GPU 0 healthy; once
+    it answers again, after a reset, it is healthy and registered for its XID events."""
+    (tmp_path / "nvml-control").write_text("lost 1\n")
+    with watching(fake_nvml_dir, tmp_path, gpus={0: GPU0, 1: GPU1}) as watch:
+        first = watch.first()
+        assert [(g["uuid"], g["state"]) for g in first] == [(GPU0, "healthy"), (GPU1, "unhealthy")]
+        assert [e["kind"] for e in first[1]["evidence"]] == ["lost"]
+        watch.faults.reset(1)
+        count = len(watch.reports)
+        watch.report(_state(1, "healthy"), after=count)
+        watch.faults.xid(1, 79)
+        _, gpus = watch.report(_state(1, "unhealthy"), after=count)
+        assert gpus[1]["evidence"][-1]["xid"] == 79
+    assert "unexpected error" not in (tmp_path / "watcher.log").read_text()
+
+
+def test_a_gpu_lost_before_its_uuid_was_read_is_left_out_and_said(
+    fake_nvml_dir: Path, tmp_path: Path
+) -> None:
+    """Asked to watch every GPU, the watch cannot name one lost from the start (its UUID is
+    unreadable): it watches the others and logs the one it leaves out."""
+    (tmp_path / "nvml-control").write_text("lost 1\n")
+    with watching(fake_nvml_dir, tmp_path) as watch:
+        assert [(g["uuid"], g["state"]) for g in watch.first()] == [(GPU0, "healthy")]
+    log = (tmp_path / "watcher.log").read_text()
+    assert "GPU 1 is lost (GPU is lost): not watched" in log
+    assert "NVML failed" not in log
+
+
+def test_the_agent_s_telemetry_goes_on_while_a_gpu_is_lost(
+    fake_nvml_dir: Path, tmp_path: Path
+) -> None:
+    """GPU 1 falls off the bus while the agent runs (NVML answers GPU_IS_LOST, its handle's
+    lookup included): telemetry goes on with GPU 0's readings and GPU 1's index and UUID, the
+    heartbeat says which GPU gave none, the health report has GPU 1 unhealthy (lost); after a
+    reset GPU 1's readings come back. No loop fails."""
+
+    def respond(request: Recorded) -> Answer:
+        if request.path == ENROLL:
+            return 200, dict(
+                ENROLLED, heartbeat_interval_seconds=0.2, telemetry_interval_seconds=0.2
+            )
+        if request.path == CLAIM:
+            return no_work(request)
+        if request.path == GPU_HEALTH:
+            return 200, {"accepted": True}
+        return 200, {}
+
+    control = tmp_path / "nvml-control"
+    control.touch()
+    server = RecordingServer(respond=respond).start()
+    env = agent_env(
+        tmp_path / "state",
+        url=server.url,
+        mode="nvidia",
+        nvml_dir=fake_nvml_dir,
+        MODELFORGE_AGENT_GPU_HEALTH_POLL_SECONDS="0.2",
+        **{CONTROL_ENV: str(control)},
+    )
+    log = tmp_path / "agent.log"
+    agent = start_agent(env, log)
+
+    def bodies(path: str) -> list[dict[str, Any]]:
+        return [json.loads(r.body) for r in list(server.requests) if r.path == path]
+
+    def telemetry_where(accept: Callable[[list[dict[str, Any]]], bool]) -> bool:
+        return any(accept(body["gpus"]) for body in bodies(TELEMETRY))
+
+    try:
+        wait_until(lambda: bodies(GPU_HEALTH), 30, "the first GPU health report")
+        FaultInjector(control).lose(1)
+        wait_until(
+            lambda: telemetry_where(lambda g: "utilization_percent" not in g[1]),
+            10,
+            "telemetry without GPU 1's readings",
+        )
+        lost = next(
+            body["gpus"]
+            for body in bodies(TELEMETRY)
+            if "utilization_percent" not in body["gpus"][1]
+        )
+        assert lost[1] == {"index": 1, "uuid": GPU1}
+        assert "utilization_percent" in lost[0] and lost[0]["uuid"] == GPU0
+        wait_until(
+            lambda: any(
+                "NVML returned no utilisation for GPU(s) [1]" in b["health"].get("message", "")
+                for b in bodies(HEARTBEAT)
+            ),
+            10,
+            "a heartbeat naming GPU 1",
+        )
+        wait_until(
+            lambda: any(b["gpus"][1]["state"] == "unhealthy" for b in bodies(GPU_HEALTH)),
+            10,
+            "GPU 1 reported unhealthy",
+        )
+        report = [b for b in bodies(GPU_HEALTH) if b["gpus"][1]["state"] == "unhealthy"][0]
+        assert [e["kind"] for e in report["gpus"][1]["evidence"]] == ["lost"]
+        seen = len(bodies(TELEMETRY))
+        FaultInjector(control).reset(1)
+        wait_until(
+            lambda: any(
+                "utilization_percent" in body["gpus"][1] for body in bodies(TELEMETRY)[seen:]
+            ),
+            10,
+            "GPU 1's readings back",
+        )
+    finally:
+        assert stop_agent(agent) == 0, log.read_text()
+        server.stop()
+    assert "unexpected error" not in log.read_text()

@@ -41,8 +41,9 @@ and reads the new complete lines at ``nvmlInit``, at every device query and ever
     events are ever generated.
 ``lose(index)`` / ``find(index)``
     the GPU falls off the bus / comes back: meanwhile every per-device call on it returns
-    ``NVML_ERROR_GPU_IS_LOST`` (15). The device count, handle lookup by index and waiting on an
-    event set keep working.
+    ``NVML_ERROR_GPU_IS_LOST`` (15), and so does looking its handle up by index, as real NVML
+    answers for a GPU that fell off the bus (a handle looked up before stays valid). The device
+    count and waiting on an event set keep working.
 ``ecc(index, kind, counter, count)``
     sets one ECC counter (``kind`` ``corrected`` | ``uncorrected``, ``counter`` ``volatile`` |
     ``aggregate``); from then on ``nvmlDeviceGetTotalEccErrors`` answers on that GPU (the counters

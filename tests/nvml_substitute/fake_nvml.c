@@ -38,8 +38,9 @@
  *
  * A malformed line (or one longer than 255 bytes) is ignored with one message on stderr; a last
  * line without its newline is read once the newline is there. The state lines apply in every process
- * that reads them. Handle lookup by index and the device count keep answering for a lost GPU;
- * nvmlEventSetWait is not a per-device call and keeps working too. One recursive mutex guards
+ * that reads them. The device count keeps counting a lost GPU, handle lookup by index answers
+ * GPU_IS_LOST for it (as real NVML does), and nvmlEventSetWait, not a per-device call, keeps
+ * working. One recursive mutex guards
  * all state, so one thread may wait on an event set while others query devices.
  *
  * Build: gcc -shared -fPIC -pthread -O2 -Wall -Wextra -Werror -o libnvidia-ml.so.1 fake_nvml.c
@@ -547,9 +548,13 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *dev
     GUARD_STATE();
     if (init_count == 0)
         return NVML_ERROR_UNINITIALIZED;
-    read_control(); /* a lost GPU keeps its handle: only calls on it fail */
+    read_control();
     if (device == NULL || index >= device_count)
         return NVML_ERROR_INVALID_ARGUMENT;
+    /* As real NVML: a GPU that fell off the bus has no handle to look up (one looked up before
+     * stays a handle, and every call on it answers GPU_IS_LOST). */
+    if (faults[index].lost)
+        return NVML_ERROR_GPU_IS_LOST;
     *device = &devices[index];
     return NVML_SUCCESS;
 }

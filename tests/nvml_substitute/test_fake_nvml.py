@@ -519,7 +519,7 @@ def test_a_lost_gpu_fails_every_device_call_until_found_or_reset(
         assert failing == {"ecc": {"error": "NVMLError_NotSupported", "code": 3}}
     assert result["found"]["uuid"] == {"value": EXPECTED_GPUS[0]["uuid"]}
     assert result["count"] == 2
-    assert result["lookup"] == {"value": True}
+    assert result["lookup"] == _LOST  # as real NVML: no handle for a GPU off the bus
     assert result["wait"] == _TIMEOUT
 
 
