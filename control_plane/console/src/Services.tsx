@@ -7,6 +7,9 @@ import { WaitingReason } from "./Jobs";
 import { Go, Labels, when } from "./Labels";
 import { ListTable } from "./ListTable";
 import { navigate } from "./route";
+import { ServiceReplicas } from "./ServiceReplicas";
+import { GatewayAddress, ServiceTokens } from "./ServiceTokens";
+import { ServiceTrafficPanel } from "./ServiceTraffic";
 import { useEventStream } from "./useEventStream";
 import { usePolled } from "./usePolled";
 
@@ -48,7 +51,7 @@ export function Services() {
       <ErrorNote error={services.error} />
       <ListTable
         caption={<>Services, newest first (refreshed every {REFRESH_MS / 1000} s)</>}
-        columns={["Name", "State", "URL", "Restarts", "Node", "GPUs", "Deployed"]}
+        columns={["Name", "State", "Replicas", "URL", "Restarts", "Node", "GPUs", "Deployed"]}
         loaded={services.loaded}
         empty="No services yet: use Deploy service."
         rows={services.data}
@@ -62,6 +65,7 @@ export function Services() {
                 {service.state}
               </span>
             </td>
+            <td data-testid="service-replicas">{replicaCount(service)}</td>
             <td>
               <Url url={service.url} />
             </td>
@@ -74,6 +78,13 @@ export function Services() {
       />
     </section>
   );
+}
+
+// "healthy/desired" (1/1 for a service from before replicas).
+function replicaCount(service: ServiceView): string {
+  if (service.state === "stopped") return "—";
+  const healthy = (service.replicas ?? []).filter((replica) => replica.state === "healthy").length;
+  return `${healthy}/${service.desired_replicas ?? 1}`;
 }
 
 function DeployForm({ onClose }: { onClose: () => void }) {
@@ -300,6 +311,7 @@ export function ServicePage({ serviceId }: { serviceId: string }) {
             <dt>URL</dt>
             <dd>
               <Url url={service.url} />
+              {service.url && <span className="help"> (one replica's; clients use the gateway address)</span>}
             </dd>
             <dt>gRPC</dt>
             <dd data-testid="service-grpc-url">
@@ -324,6 +336,12 @@ export function ServicePage({ serviceId }: { serviceId: string }) {
             </dd>
             <dt>Secrets (names)</dt>
             <dd>{service.secrets.join(", ") || "none"}</dd>
+            {service.rollout && (
+              <>
+                <dt>Rollout</dt>
+                <dd data-testid="service-rollout">{describe(service.rollout)}</dd>
+              </>
+            )}
             <dt>Generation · deployed · stopped</dt>
             <dd>
               {service.generation} · {when(service.created_at)} · {when(service.stopped_at)}
@@ -341,6 +359,11 @@ export function ServicePage({ serviceId }: { serviceId: string }) {
               </button>
             </div>
           )}
+          {deployed && <GatewayAddress service={service} />}
+          <h2>Replicas</h2>
+          <ServiceReplicas replicas={service.replicas ?? []} desired={service.desired_replicas ?? 1} />
+          {deployed && <ServiceTrafficPanel serviceId={serviceId} />}
+          <ServiceTokens serviceId={serviceId} deployed={deployed} />
           <h2>Recent log</h2>
           <pre className="log" data-testid="service-log">
             {service.log_tail.length ? service.log_tail.join("\n") : "(no output reported yet)"}
@@ -354,6 +377,7 @@ export function ServicePage({ serviceId }: { serviceId: string }) {
         {[...events.events].reverse().map((event) => (
           <li key={event.seq}>
             <time dateTime={event.at}>{new Date(event.at).toLocaleTimeString()}</time> <strong>{event.kind}</strong>{" "}
+            {event.replica_id && <code className="detail">{event.replica_id} </code>}
             {describe(event.data)}
           </li>
         ))}

@@ -160,6 +160,14 @@ export const api = {
   deployService: (body: unknown) => post<ServiceView>(SERVICES, body),
   restartService: (serviceId: string) => post<ServiceView>(`${SERVICES}/${serviceId}/restart`),
   undeployService: (serviceId: string) => del<ServiceView>(`${SERVICES}/${serviceId}`),
+  // The gateway's access tokens (docs/services.md#access-tokens): `token` is in mint's answer only.
+  accessTokens: (serviceId: string) => resource<AccessTokenView[]>(`${SERVICES}/${serviceId}/access-tokens`),
+  mintAccessToken: (serviceId: string, body: AccessTokenRequest) =>
+    post<MintedAccessToken>(`${SERVICES}/${serviceId}/access-tokens`, body),
+  revokeAccessToken: (serviceId: string, tokenId: string) =>
+    del<AccessTokenView>(`${SERVICES}/${serviceId}/access-tokens/${tokenId}`),
+  // The gateway's counters for the service in the answering control-plane process.
+  serviceTraffic: (serviceId: string) => resource<ServiceTraffic>(`${SERVICES}/${serviceId}/traffic`),
   secrets: resource<SecretView[]>("/api/v1/admin/secrets"),
 
   models: resource<ModelView[]>("/api/v1/models"),
@@ -439,7 +447,33 @@ export interface JobEvent {
   data: unknown;
 }
 
-export type ServiceState = "pending" | "starting" | "healthy" | "unhealthy" | "restarting" | "stopped" | "failed";
+export type ServiceState =
+  | "pending"
+  | "starting"
+  | "healthy"
+  | "degraded"
+  | "idle"
+  | "unhealthy"
+  | "restarting"
+  | "stopped"
+  | "failed";
+
+// One running copy of a service (issue 27).
+export interface ReplicaView {
+  id: string;
+  ordinal: number;
+  revision: number;
+  state: string;
+  node_id: string | null;
+  url: string | null;
+  grpc_url: string | null;
+  restarts: number;
+  last_exit: Record<string, unknown> | null;
+  ready_at: string | null;
+  assigned_gpus: AssignedGpu[];
+  /** Since when it is in its state, where the control plane says. */
+  since?: string | null;
+}
 
 export interface ServiceView {
   service_id: string;
@@ -464,6 +498,10 @@ export interface ServiceView {
   stopped_at: string | null;
   waiting_reason: Reason | null;
   log_tail: string[];
+  desired_replicas?: number;
+  replicas?: ReplicaView[];
+  /** A rolling update in progress, where one is (its fields as the control plane gives them). */
+  rollout?: Record<string, unknown> | null;
 }
 
 export interface ServiceEvent {
@@ -471,6 +509,44 @@ export interface ServiceEvent {
   at: string;
   kind: string;
   data: unknown;
+  replica_id?: string | null;
+}
+
+export interface AccessTokenRequest {
+  name: string;
+  rate_per_second: number | null;
+  burst: number | null;
+}
+
+export interface AccessTokenView {
+  id: string;
+  service_id: string;
+  name: string;
+  hint: string;
+  rate_per_second: number | null;
+  burst: number | null;
+  created_at: string;
+  created_by: string | null;
+  last_used_at: string | null;
+  revoked_at: string | null;
+}
+
+export interface MintedAccessToken extends AccessTokenView {
+  token: string;
+}
+
+// GET /api/v1/services/{id}/traffic: cumulative since the answering process started.
+export interface ServiceTraffic {
+  service_id: string;
+  name: string;
+  read_at: string;
+  requests: Record<string, number>;
+  errors: Record<string, number>;
+  buckets: { le: number | null; count: number }[];
+  count: number;
+  seconds_sum: number;
+  in_flight: number;
+  queue: number;
 }
 
 export interface SecretView {
