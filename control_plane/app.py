@@ -65,6 +65,7 @@ from control_plane.errors import (
     refusal_for,
 )
 from control_plane.fleet.credentials import CredentialAuthority
+from control_plane.gateway import peers
 from control_plane.models import Node
 from control_plane.provisioning.metrics import ProvisioningCollector
 from control_plane.schemas import schema_words
@@ -208,6 +209,15 @@ def _start(ctx: AppContext) -> None:
             .where(Node.compat_code.is_not(None))
             .values(compat_code=None, compat_component=None, compat_detail=None)
         )
+    # Replicas reach the tunnels this one holds, and it theirs (gateway/peers.py).
+    peers.attach(
+        ctx.hub,
+        session_factory=ctx.session_factory,
+        read_session_factory=ctx.read_session_factory,
+        clock=ctx.clock,
+        address=ctx.settings.gateway_peer_address,
+        body_timeout=ctx.settings.gateway_body_timeout_seconds,
+    )
 
 
 _HTTP_CODES = {

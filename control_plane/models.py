@@ -29,6 +29,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from control_plane.service_tables import (
     SERVICES,
+    GatewayPeerKey,
     GatewayTunnel,
     Service,
     ServiceAccessToken,
@@ -49,6 +50,7 @@ __all__ = [
     "Base",
     "ConsoleSession",
     "ControlPlanePresence",
+    "GatewayPeerKey",
     "GatewayTunnel",
     "GpuHealth",
     "GpuHealthEvent",

@@ -148,6 +148,18 @@ class GatewayTunnel(Base):
     connected_at: Mapped[datetime]
 
 
+class GatewayPeerKey(Base):
+    """The key control-plane replicas sign their requests to one another with (the gateway's
+    forwarding to the process holding a node's tunnel, `gateway/peers.py`): one row, made once
+    by whichever replica starts first."""
+
+    __tablename__ = "gateway_peer_keys"
+
+    name: Mapped[str] = mapped_column(String(40), primary_key=True)
+    key: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime]
+
+
 class ServiceEvent(Base):
     __tablename__ = "service_events"
     __table_args__ = (Index("uq_service_events_service_seq", "service_id", "seq", unique=True),)

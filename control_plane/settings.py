@@ -115,6 +115,10 @@ class Settings(BaseSettings):
     #: How long a replica taken out of the rotation (rollout, scale down) keeps running for the
     #: requests already sent to it before it is stopped: above the longest request.
     service_drain_seconds: float = Field(default=30.0, ge=0, le=3600)
+    #: Where the other control-plane replicas reach this process (`http(s)://host:port`), to
+    #: forward a gateway request for a node whose tunnel this process holds. Unset: this
+    #: process still serves the tunnels it holds, but no other replica can reach them.
+    gateway_peer_address: str = Field(default="", max_length=300)
 
     @model_validator(mode="after")
     def _check_liveness(self) -> Self:
@@ -166,6 +170,16 @@ class Settings(BaseSettings):
                 f"MODELFORGE_ARTIFACT_SWEEP_INTERVAL_SECONDS ({sweep_interval:g}) must be 0 (off) "
                 f"or at least {MIN_ARTIFACT_SWEEP_INTERVAL_SECONDS:g}: each sweep reads every "
                 "artifact row and file"
+            )
+        peer = self.gateway_peer_address
+        if peer and (
+            not peer.startswith(("http://", "https://"))
+            or peer.rstrip("/").count("/") != 2
+            or any(c in peer for c in "?# ")
+        ):
+            problems.append(
+                "MODELFORGE_GATEWAY_PEER_ADDRESS must be http(s)://host:port, the address "
+                "other control-plane replicas reach this one at (no path)"
             )
         if (self.tls_cert is None) != (self.tls_key is None):
             problems.append("MODELFORGE_TLS_CERT and MODELFORGE_TLS_KEY must be set together")

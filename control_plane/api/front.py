@@ -10,6 +10,9 @@
   Protocol at `/v2/...`, any service at `/services/{name}/...`), carried to a replica through
   its node's tunnel; anything else goes on to the edge. It bounds its own bodies (the edge's
   general limit is for the API's JSON, not for tensors).
+- `PeerRoute` (`gateway_peers.py`): the internal route where another control-plane replica's
+  gateway forwards a request for a node whose tunnel this process holds (signed with the
+  replicas' shared key); anything else goes on to the edge.
 - `Edge` (`edge.py`): body limits, the query check, the security headers.
 - `JsonGuard` (`edge.py`): too deep, non-finite or malformed JSON refused.
 - the FastAPI app (`app.py`): the routes and the one mapping of errors to HTTP.
@@ -30,6 +33,7 @@ from control_plane.api.agent_fast import AgentFastPath
 from control_plane.api.asgi import ASGIApp
 from control_plane.api.edge import Edge, JsonGuard
 from control_plane.api.gateway import Gateway, GatewayLimits
+from control_plane.api.gateway_peers import PeerRoute
 from control_plane.api.rsgi import ServedApp
 from control_plane.context import AppContext
 from control_plane.gateway.auth import GatewayAuth
@@ -45,6 +49,7 @@ class Front:
 
     agent_fast: AgentFastPath
     gateway: Gateway
+    peers: PeerRoute
     edge: Edge
     json_guard: JsonGuard
     routes: FastAPI
@@ -63,10 +68,19 @@ def compose_front(routes: FastAPI, ctx: AppContext) -> Front:
     """Put the seams in front of the FastAPI app `routes`; `ctx` is the running context."""
     json_guard = JsonGuard(routes)
     edge = Edge(json_guard, ctx)
-    gateway = compose_gateway(edge, ctx)
+    peers = PeerRoute(
+        edge,
+        hub=ctx.hub,
+        key=lambda: ctx.hub.peer_key,
+        clock=ctx.clock,
+        body_limit=ctx.settings.gateway_max_body_bytes,
+        body_timeout=ctx.settings.gateway_body_timeout_seconds,
+    )
+    gateway = compose_gateway(peers, ctx)
     return Front(
         agent_fast=AgentFastPath(gateway, ctx),
         gateway=gateway,
+        peers=peers,
         edge=edge,
         json_guard=json_guard,
         routes=routes,

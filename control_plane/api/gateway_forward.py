@@ -6,11 +6,14 @@ which service and whether; this module, how).
   and sent on as it arrives, at the pace the tunnel's window allows (`Stream.send` waits).
 - What was read is kept for a second attempt only up to `retry_bytes`; past it the request can
   no longer be retried (`RequestBody.replayable`).
+- A node whose tunnel another control-plane process holds is reached through that process
+  (`opener.peers`, `gateway/peers.py`): its stream has the same shape, so all that follows holds
+  for it too.
 - A transport failure before the response started (no tunnel to the node, the stream reset, the
-  node refused the connection) is `TransportFailed`: the caller may try another replica once.
-  After the response started nothing is retried: a failure then ends the response short
-  (`ResponseBroken`, which makes the HTTP server drop the connection, so the client cannot
-  take a cut body for a whole one).
+  node refused the connection, the holding process gone) is `TransportFailed`: the caller
+  may try another replica once. After the response started nothing is retried: a failure
+  then ends the response short (`ResponseBroken`, which makes the HTTP server drop the
+  connection, so the client cannot take a cut body for a whole one).
 - The response body goes to the client as it comes, each chunk sent before the next is taken
   from the tunnel, so a slow client slows the replica, never fills memory.
 
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from control_plane.api.asgi import Message, Receive, Send
+from control_plane.gateway.tunnels import TunnelUnavailable
 from modelforge_contracts.tunnel import HOP_BY_HOP
 
 #: Request headers never sent on to a replica: the token (the replica must never see one) and
@@ -49,8 +53,8 @@ class Stream(Protocol):
     def reset(self, code: str, message: str) -> Any: ...
 
 
-class Opener(Protocol):
-    """What opens a stream to a replica: the tunnel hub (`gateway.tunnels.TunnelHub`)."""
+class PeerOpener(Protocol):
+    """What opens a stream through the process holding a node's tunnel (`gateway.peers`)."""
 
     async def open_stream(
         self,
@@ -62,6 +66,14 @@ class Opener(Protocol):
         query: str,
         headers: list[tuple[str, str]],
     ) -> Stream: ...
+
+
+class Opener(PeerOpener, Protocol):
+    """What opens a stream to a replica: the tunnel hub (`gateway.tunnels.TunnelHub`), with
+    `peers` for a node whose tunnel another process holds (None: this process alone)."""
+
+    @property
+    def peers(self) -> PeerOpener | None: ...
 
 
 class ClientTimeout(Exception):
@@ -171,9 +183,27 @@ async def open_exchange(
     Raises `TransportFailed` (another replica may be tried), or the client's own failures
     (`ClientTimeout`, `BodyTooLarge`, `ClientGone`) with the stream reset."""
     try:
-        stream = await opener.open_stream(
-            node_id, replica_id=replica_id, method=method, path=path, query=query, headers=headers
-        )
+        try:
+            stream = await opener.open_stream(
+                node_id,
+                replica_id=replica_id,
+                method=method,
+                path=path,
+                query=query,
+                headers=headers,
+            )
+        except TunnelUnavailable:
+            # Not held here: through the process that holds it, if another does.
+            if opener.peers is None:
+                raise
+            stream = await opener.peers.open_stream(
+                node_id,
+                replica_id=replica_id,
+                method=method,
+                path=path,
+                query=query,
+                headers=headers,
+            )
     except Exception as exc:  # TunnelUnavailable, or the tunnel refused the stream
         raise TransportFailed(type(exc).__name__) from None
     pump = asyncio.ensure_future(_pump(stream, body))

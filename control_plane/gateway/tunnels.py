@@ -9,8 +9,12 @@ back through `response()` and `body()`, each direction under the protocol's flow
 (`modelforge_contracts.tunnel`), so a stream holds at most its window in memory whatever the
 body's size. Everything runs on the event loop that serves the WebSocket; nothing here blocks.
 
-`record_holder` and `forget_holder` keep the `gateway_tunnels` row saying which process holds a
-node's tunnel (for a gateway on another replica); the caller runs them off the event loop.
+Where several control-plane replicas serve, each records the tunnels it holds in
+`gateway_tunnels` (`HolderRecord`, given to the hub at start: a row when a tunnel opens, gone
+when it closes, this process's rows gone when it stops), so that a gateway on another replica
+finds the holder and forwards a stream through it (`peers.py`; the gateway reaches it as
+`hub.peers`). Those writes run on a thread, off the event loop; one that fails is logged and
+changes nothing for the tunnel itself.
 """
 
 from __future__ import annotations
@@ -20,12 +24,16 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Protocol
+from typing import Any, Protocol
 
 from sqlalchemy import delete
-from sqlalchemy.orm import Session
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session, sessionmaker
 
+from control_plane.clock import Clock
 from control_plane.models import GatewayTunnel
 from modelforge_contracts.tunnel import (
     IDLE_TIMEOUT,
@@ -267,6 +275,52 @@ class Tunnel:
             await self._socket.close(code, reason)
 
 
+class StreamOpener(Protocol):
+    """Another way to a node's replicas: through the process holding its tunnel (`peers.py`)."""
+
+    async def open_stream(
+        self,
+        node_id: str,
+        *,
+        replica_id: str,
+        method: str,
+        path: str,
+        query: str = "",
+        headers: Headers,
+    ) -> Any: ...  # a `peers.PeerStream`: the shape of `Stream`
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class HolderRecord:
+    """Where this process says which tunnels it holds: `holder` (its id), reached by the other
+    replicas at `address` (empty: it cannot be, though its row still says it holds them)."""
+
+    holder: str
+    address: str
+    session_factory: sessionmaker[Session]
+    clock: Clock
+
+    def opened(self, node_id: str) -> None:
+        with self.session_factory.begin() as session:
+            record_holder(
+                session,
+                node_id=node_id,
+                holder=self.holder,
+                address=self.address,
+                at=self.clock.now(),
+            )
+
+    def closed(self, node_id: str) -> None:
+        with self.session_factory.begin() as session:
+            forget_holder(session, node_id=node_id, holder=self.holder)
+
+    def closed_all(self) -> None:
+        with self.session_factory.begin() as session:
+            session.execute(delete(GatewayTunnel).where(GatewayTunnel.holder == self.holder))
+
+
 class TunnelHub:
     """This process's tunnels by node (see the module's docstring)."""
 
@@ -274,6 +328,24 @@ class TunnelHub:
         self._tunnels: dict[str, Tunnel] = {}
         self.max_streams = max_streams
         self.idle_timeout = idle_timeout
+        #: Set at start where this process records its tunnels (`gateway_tunnels`).
+        self.record: HolderRecord | None = None
+        #: Set at start: the streams to nodes whose tunnel another process holds, and the key
+        #: the replicas sign their requests to one another with (`peers.py`).
+        self.peers: StreamOpener | None = None
+        self.peer_key: bytes | None = None
+
+    async def _write(self, change: Callable[[str], None], node_id: str) -> None:
+        """A change to `gateway_tunnels`, on a thread; a failure is logged, nothing more (the
+        tunnel serves this process's gateway whatever its row says)."""
+        try:
+            await asyncio.to_thread(change, node_id)
+        except Exception as exc:  # noqa: BLE001 - the database away: the next tunnel retries
+            log.warning(
+                "could not record which process holds node %s's tunnel: %s",
+                node_id,
+                type(exc).__name__,
+            )
 
     def connected(self, node_id: str) -> bool:
         tunnel = self._tunnels.get(node_id)
@@ -311,6 +383,9 @@ class TunnelHub:
         if previous is not None:
             await previous.close(CLOSE_REPLACED, "replaced by a newer tunnel of the same node")
         log.info("node %s opened its tunnel", node_id)
+        record = self.record
+        if record is not None:
+            await self._write(record.opened, node_id)
         reader = asyncio.ensure_future(tunnel.read())
         why = "the agent closed it"
         try:
@@ -340,6 +415,8 @@ class TunnelHub:
             tunnel.close_streams(f"the tunnel of node {node_id} closed")
             if self._tunnels.get(node_id) is tunnel:
                 del self._tunnels[node_id]
+                if record is not None:
+                    await self._write(record.closed, node_id)
             log.info("node %s's tunnel closed: %s", node_id, why)
 
     async def close_node(self, node_id: str, reason: str) -> None:
@@ -352,19 +429,27 @@ class TunnelHub:
         """At shutdown: every tunnel closed, the agents reconnect to whichever process serves."""
         for tunnel in list(self._tunnels.values()):
             await tunnel.close(CLOSE_GOING_AWAY, "the control plane is stopping")
+        if self.record is not None:
+            # Whatever the tunnels' own endings get to write before the engine goes.
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.record.closed_all)
+        if self.peers is not None:
+            await self.peers.aclose()
 
 
 def record_holder(
     session: Session, *, node_id: str, holder: str, address: str, at: datetime
 ) -> None:
-    """Say in `gateway_tunnels` that process `holder` (reached at `address`) holds the tunnel."""
-    row = session.get(GatewayTunnel, node_id)
-    if row is None:
-        session.add(
-            GatewayTunnel(node_id=node_id, holder=holder, holder_address=address, connected_at=at)
-        )
-    else:
-        row.holder, row.holder_address, row.connected_at = holder, address, at
+    """Say in `gateway_tunnels` that process `holder` (reached at `address`) holds the tunnel:
+    one upsert, so two processes recording the same node at once both succeed (the later wins)."""
+    values = {"node_id": node_id, "holder": holder, "holder_address": address, "connected_at": at}
+    changed = {"holder": holder, "holder_address": address, "connected_at": at}
+    insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    session.execute(
+        insert(GatewayTunnel)
+        .values(values)
+        .on_conflict_do_update(index_elements=[GatewayTunnel.node_id], set_=changed)
+    )
 
 
 def forget_holder(session: Session, *, node_id: str, holder: str) -> None:

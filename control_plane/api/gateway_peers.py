@@ -1,0 +1,137 @@
+"""The holder's side of forwarding between control-plane replicas (issue 27): the internal route
+`/api/v1/internal/gateway/{node_id}/{replica_id}{path}`, where another replica's gateway sends
+a request for a node whose tunnel this process holds (`gateway/peers.py` has the other side).
+
+A seam just behind the gateway, in front of the edge (the edge's limits are the API's; this
+route is bounded as the gateway is: `body_limit`, `body_timeout`). It answers only a request
+signed with the replicas' shared key (`peers.authentic`), and anything else 401 (404 while this
+process has no key), saying nothing more. It never forwards again: a stream it cannot open
+here (the tunnel gone since the caller read who holds it) is answered 502 with
+`FAILURE_HEADER`, which the caller takes for a transport failure and may retry elsewhere.
+The client's token was checked by the forwarding replica; none reaches here or the replica.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from control_plane.api.asgi import ASGIApp, Receive, Scope, Send
+from control_plane.api.gateway_forward import (
+    DROPPED_REQUEST_HEADERS,
+    BodyTooLarge,
+    ClientGone,
+    ClientTimeout,
+    PeerOpener,
+    RequestBody,
+    TransportFailed,
+    finish,
+    open_exchange,
+    relay_response,
+)
+from control_plane.clock import Clock
+from control_plane.gateway.peers import FAILURE_HEADER, PEER_HEADERS, PEER_PREFIX, authentic
+from control_plane.gateway.tunnels import TunnelHub
+
+_JSON = (b"content-type", b"application/json")
+
+
+class _HeldHere:
+    """The hub as an opener that never forwards to a peer (no request goes round in circles)."""
+
+    peers: PeerOpener | None = None
+
+    def __init__(self, hub: TunnelHub) -> None:
+        self.open_stream = hub.open_stream
+
+
+class PeerRoute:
+    """The internal route in front of `app` (see the module's docstring)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        hub: TunnelHub,
+        key: Callable[[], bytes | None],
+        clock: Clock,
+        body_limit: int,
+        body_timeout: float,
+    ) -> None:
+        self.app = app
+        self.hub = hub
+        #: Returns the replicas' shared key (None until this process has read it).
+        self.key = key
+        self.clock = clock
+        self.body_limit = body_limit
+        self.body_timeout = body_timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(PEER_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        await self._serve(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        key = self.key()
+        path: str = scope["path"]
+        node_id, _, rest = path[len(PEER_PREFIX) :].partition("/")
+        replica_id, slash, tail = rest.partition("/")
+        if key is None or not node_id or not replica_id or not slash:
+            await _answer(send, 404, "not found")
+            return
+        method: str = scope["method"]
+        query = scope.get("query_string", b"").decode("latin-1")
+        headers = [
+            (name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"]
+        ]
+        now = self.clock.now().timestamp()
+        if not authentic(key, method=method, path=path, query=query, headers=headers, now=now):
+            await _answer(send, 401, "unauthorized")
+            return
+        forwarded = [
+            (name, value)
+            for name, value in headers
+            if name.lower() not in DROPPED_REQUEST_HEADERS and name.lower() not in PEER_HEADERS
+        ]
+        body = RequestBody(receive, limit=self.body_limit, timeout=self.body_timeout, retry_bytes=0)
+        try:
+            exchange = await open_exchange(
+                _HeldHere(self.hub),
+                node_id=node_id,
+                replica_id=replica_id,
+                method=method,
+                path="/" + tail,
+                query=query,
+                headers=forwarded,
+                body=body,
+            )
+        except TransportFailed as failed:
+            extra = [(FAILURE_HEADER.encode(), failed.cause.encode("latin-1", "replace"))]
+            await _answer(send, 502, "the node's tunnel is not held here", extra)
+            return
+        except ClientTimeout:
+            await _answer(send, 408, "the request body stopped arriving")
+            return
+        except BodyTooLarge:
+            await _answer(send, 413, "the request body is too large")
+            return
+        except ClientGone:
+            return
+        finally:
+            body.close()
+        try:
+            # The forwarding replica adds the security headers to what its client gets.
+            await relay_response(exchange, send, ())
+        finally:
+            if exchange.pump.done():
+                await finish(exchange.pump)
+
+
+async def _answer(
+    send: Send, status: int, message: str, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    data = json.dumps({"error": message}).encode()
+    headers = [_JSON, (b"content-length", str(len(data)).encode()), *(extra or [])]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})

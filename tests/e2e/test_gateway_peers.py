@@ -1,0 +1,310 @@
+"""Several control-plane replicas serve the gateway (issue 27): two real control planes
+(`modelforge-control-plane`, Granian) on one PostgreSQL database, each with
+`MODELFORGE_GATEWAY_PEER_ADDRESS`; real node agents' `TunnelClient`s, one connected to each
+replica's own URL, each forwarding to a real HTTP server on loopback standing as its replica;
+heartbeats over HTTP with the node's credential. A request at replica B's gateway for the
+replica whose tunnel replica A holds goes B -> A (the internal route, signed) -> tunnel ->
+agent -> HTTP and back; the internal route refuses anything unsigned; A killed leaves a stale
+row, which B takes for a transport failure and retries on the other replica; a replica that
+stops cleanly removes its rows."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, select
+from sqlalchemy.orm import Session
+
+from control_plane.clock import SystemClock
+from control_plane.gateway.peers import PEER_PREFIX, SIGNATURE_HEADER, TIME_HEADER, sign
+from control_plane.models import GatewayTunnel, Service, ServiceReplica
+from control_plane.services import access_tokens
+from control_plane.services.schemas import AccessTokenCreate
+from node_agent.tunnel import TunnelClient
+from tests.e2e.server import FAST, LiveServer
+from tests.factories import heartbeat_body
+
+pytestmark = pytest.mark.e2e
+
+
+class _Replica(http.server.ThreadingHTTPServer):
+    """A replica's server: answers with its name, the request line and the body's digest."""
+
+    daemon_threads = True
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                pass
+
+            def _answer(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                data = json.dumps(
+                    {
+                        "replica": name,
+                        "method": self.command,
+                        "path": self.path,
+                        "bytes": len(body),
+                        "sha256": hashlib.sha256(body).hexdigest(),
+                        "authorization": self.headers.get("authorization"),
+                        "peer": self.headers.get(SIGNATURE_HEADER),
+                    }
+                ).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _answer
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def port(self) -> int:
+        return int(self.server_address[1])
+
+
+@dataclass
+class _Node:
+    """An enrolled node at one control plane: its tunnel and heartbeats go there alone."""
+
+    node_id: str
+    credential: str
+    replica: _Replica
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self, server: LiveServer, replica_id: str) -> _Node:
+        port = self.replica.port
+        TunnelClient(
+            control_plane_url=server.url,
+            credential=self.credential,
+            ports=lambda asked: port if asked == replica_id else None,
+            stop=self.stop,
+        ).start()
+        threading.Thread(target=self._beat, args=(server.url,), daemon=True).start()
+        return self
+
+    def _beat(self, url: str) -> None:
+        headers = {"Authorization": f"Bearer {self.credential}"}
+        with httpx.Client(base_url=url, timeout=5) as client:
+            while not self.stop.is_set():
+                try:
+                    client.post("/api/v1/agent/heartbeat", headers=headers, json=heartbeat_body())
+                except httpx.HTTPError:
+                    pass
+                self.stop.wait(0.3)
+
+
+def _wait(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting: {what}"
+        time.sleep(0.1)
+
+
+@dataclass
+class _Pair:
+    a: LiveServer
+    b: LiveServer
+    database_url: str
+    nodes: dict[str, _Node] = field(default_factory=dict)
+
+    def holders(self) -> dict[str, str]:
+        engine = create_engine(self.database_url)
+        try:
+            with engine.connect() as connection:
+                rows = connection.execute(
+                    select(GatewayTunnel.node_id, GatewayTunnel.holder_address)
+                ).all()
+        finally:
+            engine.dispose()
+        return {node_id: address for node_id, address in rows}
+
+    def service(self, name: str, placed: dict[str, str]) -> dict[str, str]:
+        """A healthy service with one warm replica per node (`replica id: node id`), and a
+        token of it."""
+        engine = create_engine(self.database_url)
+        now = datetime.now(UTC)
+        try:
+            with Session(engine) as session, session.begin():
+                session.add(
+                    Service(
+                        id=f"svc-{name}",
+                        name=name,
+                        state="healthy",
+                        runner=None,
+                        command=["serve"],
+                        created_at=now,
+                        updated_at=now,
+                    )
+                )
+                session.flush()
+                for ordinal, (replica_id, node_id) in enumerate(placed.items()):
+                    session.add(
+                        ServiceReplica(
+                            id=replica_id,
+                            service_id=f"svc-{name}",
+                            ordinal=ordinal,
+                            state="healthy",
+                            node_id=node_id,
+                            created_at=now,
+                            updated_at=now,
+                            ready_at=now,
+                        )
+                    )
+                minted = access_tokens.mint(
+                    session=session,
+                    clock=SystemClock(),
+                    service_id=f"svc-{name}",
+                    actor="test",
+                    request=AccessTokenCreate(name="t"),
+                )
+        finally:
+            engine.dispose()
+        return {"Authorization": f"Bearer {minted.token}"}
+
+
+def _server(tmp_path: Path, name: str, database_url: str) -> LiveServer:
+    server = LiveServer(data_dir=tmp_path / name, database_url=database_url)
+    server.env_overrides = {
+        **FAST,
+        "MODELFORGE_GATEWAY_PEER_ADDRESS": f"http://127.0.0.1:{server.port}",
+    }
+    return server
+
+
+@pytest.fixture
+def pair(tmp_path: Path, pg_database_url: str) -> Iterator[_Pair]:
+    with ExitStack() as stack:
+        a = stack.enter_context(_server(tmp_path, "a", pg_database_url))
+        b = stack.enter_context(_server(tmp_path, "b", pg_database_url))
+        found = _Pair(a, b, pg_database_url)
+        yield found
+        for node in found.nodes.values():
+            node.stop.set()
+            node.replica.shutdown()
+            node.replica.server_close()
+
+
+def _node(pair: _Pair, server: LiveServer, name: str, replica_id: str) -> _Node:
+    enrolled = server.enroll(hostname=name)
+    node = _Node(enrolled["node_id"], enrolled["credential"], _Replica(name))
+    pair.nodes[name] = node.start(server, replica_id)
+    _wait(
+        lambda: pair.holders().get(node.node_id) == server.url,
+        f"{server.url} recorded as the holder of {name}'s tunnel",
+    )
+    return node
+
+
+def test_a_request_at_one_replica_reaches_a_tunnel_held_by_another(pair: _Pair) -> None:
+    on_a = _node(pair, pair.a, "node-a", "r-a")
+    on_b = _node(pair, pair.b, "node-b", "r-b")
+    token = pair.service("echo", {"r-a": on_a.node_id})
+    body = bytes(range(256)) * 8192  # 2 MiB: several windows and chunks both ways
+
+    def through_b() -> httpx.Response:
+        return httpx.post(
+            f"{pair.b.url}/services/echo/hello?x=1", headers=token, content=body, timeout=60
+        )
+
+    _wait(lambda: through_b().status_code == 200, "the service answering at B's gateway")
+    answer = through_b()
+    echo = answer.json()
+    assert echo["replica"] == "node-a"  # the tunnel A holds: B holds none to that node
+    assert echo["method"] == "POST" and echo["path"] == "/hello?x=1"
+    assert echo["bytes"] == len(body) and echo["sha256"] == hashlib.sha256(body).hexdigest()
+    # Neither the client's token nor the replicas' signature reaches the replica.
+    assert echo["authorization"] is None and echo["peer"] is None
+    # B's security headers, once (A's answer to B carries none of them).
+    assert answer.headers.get_list("x-content-type-options") == ["nosniff"]
+    # Without the token B refuses it before any forwarding.
+    assert httpx.post(f"{pair.b.url}/services/echo/hello", content=b"x").status_code == 401
+    assert on_b.node_id in pair.holders()
+
+
+def test_the_internal_route_answers_only_a_signed_request(pair: _Pair) -> None:
+    on_a = _node(pair, pair.a, "node-a", "r-a")
+    pair.service("echo", {"r-a": on_a.node_id})
+    route = f"{PEER_PREFIX}{on_a.node_id}/r-a/hello"
+    url = pair.a.url + route
+    now = f"{time.time():.3f}"
+    refused = [
+        httpx.get(url),
+        httpx.get(url, headers={TIME_HEADER: now, SIGNATURE_HEADER: "0" * 64}),
+        # Signed with another key, or for another path, or too long ago.
+        httpx.get(
+            url,
+            headers={
+                TIME_HEADER: now,
+                SIGNATURE_HEADER: sign(
+                    b"k" * 64, method="GET", path=route, query="", timestamp=now
+                ),
+            },
+        ),
+    ]
+    for answer in refused:
+        assert answer.status_code == 401, answer.text
+        assert answer.json() == {"error": "unauthorized"}
+    # Nor is the token of the service a way in: the holder trusts its peers alone.
+    token = pair.service("other", {"r-other": on_a.node_id})
+    assert httpx.get(url, headers=token).status_code == 401
+
+
+def test_a_holder_gone_is_a_transport_failure_retried_on_another_replica(pair: _Pair) -> None:
+    on_a = _node(pair, pair.a, "node-a", "r-a")
+    on_b = _node(pair, pair.b, "node-b", "r-b")
+    token = pair.service("echo", {"r-a": on_a.node_id, "r-b": on_b.node_id})
+
+    def replicas_answering(count: int) -> set[str]:
+        seen = set()
+        for _ in range(count):
+            answer = httpx.get(f"{pair.b.url}/services/echo/x", headers=token, timeout=30)
+            assert answer.status_code == 200, answer.text
+            seen.add(answer.json()["replica"])
+        return seen
+
+    _wait(
+        lambda: httpx.get(f"{pair.b.url}/services/echo/x", headers=token).status_code == 200,
+        "the service answering at B's gateway",
+    )
+    assert replicas_answering(10) == {"node-a", "node-b"}  # both tunnels, through one gateway
+
+    pair.a.kill()  # no chance to forget its rows: node-a's row names a holder that is gone
+    assert pair.holders().get(on_a.node_id) == pair.a.url
+    # Until node-a's heartbeats stop counting, B still picks its replica now and then: the
+    # holder refusing the connection is a transport failure, retried on node-b's replica.
+    assert replicas_answering(20) == {"node-b"}
+    metrics = httpx.get(f"{pair.b.url}/metrics", headers=pair.b.admin).text
+    retried = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("modelforge_gateway_errors_total")
+        and 'cause="retried"' in line
+        and 'service="echo"' in line
+    ]
+    assert retried and float(retried[0].split()[-1]) >= 1, retried
+
+    # A replica stopping cleanly removes the rows of the tunnels it held.
+    assert pair.holders().get(on_b.node_id) == pair.b.url
+    assert pair.b.stop(signal.SIGTERM) == 0
+    assert on_b.node_id not in pair.holders()
