@@ -14,16 +14,17 @@ from control_plane.table_base import Base
 
 
 class Service(Base):
-    """A long-running model server (WL-5a), placed on a node for as long as it is deployed.
-    `node_id` set means it holds `resources` and `assigned_gpus` there; `generation` grows
-    with each restart asked for, which the node's agent acts on."""
+    """A long-running model server (WL-5a): what it runs (its current revision's fields) and how
+    many copies; each copy is a `ServiceReplica`, placed on a node for as long as it is deployed.
+    `state` and `restarts` summarise the replicas; `generation` grows with each restart asked
+    for, which the nodes' agents act on."""
 
     __tablename__ = "services"
     __table_args__ = (Index("ix_services_state", "state"),)
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     name: Mapped[str] = mapped_column(String(100))
-    #: pending | starting | healthy | unhealthy | restarting | stopped | failed
+    #: pending | starting | healthy | degraded | unhealthy | restarting | idle | stopped | failed
     state: Mapped[str] = mapped_column(String(16), default="pending")
     command: Mapped[list[Any] | None] = mapped_column(JSON)
     runner: Mapped[str | None] = mapped_column(String(16))
@@ -37,18 +38,10 @@ class Service(Base):
     resources: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     health: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     restart: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    node_id: Mapped[str | None] = mapped_column(String(40), index=True)
-    assigned_gpus: Mapped[list[Any] | None] = mapped_column(JSON)
-    url: Mapped[str | None] = mapped_column(String(300))
-    #: `host:port` of its gRPC front (the `onnx` runner), as gRPC clients take it.
-    grpc_url: Mapped[str | None] = mapped_column(String(300))
     restarts: Mapped[int] = mapped_column(Integer, default=0)
-    last_exit: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     generation: Mapped[int] = mapped_column(Integer, default=1)
-    log_tail: Mapped[list[Any] | None] = mapped_column(JSON)
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
-    placed_at: Mapped[datetime | None]
     stopped_at: Mapped[datetime | None]
     next_event_seq: Mapped[int] = mapped_column(Integer, default=1)
     #: How many replicas it runs (issue 27); with `autoscale`, what the autoscaler last chose.
