@@ -107,8 +107,9 @@ def _lost_message(name: str) -> str:
 
 
 def _find(pynvml: Any, uuid: str, index: int | None, name: str) -> Any:
-    """The handle of the GPU `uuid`. NVML still hands out the handle of a lost GPU by index,
-    but answers nothing on it, its UUID included: a lost GPU at `index` is this one."""
+    """The handle of the GPU `uuid`. NVML answers GPU_IS_LOST for a lost GPU (its lookup by
+    index, or any call on a handle it still hands out, its UUID included), so its UUID cannot be
+    compared: a lost GPU at `index` is this one."""
     seen: list[str] = []
     for position in range(int(pynvml.nvmlDeviceGetCount())):
         try:
