@@ -385,6 +385,7 @@ class Load:
     """A thread sending inferences through the gateway back to back until stopped."""
 
     fleet: Fleet
+    name: str = "mlp"
     x: np.ndarray = field(default_factory=lambda: np.linspace(-1, 1, 256, dtype=np.float32))
     ok: int = 0
     failures: list[str] = field(default_factory=list)
@@ -407,7 +408,9 @@ class Load:
             while not self._stop.is_set():
                 try:
                     response = client.post(
-                        "/v2/models/mlp/infer", json=body, headers=self.fleet.bearer("mlp")
+                        f"/v2/models/{self.name}/infer",
+                        json=body,
+                        headers=self.fleet.bearer(self.name),
                     )
                 except httpx.HTTPError as exc:
                     self.failures.append(f"{type(exc).__name__}: {exc}")
@@ -447,16 +450,25 @@ def test_a_rollout_to_a_new_model_version_under_load_fails_no_request(fleet: Fle
         wait_until(lambda: load.ok >= before + 20, 30, "requests after the rollout")
     assert load.failures == [], load.failures[:5]
     assert load.seen("2"), "the rollout's model never answered"
+    # Still one replica per node ("distinct nodes where they can be"): a node lost loses one.
+    after = _healthy_replicas(fleet, "mlp")
+    assert len({r["node_id"] for r in after}) == 2, after
     events = json.dumps(fleet.call("GET", f"{path}/events"))
     assert "rollout" in events.lower(), events[:2000]
 
 
 def test_a_replicas_node_killed_under_load_fails_no_request(fleet: Fleet) -> None:
-    replicas = _healthy_replicas(fleet, "mlp")
-    assert len(replicas) == 2
+    # A service of its own, placed afresh (one replica per node), whatever the rollout left.
+    _deploy(
+        fleet, "mlp-kill", {"model": "mlp@1", "replicas": 2, "resources": {"cpus": 0.25}}, 2, 90
+    )
+    replicas = _healthy_replicas(fleet, "mlp-kill")
+    assert len(replicas) == 2, replicas
+    # Only a replica on another node can answer once one node is gone.
+    assert replicas[0]["node_id"] != replicas[1]["node_id"], replicas
     victim_id = replicas[0]["node_id"]
     victim = fleet.nodes[fleet.node_ids.index(victim_id)]
-    with Load(fleet) as load:
+    with Load(fleet, "mlp-kill") as load:
         wait_until(lambda: load.ok >= 20, 30, "the load to run")
         victim.kill()
         killed_at = load.ok
@@ -502,12 +514,23 @@ def test_a_service_scaled_to_zero_comes_back_on_the_next_request(fleet: Fleet) -
         )
         first = client.post(f"/v2/models/{name}/infer", json=body, headers=fleet.bearer(name))
         assert first.status_code == 200, first.text
-        wait_until(lambda: _healthy_replicas(fleet, name) == [], 60, "the scale to zero")
-        assert not any(
-            entry["service_id"] in {r["id"] for r in fleet.service(name)["replicas"]}
-            for node in fleet.nodes
-            if node.worker is not None
-            for entry in _worker_services(node).values()
+        served = {r["id"] for r in fleet.service(name)["replicas"]}
+        assert served, fleet.service(name)
+
+        def running() -> set[str]:
+            return {
+                replica_id
+                for node in fleet.nodes
+                if node.worker is not None
+                for replica_id in _worker_services(node)
+                if replica_id in served
+            }
+
+        # Scaled to zero: no replica taking traffic, and none running on a node.
+        wait_until(
+            lambda: _healthy_replicas(fleet, name) == [] and not running(),
+            60,
+            "the scale to zero",
         )
         started = time.monotonic()
         again = client.post(f"/v2/models/{name}/infer", json=body, headers=fleet.bearer(name))
