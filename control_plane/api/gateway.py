@@ -38,6 +38,7 @@ from control_plane.api.gateway_forward import (
     ClientGone,
     ClientTimeout,
     Opener,
+    Outbound,
     RequestBody,
     TransportFailed,
     finish,
@@ -189,17 +190,18 @@ class Gateway:
         headers = scope["headers"]
         authorization = _header(headers, b"authorization")
         service = snapshot.services.get(target.name)
-        if service is None:
-            # Refused as a wrong token is: a name is not confirmed to one without its token.
-            self.metrics.error("", "unauthorized")
-            return "", await _unauthorized(send, target.name)
-        label = service.name
+        # An unknown name is refused exactly as a known one with a missing or wrong token
+        # (the same check, against no service: the same body, headers and reads), so the
+        # answer confirms no name to one without its token.
+        label = "" if service is None else service.name
         try:
-            await self.auth.authorize_async(authorization, service.id)
+            await self.auth.authorize_async(authorization, "" if service is None else service.id)
         except GatewayDenied as denial:
             self.metrics.error(label, denial.cause)
             extra = [(k.lower().encode(), v.encode()) for k, v in denial.headers.items()]
             return label, await _error(send, denial.status, denial.message, extra)
+        if service is None:  # no grant opens no service: refused above
+            raise AssertionError("a grant for no service")
         if target.what in ("model", "model_ready") and service.kind != "onnx":
             message = (
                 f"service {service.name!r} runs a command, not a model: reach it at "
@@ -230,11 +232,10 @@ class Gateway:
             if name.decode("latin-1").lower() not in DROPPED_REQUEST_HEADERS
         ]
         query = scope.get("query_string", b"").decode("latin-1")
+        outbound = Outbound(method, path, query, forwarded)
         self.traffic.began(service.id)
         try:
-            return await self._admitted(
-                service, snapshot, scope, receive, send, method, path, query, forwarded
-            )
+            return await self._admitted(service, snapshot, receive, send, outbound)
         finally:
             self.traffic.ended(service.id)
 
@@ -242,13 +243,9 @@ class Gateway:
         self,
         service: ServiceTarget,
         snapshot: RoutingSnapshot,
-        scope: Scope,
         receive: Receive,
         send: Send,
-        method: str,
-        path: str,
-        query: str,
-        forwarded: list[tuple[str, str]],
+        outbound: Outbound,
     ) -> tuple[str, int]:
         label = service.name
         try:
@@ -262,9 +259,7 @@ class Gateway:
             return label, await _error(send, 503, self._busy(service, full=refused.full))
         self.metrics.in_flight.labels(label).inc()
         try:
-            return label, await self._forward(
-                service, snapshot, scope, receive, send, method, path, query, forwarded
-            )
+            return label, await self._forward(service, snapshot, receive, send, outbound)
         finally:
             self.metrics.in_flight.labels(label).dec()
             self.admission.leave(label)
@@ -273,13 +268,9 @@ class Gateway:
         self,
         service: ServiceTarget,
         snapshot: RoutingSnapshot,
-        scope: Scope,
         receive: Receive,
         send: Send,
-        method: str,
-        path: str,
-        query: str,
-        headers: list[tuple[str, str]],
+        outbound: Outbound,
     ) -> int:
         label = service.name
         limits = self.limits
@@ -309,11 +300,7 @@ class Gateway:
                     exchange = await open_exchange(
                         opener,
                         node_id=replica.node_id,
-                        replica_id=replica.id,
-                        method=method,
-                        path=path,
-                        query=query,
-                        headers=headers,
+                        request=outbound.to(replica.id),
                         body=body,
                     )
                 except TransportFailed as failed:
@@ -326,7 +313,7 @@ class Gateway:
                         self.metrics.error(label, "retried")
                     continue
                 try:
-                    await relay_response(exchange, send, SECURITY_HEADERS)
+                    await relay_response(exchange, send, SECURITY_HEADERS, body=body)
                 finally:
                     self.balancer.ended(replica.id)
                     if exchange.pump.done():
@@ -425,11 +412,3 @@ async def _error(
     send: Send, status: int, message: str, extra: list[tuple[bytes, bytes]] | None = None
 ) -> int:
     return await _answer(send, status, {"error": message}, extra)
-
-
-async def _unauthorized(send: Send, name: str) -> int:
-    message = (
-        f"a valid access token of service {name!r} is needed (Authorization: Bearer mfs_...); "
-        "an administrator mints one with POST /api/v1/services/{id}/access-tokens"
-    )
-    return await _error(send, 401, message, [(b"www-authenticate", b'Bearer realm="modelforge"')])

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from control_plane.api.asgi import Message, Receive, Send
-from control_plane.gateway.tunnels import TunnelUnavailable
-from modelforge_contracts.tunnel import HOP_BY_HOP
+from control_plane.gateway.tunnels import StreamOpener, TunnelUnavailable
+from modelforge_contracts.tunnel import HOP_BY_HOP, Headers, OpenRequest
 
 #: Request headers never sent on to a replica: the token (the replica must never see one) and
 #: those of one HTTP hop.
@@ -53,27 +53,28 @@ class Stream(Protocol):
     def reset(self, code: str, message: str) -> Any: ...
 
 
-class PeerOpener(Protocol):
-    """What opens a stream through the process holding a node's tunnel (`gateway.peers`)."""
-
-    async def open_stream(
-        self,
-        node_id: str,
-        *,
-        replica_id: str,
-        method: str,
-        path: str,
-        query: str,
-        headers: list[tuple[str, str]],
-    ) -> Stream: ...
-
-
-class Opener(PeerOpener, Protocol):
+class Opener(Protocol):
     """What opens a stream to a replica: the tunnel hub (`gateway.tunnels.TunnelHub`), with
     `peers` for a node whose tunnel another process holds (None: this process alone)."""
 
+    async def open_stream(self, node_id: str, request: OpenRequest) -> Stream: ...
+
     @property
-    def peers(self) -> PeerOpener | None: ...
+    def peers(self) -> StreamOpener | None: ...
+
+
+@dataclass(frozen=True)
+class Outbound:
+    """What the gateway sends on to whichever replica it picks: the method, the path there,
+    the query and the headers (without `DROPPED_REQUEST_HEADERS`)."""
+
+    method: str
+    path: str
+    query: str
+    headers: Headers
+
+    def to(self, replica_id: str) -> OpenRequest:
+        return OpenRequest(replica_id, self.method, self.path, self.query, self.headers)
 
 
 class ClientTimeout(Exception):
@@ -151,6 +152,10 @@ class RequestBody:
                 self.replayable, self.kept = False, []
         return chunk
 
+    async def receive(self) -> Message:
+        """The client's next message once the body was read (`http.disconnect` when it goes)."""
+        return await self._receive()
+
     def close(self) -> None:
         if self._pending is not None:
             self._pending.cancel()
@@ -168,15 +173,7 @@ class Exchange:
 
 
 async def open_exchange(
-    opener: Opener,
-    *,
-    node_id: str,
-    replica_id: str,
-    method: str,
-    path: str,
-    query: str,
-    headers: list[tuple[str, str]],
-    body: RequestBody,
+    opener: Opener, *, node_id: str, request: OpenRequest, body: RequestBody
 ) -> Exchange:
     """Open a stream to the replica, send the body, and wait for the response to start.
 
@@ -184,26 +181,12 @@ async def open_exchange(
     (`ClientTimeout`, `BodyTooLarge`, `ClientGone`) with the stream reset."""
     try:
         try:
-            stream = await opener.open_stream(
-                node_id,
-                replica_id=replica_id,
-                method=method,
-                path=path,
-                query=query,
-                headers=headers,
-            )
+            stream = await opener.open_stream(node_id, request)
         except TunnelUnavailable:
             # Not held here: through the process that holds it, if another does.
             if opener.peers is None:
                 raise
-            stream = await opener.peers.open_stream(
-                node_id,
-                replica_id=replica_id,
-                method=method,
-                path=path,
-                query=query,
-                headers=headers,
-            )
+            stream = await opener.peers.open_stream(node_id, request)
     except Exception as exc:  # TunnelUnavailable, or the tunnel refused the stream
         raise TransportFailed(type(exc).__name__) from None
     pump = asyncio.ensure_future(_pump(stream, body))
@@ -257,10 +240,17 @@ def _reset_reason(failure: BaseException) -> str:
 
 
 async def relay_response(
-    exchange: Exchange, send: Send, extra: Sequence[tuple[bytes, bytes]]
+    exchange: Exchange,
+    send: Send,
+    extra: Sequence[tuple[bytes, bytes]],
+    *,
+    body: RequestBody | None = None,
 ) -> int:
     """Send the response to the client as it comes; returns the body bytes sent. Raises
-    `ResponseBroken` when the stream breaks on the way."""
+    `ResponseBroken` when the stream breaks on the way, and `ClientGone` when the client goes
+    (watched through `body`'s `receive`: an HTTP server may take sends to a client that has
+    gone without a word). Unless the response ended, the stream is reset, so the replica stops
+    and the tunnel's stream (one of its `MAX_STREAMS`) is freed at once."""
     await send(
         {
             "type": "http.response.start",
@@ -269,20 +259,54 @@ async def relay_response(
         }
     )
     sent = 0
+    ended = False
+    watch = None if body is None else _ClientWatch(body, exchange)
     try:
         async for chunk in exchange.stream.body():
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 sent += len(chunk)
+        ended = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
     except (asyncio.CancelledError, ClientGone):
         raise
     except Exception as exc:
+        if watch is not None and watch.fired:
+            raise ClientGone from None
         raise ResponseBroken(type(exc).__name__) from None
     finally:
+        if watch is not None:
+            watch.stop()
         if not exchange.pump.done():
             exchange.pump.cancel()
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if not ended:
+            await _settle(exchange.stream.reset("CANCELLED", "the client went away"))
     return sent
+
+
+class _ClientWatch:
+    """Resets a stream whose response is being relayed once its client has gone: the request
+    body cut short (the pump failed with `ClientGone`) or, the body read, `http.disconnect`."""
+
+    def __init__(self, body: RequestBody, exchange: Exchange) -> None:
+        self.fired = False
+        self._task = asyncio.ensure_future(self._watch(body, exchange))
+
+    async def _watch(self, body: RequestBody, exchange: Exchange) -> None:
+        try:
+            await asyncio.shield(exchange.pump)
+        except ClientGone:
+            pass
+        except Exception:  # noqa: BLE001 - the stream failed: the relay ends by itself
+            return
+        else:
+            while (await body.receive())["type"] != "http.disconnect":
+                pass
+        self.fired = True
+        await _settle(exchange.stream.reset("CANCELLED", "the client went away"))
+
+    def stop(self) -> None:
+        self._task.cancel()
 
 
 async def finish(awaitable: Awaitable[Any]) -> None:

@@ -22,7 +22,7 @@ from control_plane.api.gateway_forward import (
     BodyTooLarge,
     ClientGone,
     ClientTimeout,
-    PeerOpener,
+    Exchange,
     RequestBody,
     TransportFailed,
     finish,
@@ -31,7 +31,8 @@ from control_plane.api.gateway_forward import (
 )
 from control_plane.clock import Clock
 from control_plane.gateway.peers import FAILURE_HEADER, PEER_HEADERS, PEER_PREFIX, authentic
-from control_plane.gateway.tunnels import TunnelHub
+from control_plane.gateway.tunnels import StreamOpener, TunnelHub
+from modelforge_contracts.tunnel import OpenRequest
 
 _JSON = (b"content-type", b"application/json")
 
@@ -39,7 +40,7 @@ _JSON = (b"content-type", b"application/json")
 class _HeldHere:
     """The hub as an opener that never forwards to a peer (no request goes round in circles)."""
 
-    peers: PeerOpener | None = None
+    peers: StreamOpener | None = None
 
     def __init__(self, hub: TunnelHub) -> None:
         self.open_stream = hub.open_stream
@@ -95,15 +96,12 @@ class PeerRoute:
             if name.lower() not in DROPPED_REQUEST_HEADERS and name.lower() not in PEER_HEADERS
         ]
         body = RequestBody(receive, limit=self.body_limit, timeout=self.body_timeout, retry_bytes=0)
+        exchange: Exchange | None = None
         try:
             exchange = await open_exchange(
                 _HeldHere(self.hub),
                 node_id=node_id,
-                replica_id=replica_id,
-                method=method,
-                path="/" + tail,
-                query=query,
-                headers=forwarded,
+                request=OpenRequest(replica_id, method, "/" + tail, query, forwarded),
                 body=body,
             )
         except TransportFailed as failed:
@@ -119,11 +117,13 @@ class PeerRoute:
         except ClientGone:
             return
         finally:
-            body.close()
+            if exchange is None:
+                body.close()
         try:
             # The forwarding replica adds the security headers to what its client gets.
-            await relay_response(exchange, send, ())
+            await relay_response(exchange, send, (), body=body)
         finally:
+            body.close()  # only now: the body may still be on its way to a replica that answered
             if exchange.pump.done():
                 await finish(exchange.pump)
 

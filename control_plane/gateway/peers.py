@@ -42,7 +42,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from control_plane.clock import Clock
 from control_plane.gateway.tunnels import HolderRecord, StreamReset, TunnelHub, TunnelUnavailable
 from control_plane.models import GatewayPeerKey, GatewayTunnel
-from modelforge_contracts.tunnel import HOP_BY_HOP, Headers
+from modelforge_contracts.tunnel import HOP_BY_HOP, Headers, OpenRequest
 
 log = logging.getLogger(__name__)
 
@@ -218,16 +218,7 @@ class Peers:
             trust_env=False,
         )
 
-    async def open_stream(
-        self,
-        node_id: str,
-        *,
-        replica_id: str,
-        method: str,
-        path: str,
-        query: str = "",
-        headers: Headers,
-    ) -> PeerStream:
+    async def open_stream(self, node_id: str, request: OpenRequest) -> PeerStream:
         """A stream through the process holding `node_id`'s tunnel; `TunnelUnavailable` when
         none is known (or it is this one, or it cannot be reached at any address)."""
         found = await self.directory.find(node_id)
@@ -235,12 +226,13 @@ class Peers:
             found = await self.directory.find(node_id, fresh=True)
         if found is None or found.holder == self.holder or not found.address:
             raise TunnelUnavailable(f"no process holds a tunnel to node {node_id}")
-        route = f"{PEER_PREFIX}{node_id}/{replica_id}{path}"
+        method, query = request.method, request.query
+        route = f"{PEER_PREFIX}{node_id}/{request.replica_id}{request.path}"
         timestamp = f"{self._clock.now().timestamp():.3f}"
         signature = sign(self.key, method=method, path=route, query=query, timestamp=timestamp)
         sent = [
             (name, value)
-            for name, value in headers
+            for name, value in request.headers
             if name.lower() not in HOP_BY_HOP and name.lower() not in PEER_HEADERS
         ]
         sent += [(TIME_HEADER, timestamp), (SIGNATURE_HEADER, signature)]

@@ -170,6 +170,9 @@ class Stream:
             self._receive_window.received(len(payload))
             self._chunks.put_nowait(payload)
         elif kind is FrameType.END:
+            if not self._head.done():
+                # Else `response()` would wait for ever: the stream is forgotten below.
+                raise TunnelProtocolError("END before RESPONSE")
             self._chunks.put_nowait(None)
             self._send_window.close()
             self._tunnel.forget(self.id)
@@ -278,16 +281,9 @@ class Tunnel:
 class StreamOpener(Protocol):
     """Another way to a node's replicas: through the process holding its tunnel (`peers.py`)."""
 
-    async def open_stream(
-        self,
-        node_id: str,
-        *,
-        replica_id: str,
-        method: str,
-        path: str,
-        query: str = "",
-        headers: Headers,
-    ) -> Any: ...  # a `peers.PeerStream`: the shape of `Stream`
+    async def open_stream(self, node_id: str, request: OpenRequest) -> Any:
+        """A `peers.PeerStream`: the shape of `Stream`."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -355,22 +351,13 @@ class TunnelHub:
         """The nodes whose tunnel this process holds."""
         return [node for node, tunnel in self._tunnels.items() if not tunnel.closed]
 
-    async def open_stream(
-        self,
-        node_id: str,
-        *,
-        replica_id: str,
-        method: str,
-        path: str,
-        query: str = "",
-        headers: Headers,
-    ) -> Stream:
-        """A new stream to `replica_id` on `node_id`: OPEN sent, nothing of the body yet.
-        `TunnelUnavailable` when this process holds no tunnel to that node."""
+    async def open_stream(self, node_id: str, request: OpenRequest) -> Stream:
+        """A new stream to `request.replica_id` on `node_id`: OPEN sent, nothing of the body
+        yet. `TunnelUnavailable` when this process holds no tunnel to that node."""
         tunnel = self._tunnels.get(node_id)
         if tunnel is None or tunnel.closed:
             raise TunnelUnavailable(f"no tunnel to node {node_id} in this process")
-        return await tunnel.open(OpenRequest(replica_id, method, path, query, headers))
+        return await tunnel.open(request)
 
     async def serve(
         self, node_id: str, socket: TunnelSocket, *, still_active: Callable[[], bool]

@@ -17,6 +17,7 @@ from control_plane.api.asgi import Receive, Scope, Send
 from control_plane.api.rsgi import serve_asgi
 from control_plane.app import create_front
 from control_plane.gateway.tunnels import StreamReset, TunnelHub, TunnelUnavailable
+from modelforge_contracts.tunnel import OpenRequest
 
 _PREFIX = "/_tunnel/"
 
@@ -52,14 +53,10 @@ class TunnelDoor:
         headers = [(k.decode(), v.decode()) for k, v in scope["headers"]]
         delay = float(dict(headers).get("x-test-read-delay", "0"))
         try:
-            stream = await self.hub.open_stream(
-                node_id,
-                replica_id=replica_id,
-                method=scope["method"],
-                path="/" + rest,
-                query=scope["query_string"].decode(),
-                headers=headers,
+            request = OpenRequest(
+                replica_id, scope["method"], "/" + rest, scope["query_string"].decode(), headers
             )
+            stream = await self.hub.open_stream(node_id, request)
         except TunnelUnavailable:
             await _answer(send, 503, b"no tunnel")
             return
