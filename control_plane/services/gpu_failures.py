@@ -11,7 +11,7 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from control_plane.models import Service, ServiceReplica
+from control_plane.models import ServiceReplica
 from control_plane.services import replicas
 from control_plane.services._changes import DEPLOYED
 
@@ -28,23 +28,14 @@ def replace_from_gpu(
         )
     ).all()
     for replica_id, service_id, gpus in candidates:
-        if not _holds(gpus, uuid):
-            continue
-        service = session.get(Service, service_id, with_for_update=True)
-        replica = session.get(ServiceReplica, replica_id)
-        if (
-            service is None
-            or replica is None
-            or replica.node_id != node_id
-            or replica.state not in DEPLOYED
-            or not _holds(replica.assigned_gpus, uuid)
+        if replicas.holds_gpu(gpus, uuid) and replicas.send_back(
+            session,
+            service_id=service_id,
+            replica_id=replica_id,
+            node_id=node_id,
+            now=now,
+            reason=reason,
+            gpu=uuid,
         ):
-            continue
-        replicas.unplace(session, service, replica, now, reason=reason, gpu=uuid)
-        replicas.summarise(session, service, now, replicas.of_service(session, service_id))
-        moved.append(service_id)
+            moved.append(service_id)
     return moved
-
-
-def _holds(gpus: list[object] | None, uuid: str) -> bool:
-    return any(isinstance(gpu, dict) and gpu.get("uuid") == uuid for gpu in gpus or [])

@@ -84,18 +84,15 @@ def _replace_lost(session: Session, clock: Clock, liveness: Liveness) -> None:
         gone = last is None and session.get(Node, node_id) is None
         if not gone and liveness.state_of(node_id, last, now) != "offline":
             continue
-        service = session.get(Service, service_id, with_for_update=True)
-        replica = session.get(ServiceReplica, replica_id)
-        if (
-            service is None
-            or replica is None
-            or replica.node_id != node_id
-            or replica.state not in DEPLOYED
-        ):
-            continue
         why = "its node was deleted" if gone else "its node went offline"
-        replicas.unplace(session, service, replica, now, reason=why)
-        replicas.summarise(session, service, now, replicas.of_service(session, service_id))
+        replicas.send_back(
+            session,
+            service_id=service_id,
+            replica_id=replica_id,
+            node_id=node_id,
+            now=now,
+            reason=why,
+        )
 
 
 def _place_one(

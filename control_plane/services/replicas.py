@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from control_plane.fleet.schemas import AssignedGpu
 from control_plane.models import Service, ServiceReplica, ServiceRevision
 from control_plane.security import new_id
-from control_plane.services._changes import record_event
+from control_plane.services._changes import DEPLOYED, record_event
 from control_plane.services.schemas import ServiceReplicaPublic
 
 #: The fields a replica is started from: a revision's `spec` (as migration 0013 writes them).
@@ -118,6 +118,40 @@ def unplace(
     node_id = replica.node_id
     replica.node_id = replica.assigned_gpus = replica.url = replica.grpc_url = None
     set_state(session, service, replica, now, "pending", node_id=node_id, **data)
+
+
+def send_back(
+    session: Session,
+    *,
+    service_id: str,
+    replica_id: str,
+    node_id: str,
+    now: datetime,
+    reason: str,
+    gpu: str | None = None,
+) -> bool:
+    """`unplace` the replica, its service's row locked first, if it still stands deployed on
+    `node_id` (holding GPU `gpu`, when given) once locked, and sum the service up again; False
+    when it moved or ended meanwhile (nothing changed)."""
+    service = session.get(Service, service_id, with_for_update=True)
+    replica = session.get(ServiceReplica, replica_id)
+    if (
+        service is None
+        or replica is None
+        or replica.node_id != node_id
+        or replica.state not in DEPLOYED
+        or (gpu is not None and not holds_gpu(replica.assigned_gpus, gpu))
+    ):
+        return False
+    event: dict[str, Any] = {"reason": reason} if gpu is None else {"reason": reason, "gpu": gpu}
+    unplace(session, service, replica, now, **event)
+    summarise(session, service, now, of_service(session, service_id))
+    return True
+
+
+def holds_gpu(gpus: list[object] | None, uuid: str) -> bool:
+    """Whether a replica's `assigned_gpus` name GPU `uuid`."""
+    return any(isinstance(gpu, dict) and gpu.get("uuid") == uuid for gpu in gpus or [])
 
 
 def stop_all(session: Session, service: Service, now: datetime) -> None:
