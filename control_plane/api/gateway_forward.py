@@ -276,7 +276,7 @@ async def relay_response(
         raise ResponseBroken(type(exc).__name__) from None
     finally:
         if watch is not None:
-            watch.stop()
+            await watch.stop()
         if not exchange.pump.done():
             exchange.pump.cancel()
         if not ended:
@@ -305,8 +305,11 @@ class _ClientWatch:
         self.fired = True
         await _settle(exchange.stream.reset("CANCELLED", "the client went away"))
 
-    def stop(self) -> None:
-        self._task.cancel()
+    async def stop(self) -> None:
+        if self.fired:
+            await finish(self._task)  # its reset on its way out: not cut off
+        else:
+            self._task.cancel()
 
 
 async def finish(awaitable: Awaitable[Any]) -> None:

@@ -92,8 +92,12 @@ def _upstream(name: str) -> Iterator[int]:
 class _Peer:
     """A node's side of the tunnel: each stream forwarded to `port` over HTTP/1.1."""
 
-    def __init__(self, ws: Any, port: int, *, refuse: bool = False) -> None:
+    def __init__(self, ws: Any, port: int, *, refuse: bool = False, end_first: bool = False):
         self.ws, self.port, self.refuse = ws, port, refuse
+        #: Answer every stream END with no RESPONSE (a broken agent).
+        self.end_first = end_first
+        #: The streams the control plane reset.
+        self.resets: list[int] = []
         self._send = threading.Lock()
         self._streams: dict[int, tuple[OpenRequest, bytearray]] = {}
         self._windows: dict[int, int] = {}
@@ -120,6 +124,13 @@ class _Peer:
                     reset = Reset("UPSTREAM_UNREACHABLE", "connection refused")
                     self.send(encode(FrameType.RESET, frame.stream, reset.to_payload()))
                     del self._streams[frame.stream]
+                elif self.end_first:
+                    self.send(encode(FrameType.END, frame.stream))
+                    del self._streams[frame.stream]
+            elif frame.kind is FrameType.RESET:
+                with self._granted:
+                    self.resets.append(frame.stream)
+                    self._granted.notify_all()
             elif frame.kind is FrameType.DATA and frame.stream in self._streams:
                 self._streams[frame.stream][1].extend(frame.payload)
                 self.send(window(frame.stream, len(frame.payload)))
@@ -145,7 +156,13 @@ class _Peer:
             chunk = data[start : start + MAX_PAYLOAD]
             with self._granted:
                 size = len(chunk)
-                self._granted.wait_for(lambda n=size: self._windows[stream] >= n, timeout=10)  # type: ignore[misc]
+                self._granted.wait_for(
+                    lambda n=size: self._windows[stream] >= n or stream in self.resets,  # type: ignore[misc]
+                    timeout=10,
+                )
+                if stream in self.resets:
+                    connection.close()
+                    return
                 self._windows[stream] -= size
             self.send(encode(FrameType.DATA, stream, chunk))
         self.send(encode(FrameType.END, stream))
@@ -158,13 +175,13 @@ class _Fleet:
         self.nodes: list[Any] = []
         self.peers: list[_Peer] = []
 
-    def node(self, name: str, *, refuse: bool = False) -> str:
+    def node(self, name: str, *, refuse: bool = False, end_first: bool = False) -> str:
         ready = self.cp.ready_node()
         port = self.stack.enter_context(_upstream(name))
         ws = self.stack.enter_context(
             self.cp.client.websocket_connect(TUNNEL_PATH, headers=ready.headers)
         )
-        self.peers.append(_Peer(ws, port, refuse=refuse))
+        self.peers.append(_Peer(ws, port, refuse=refuse, end_first=end_first))
         self.nodes.append(ready)
         return ready.node_id
 
@@ -259,6 +276,95 @@ def test_health_needs_no_token_and_models_do(fleet: _Fleet) -> None:
     assert client.post("/v2/models/iris/infer", headers=other, json={}).status_code == 401
     # An unknown name is refused as a wrong token is: a name is not confirmed to a guesser.
     assert client.get("/v2/models/nope", headers=other).status_code == 401
+
+
+def test_an_unknown_name_is_answered_as_a_known_one_without_its_token(fleet: _Fleet) -> None:
+    node = fleet.node("a")
+    fleet.service("iris", [node])
+    other = fleet.token(fleet.service("other", [node]))
+    client = fleet.cp.client
+    for headers in ({}, {"Authorization": "Bearer mfs_wrong"}, other):
+        known = client.post("/v2/models/iris/infer", headers=headers, json={})
+        unknown = client.post("/v2/models/nope/infer", headers=headers, json={})
+        proxied = client.get("/services/nope/x", headers=headers)
+        assert known.status_code == unknown.status_code == proxied.status_code == 401
+        # The same words and headers: nothing tells a guesser that `iris` exists.
+        assert known.json() == unknown.json() == proxied.json()
+        assert "nope" not in unknown.text and "iris" not in known.text
+        assert known.headers["www-authenticate"] == unknown.headers["www-authenticate"]
+
+
+def test_an_end_before_the_response_is_a_transport_failure(fleet: _Fleet) -> None:
+    broken = fleet.node("a", end_first=True)
+    working = fleet.node("b")
+    headers = fleet.token(fleet.service("iris", [broken, working]))
+    _wait_connected(fleet)
+    client = fleet.cp.client
+    for _ in range(4):  # some go to the broken node first: retried, never held for ever
+        response = client.post("/v2/models/iris/infer", headers=headers, json={"n": 1})
+        assert response.status_code == 200, response.text
+        assert response.json()["replica"] == "b"
+    assert fleet.peers[0].opened >= 1
+    assert fleet.cp.ctx.hub._tunnels[broken].streams == 0
+
+
+def test_a_client_gone_mid_response_resets_the_stream(fleet: _Fleet) -> None:
+    node = fleet.node("a")
+    headers = fleet.token(fleet.service("web", [node], runner=None))
+    _wait_connected(fleet)
+    cp = fleet.cp
+    portal = cp.client.portal
+    assert portal is not None
+    relayed = portal.call(_leave_after_the_first_chunk, cp.client.app, headers)
+    # /big answers 1 MiB, four windows: the gateway stopped reading once the client went,
+    # told the node, and the tunnel's stream is free again.
+    assert 0 < relayed < 1024 * 1024
+    for _ in range(200):
+        if fleet.peers[0].resets:
+            break
+        threading.Event().wait(0.01)
+    assert fleet.peers[0].resets == [1]
+    assert cp.ctx.hub._tunnels[node].streams == 0
+
+
+async def _leave_after_the_first_chunk(app: Any, headers: dict[str, str]) -> int:
+    """One GET /services/web/big whose client goes after the first piece of the answer, as the
+    RSGI bridge shows it: later sends are taken without a word, `receive` says disconnect."""
+    gone = asyncio.Event()
+    relayed = 0
+    sent_request = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent_request
+        if not sent_request:
+            sent_request = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal relayed
+        if message["type"] == "http.response.body":
+            relayed += len(message.get("body", b""))
+            gone.set()
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/services/web/big",
+        "raw_path": b"/services/web/big",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 1),
+        "server": ("testserver", 80),
+        "state": {},
+    }
+    await asyncio.wait_for(app(scope, receive, send), 30)
+    return relayed
 
 
 def test_a_token_past_its_rate_is_answered_429(fleet: _Fleet) -> None:
