@@ -263,13 +263,31 @@ def check_ended(
     at: datetime,
 ) -> None:
     """A pinned job ended (`jobs._changes`, however it ended). When it is the GPU's running
-    active check: passed while the agent does not report the GPU unhealthy -> healthy again, the
-    quarantine lifted; else the GPU stays out, the failure in its timeline."""
+    active check: passed while the agent does not report the GPU unhealthy -> healthy again, a
+    quarantine already there when the check started lifted with it (one an operator placed
+    after holds: the rules' verdict alone is cleared); else the GPU stays out, the failure in
+    its timeline."""
     row = gpu_row(session, str(pinned.get("node_id")), str(pinned.get("uuid")), lock=True)
     if row is None or row.check_job_id != job_id:
         return
     row.check_job_id = None
-    if state == "succeeded" and row.reported != "unhealthy":
+    passed = state == "succeeded" and row.reported != "unhealthy"
+    if passed and _quarantined_since(session, row, job_id):
+        # The operator's later word stands: only what the check answered (the rules) clears.
+        set_state(
+            session,
+            row,
+            state="quarantined",
+            rules_state="healthy",
+            reason=f"the active check passed (job {job_id}), but the quarantine placed after "
+            "it started holds: re-admit the GPU to lift it",
+            evidence=None,
+            kind="check",
+            actor=CHECK_ACTOR,
+            now=at,
+        )
+        return
+    if passed:
         row.quarantine_reason = None
         row.quarantined_at = None
         set_state(
@@ -299,6 +317,15 @@ def check_ended(
         actor=CHECK_ACTOR,
         now=at,
     )
+
+
+def _quarantined_since(session: Session, row: GpuHealth, job_id: str) -> bool:
+    """Whether an operator quarantined the GPU after its active check `job_id` started (was
+    submitted: the check's job is made in the re-admission's transaction)."""
+    if row.quarantine_reason is None or row.quarantined_at is None:
+        return False
+    started = session.scalar(select(Job.created_at).where(Job.id == job_id))
+    return started is not None and row.quarantined_at > started
 
 
 def _event(

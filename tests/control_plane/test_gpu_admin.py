@@ -222,6 +222,45 @@ def test_the_active_check_passing_readmits_the_gpu(tmp_path: Path, database_url:
         assert [e["outcome"] for e in _audit(cp, "gpu.readmit")] == ["GPU_CHECK_RUNNING", "ok"]
 
 
+def test_a_passing_check_keeps_a_quarantine_placed_after_it_started(
+    tmp_path: Path, database_url: str
+) -> None:
+    with _cp(tmp_path, database_url) as cp:
+        node = _node(cp, gpus=2)
+        _unhealthy_then_clean(cp, node)
+        started = _post(cp, _gpus_url(node, 1, "/readmit"))
+        assert started.status_code == 202, started.text
+        job_id = started.json()["check"]["job_id"]
+        assert (_claim(cp, node) or {}).get("job_id") == job_id
+        # While the check runs, an operator quarantines the GPU on a suspicion of their own.
+        cp.clock.advance(5)
+        held = _post(cp, _gpus_url(node, 1, "/quarantine"), json={"reason": "fan noise"})
+        assert held.status_code == 200, held.text
+        _complete(cp, node, job_id, state="succeeded", result={"ok": True})
+
+        gpu = _gpu(cp, node, 1)
+        assert (gpu["state"], gpu["rules_state"], gpu["check"]) == ("quarantined", "healthy", None)
+        assert gpu["quarantine"] == held.json()["quarantine"]
+        assert gpu["quarantine"]["reason"] == "fan noise"
+        passed = _timeline(cp, node, 1)[0]
+        assert (passed["kind"], passed["from_state"], passed["to_state"], passed["actor"]) == (
+            "check",
+            "unhealthy",
+            "healthy",
+            "check",
+        )
+        assert passed["reason"] == (
+            f"the active check passed (job {job_id}), but the quarantine placed after it "
+            "started holds: re-admit the GPU to lift it"
+        )
+        # Work still stays off it; the operator's re-admission lifts it at once (no new check).
+        assert _claim(cp, node) is None
+        lifted = _post(cp, _gpus_url(node, 1, "/readmit"))
+        assert lifted.status_code == 200, lifted.text
+        assert lifted.json()["state"] == "healthy" and lifted.json()["quarantine"] is None
+        assert len(_jobs(cp)) == 1
+
+
 def test_a_failing_active_check_keeps_the_gpu_out_with_its_error(
     tmp_path: Path, database_url: str
 ) -> None:
