@@ -17,7 +17,8 @@ feature set can still be measured; the run says which ran and why any did not:
   load generator (each a share of one core).
 - ``rollout``: that service's model changed to version 2 (``PATCH /api/v1/services/{id}``
   ``{"model": "mlp@2"}``) while wrk sends through the gateway: failed requests (non-2xx or
-  socket errors) and how long until every replica ran revision 2.
+  socket errors) and how long until the traffic was on revision 2 (the old replica draining:
+  ``--drain-seconds``, the control plane's MODELFORGE_SERVICE_DRAIN_SECONDS, default 30).
 - ``cold``: a service with ``autoscale {"min": 0, "max": 1, ...}``: once it has scaled to zero,
   the time from the first request to its answer.
 - ``kill``: a two-replica service on the two nodes; under load through the gateway one node's
@@ -41,6 +42,7 @@ import contextlib
 import json
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,7 +67,8 @@ from tests.onnx_models import mlp  # noqa: E402
 
 PARTS = ("compare", "rollout", "cold", "kill")
 MODEL = "mlp"  # the model's name and the compared service's: /v2/models/mlp/infer either way
-SETTINGS = {**FAST, "MODELFORGE_LOG_LEVEL": "warning"}  # no per-request debug lines
+#: Fast liveness (tests/e2e/server.py) and no per-request debug lines.
+SETTINGS = {**FAST, "MODELFORGE_LOG_LEVEL": "warning"}
 
 
 class PartUnavailable(Exception):
@@ -128,10 +131,11 @@ class Stack:
 
 
 @contextmanager
-def started(root: Path, nodes: int) -> Iterator[Stack]:
+def started(root: Path, nodes: int, drain: float) -> Iterator[Stack]:
     with ExitStack() as stack:
+        settings = {**SETTINGS, "MODELFORGE_SERVICE_DRAIN_SECONDS": str(drain)}
         server = stack.enter_context(
-            LiveServer(root / "cp", f"sqlite:///{root / 'cp.db'}", env_overrides=SETTINGS)
+            LiveServer(root / "cp", f"sqlite:///{root / 'cp.db'}", env_overrides=settings)
         )
         started_nodes = []
         for index in range(nodes):
@@ -143,9 +147,10 @@ def started(root: Path, nodes: int) -> Iterator[Stack]:
         yield Stack(server, started_nodes)
 
 
-def kill_node(node: Node) -> None:
+def kill_node(node: Node) -> list[subprocess.Popen[bytes]]:
     """SIGKILL the node's agent and worker with everything they started, as a dead host ends
-    them: all stopped first, so that none reacts to the death of another."""
+    them: all stopped first, so that none reacts to the death of another. Returned unreaped:
+    reaped during a load run, their CPU would count as the load generator's."""
     roots = [process for process in (node.agent, node.worker) if process is not None]
     members = []
     for root in roots:
@@ -160,9 +165,8 @@ def kill_node(node: Node) -> None:
                 member.send_signal(sig)
             except psutil.NoSuchProcess:
                 pass
-    for root in roots:
-        root.wait(timeout=20)
     node.agent = node.worker = None
+    return roots
 
 
 # -- services ---------------------------------------------------------------------------------
@@ -176,7 +180,9 @@ def register_models(stack: Stack) -> None:
         stack.call("POST", "/api/v1/models", 201, json=body)
 
 
-def deploy(stack: Stack, name: str, replicas: int = 1, **extra: Any) -> dict[str, Any]:
+def deploy(
+    stack: Stack, name: str, replicas: int = 1, *, wait: bool = True, **extra: Any
+) -> dict[str, Any]:
     body = {
         "name": name,
         "model": f"{MODEL}@1",
@@ -186,6 +192,8 @@ def deploy(stack: Stack, name: str, replicas: int = 1, **extra: Any) -> dict[str
     }
     service = stack.call("POST", "/api/v1/services", 201, json=body)
     service_id = service["service_id"]
+    if not wait:
+        return dict(service)
     try:
         wait_until(lambda: warm(stack.service(service_id), replicas), 120, f"{name} healthy")
     except AssertionError:
@@ -340,9 +348,11 @@ def rollout(
     changed_at: list[float] = []
 
     def rolled() -> bool:
+        """Traffic switched: revision 2 warm, every older replica draining (or stopped)."""
         service = stack.service(service_id)
         return warm(service, 1, revision=2) and all(
-            replica["revision"] == 2 for replica in service["replicas"]
+            replica["revision"] == 2 or replica["state"] in ("draining", "stopped")
+            for replica in service["replicas"]
         )
 
     def update() -> str:
@@ -362,8 +372,8 @@ def rollout(
     covered = done <= load_ended + 0.5  # polled about every 0.1 s, a call taking a little more
     when = "while the load ran" if covered else "only after the load had ended"
     figures.lines.append(
-        f"rollout under load: {result.requests} requests, {said}; every replica on revision 2 "
-        f"{done - changed_at[0]:.1f} s after the change, {when}"
+        f"rollout under load: {result.requests} requests, {said}; traffic on revision 2 (the old "
+        f"replica draining) {done - changed_at[0]:.1f} s after the change, {when}"
     )
     figures.lines.append(f"  {result.row()}")
     label = "rollout under load: failed requests" + ("" if covered else " (switch not covered)")
@@ -373,18 +383,21 @@ def rollout(
 
 def cold(stack: Stack, args: argparse.Namespace, scratch: Path, figures: Figures) -> None:
     autoscale = {"min": 0, "max": 1, "target_in_flight": 8, "idle_seconds": args.idle_seconds}
-    service = deploy(stack, "mlp-cold", autoscale=autoscale)
+    # Not waited for: with no request yet it may scale to zero before it is ever healthy.
+    service = deploy(stack, "mlp-cold", wait=False, autoscale=autoscale)
     service_id = service["service_id"]
     headers = token_file(stack, service_id, scratch)
     body = bodies(scratch, SMALL[0], 1, "small")["binary"]
-    wait_gateway(stack, "mlp-cold", headers, body, 60)  # warm once: the weights are cached
+    started_at = time.monotonic()
+    wait_gateway(stack, "mlp-cold", headers, body, 180)  # once: the node caches the weights
+    figures.lines.append(
+        f"scale from zero, the first start (weights fetched): answered after "
+        f"{time.monotonic() - started_at:.2f} s"
+    )
     try:
         wait_until(
-            lambda: (
-                not any(
-                    r["state"] in ("pending", "starting", "healthy")
-                    for r in stack.service(service_id)["replicas"]
-                )
+            lambda: all(  # drained and stopped: its model server no longer runs
+                replica["state"] == "stopped" for replica in stack.service(service_id)["replicas"]
             ),
             args.idle_seconds + 90,
             "scale to zero",
@@ -394,7 +407,10 @@ def cold(stack: Stack, args: argparse.Namespace, scratch: Path, figures: Figures
     started_at = time.monotonic()
     status, _ = gateway_infer(stack, "mlp-cold", headers, body, 180)
     seconds = time.monotonic() - started_at
-    figures.lines.append(f"scale from zero: first request answered {status} in {seconds:.2f} s")
+    figures.lines.append(
+        f"scale from zero, weights cached: the first request after {args.idle_seconds} s idle "
+        f"answered {status} in {seconds:.2f} s"
+    )
     figures.targets.append(
         target(
             "scale from zero to the first answer, s",
@@ -416,11 +432,15 @@ def kill(stack: Stack, args: argparse.Namespace, scratch: Path, figures: Figures
     wait_gateway(stack, "mlp-pair", headers, body, 60)
     victim = stack.nodes[-1]
 
+    killed: list[subprocess.Popen[bytes]] = []
+
     def sigkill() -> str:
-        kill_node(victim)
+        killed.extend(kill_node(victim))
         return f"node {victim.root.name}'s agent and worker killed (SIGKILL)"
 
     result, said = under_load(stack, args, scratch, headers, "mlp-pair", sigkill)
+    for process in killed:
+        process.wait(timeout=20)
     figures.lines.append(f"node killed under load: {result.requests} requests, {said}")
     figures.lines.append(f"  {result.row()}")
     figures.targets.append(
@@ -438,7 +458,7 @@ def run(args: argparse.Namespace) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     figures, ran, not_run = Figures(), [], {}
     try:
-        with started(scratch, 2 if "kill" in chosen else 1) as stack:
+        with started(scratch, 2 if "kill" in chosen else 1, args.drain_seconds) as stack:
             register_models(stack)
             compared: str | None = None
             for part in chosen:
@@ -483,6 +503,9 @@ def main() -> int:
     parser.add_argument("--event-duration", type=int, default=30, help="rollout/kill load, s")
     parser.add_argument("--event-connections", type=int, default=4)
     parser.add_argument("--idle-seconds", type=int, default=10, help="autoscale's, for cold")
+    parser.add_argument(
+        "--drain-seconds", type=float, default=30, help="MODELFORGE_SERVICE_DRAIN_SECONDS"
+    )
     return run(parser.parse_args())
 
 

@@ -1,6 +1,7 @@
 """`bench/gateway.py` (issue 27) at a tiny size: a real control plane, two nodes (agents and
 runtime workers), `wrk` direct to a replica and through the gateway with an access token, a
-rollout and a node killed under load through the gateway. The run must measure every part it
+rollout and a node killed under load through the gateway, a
+request after a scale to zero. The run must measure every part it
 is given, answer every compared request 2xx and lose no request when the node dies; its timings
 are not held to the issue's targets here (a loaded CI machine): docs/performance.md has them."""
 
@@ -26,19 +27,23 @@ def test_the_gateway_bench_measures_each_part() -> None:
             sys.executable,
             str(BENCH),
             "--parts",
-            "compare,rollout,kill",
+            "compare,rollout,cold,kill",
             "--duration",
             "1",
             "--event-duration",
             "8",
+            "--idle-seconds",
+            "3",
+            "--drain-seconds",
+            "2",
         ],
         capture_output=True,
         text=True,
-        timeout=480,
+        timeout=280,
     )
     out = run.stdout
     assert run.returncode == 0, out + run.stderr[-4000:]
-    assert "parts run: compare, rollout, kill" in out, out
+    assert "parts run: compare, rollout, cold, kill" in out, out
     rows = re.findall(r"^(direct|gateway)\s+small http (binary|json)\s+(\d)\s+wrk\s.*$", out, re.M)
     assert sorted(rows) == sorted(
         (route, kind, conns)
@@ -51,4 +56,5 @@ def test_the_gateway_bench_measures_each_part() -> None:
     )
     assert killed is not None and int(killed[1]) > 0 and killed[2] == "0", out
     assert re.search(r"^rollout under load: \d+ requests, model changed to mlp@2", out, re.M), out
+    assert re.search(r"weights cached: the first request after 3 s idle answered 200 in", out), out
     assert "8 conns binary: p50 added by the gateway, ms" in out, out
