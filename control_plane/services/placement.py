@@ -128,9 +128,13 @@ def _place_one(
     carrying = [row for row in online if labels_match(shape.labels, dict(row.labels or {}))]
     others = [row for row in online if row not in carrying] if shape.prefer else []
     # Its siblings' nodes last: a node of its own where one fits, else another GPU of theirs.
+    # Siblings of its own revision count first: during a rollout the old revision's replicas
+    # hold every node, and counting them alike would put the new ones together.
     copies = replicas.of_service(session, service_id)
-    taken = {copy.node_id for copy in copies if copy.node_id and copy.state in DEPLOYED}
-    candidates = sorted(carrying + others, key=lambda row: row.id in taken)
+    placed = [copy for copy in copies if copy.node_id and copy.state in DEPLOYED]
+    same = {copy.node_id for copy in placed if copy.revision == replica.revision}
+    taken = {copy.node_id for copy in placed}
+    candidates = sorted(carrying + others, key=lambda row: (row.id in same, row.id in taken))
     request = Request.of(service.resources)
     for row in candidates:
         # The node's row lock: a job batch holding it finishes first, then its jobs count.

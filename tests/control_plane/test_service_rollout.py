@@ -115,6 +115,27 @@ def test_a_change_rolls_out_new_replicas_before_the_old_ones_drain_and_stop(
         assert _patch(cp, sid, {"env": {"MODE": "newer"}})["revision"] == 3
 
 
+def test_a_rollouts_new_replicas_take_distinct_nodes_beside_the_old_ones(
+    tmp_path: Path, database_url: str
+) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        service, nodes = _deployed_healthy(cp)
+        sid = service["service_id"]
+        old_nodes = {r["node_id"] for r in _service(cp, sid)["replicas"]}
+        assert len(old_nodes) == 2  # one old replica on each node, holding both
+
+        _patch(cp, sid, {"env": {"MODE": "new"}})
+        assert place_services(cp.ctx) == 2
+        placed = _service(cp, sid)["replicas"]
+        new_nodes = [r["node_id"] for r in placed if r["revision"] == 2]
+        # Spread by their own revision: one per node, as the old ones were.
+        assert sorted(new_nodes) == sorted(old_nodes), placed
+        # Each node is told to run one of each revision.
+        for node in nodes:
+            modes = sorted(spec["env"]["MODE"] for spec in _running(cp, node).values())
+            assert modes == ["new", "old"], (node["node_id"], placed)
+
+
 def test_a_failing_new_replica_stops_the_rollout_and_the_old_ones_keep_serving(
     tmp_path: Path, database_url: str
 ) -> None:
