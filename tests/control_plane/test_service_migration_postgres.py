@@ -78,7 +78,9 @@ def test_a_placed_service_becomes_its_replica_0_on_postgresql(empty_postgres: st
                 "FROM service_replicas ORDER BY service_id"
             )
         ).all()
-        states = dict(connection.execute(text("SELECT id, state FROM services")).all())
+        states: dict[str, str] = dict(
+            connection.execute(text("SELECT id, state FROM services")).tuples().all()
+        )
         revisions = connection.execute(
             text("SELECT service_id, revision, spec FROM service_revisions ORDER BY service_id")
         ).all()
