@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from typing import Any
@@ -44,6 +45,9 @@ MAX_STREAMS = 256
 KEEPALIVE_SECONDS = 10.0
 #: A tunnel silent this long is dropped (by the control plane; the agent's pings time out too).
 IDLE_TIMEOUT = 30.0
+#: WebSocket close codes either side ends a tunnel with for a broken protocol, or going away.
+CLOSE_PROTOCOL = 1002
+CLOSE_GOING_AWAY = 1001
 #: A window never grows past this (RFC 9113's limit, for the same reason: it fits in 31 bits).
 _MAX_WINDOW = 2**31 - 1
 _HEAD = struct.Struct(">BI")
@@ -96,6 +100,15 @@ class ResetCode(StrEnum):
 class TunnelProtocolError(ValueError):
     """A frame that breaks this module's rules; the tunnel (or the stream) is reset."""
 
+    #: What a stream is reset with for it.
+    code: str = ResetCode.PROTOCOL_ERROR
+
+
+class FlowControlError(TunnelProtocolError):
+    """DATA past the stream's window."""
+
+    code = ResetCode.FLOW_CONTROL
+
 
 @dataclass(frozen=True)
 class Frame:
@@ -132,6 +145,11 @@ def keepalive() -> bytes:
 
 def window(stream: int, increment: int) -> bytes:
     return encode(FrameType.WINDOW, stream, _U32.pack(increment))
+
+
+def reset_frame(stream: int, code: str, message: str) -> bytes:
+    """A RESET frame: `stream` is over in both directions, for `code`."""
+    return encode(FrameType.RESET, stream, Reset(code, message).to_payload())
 
 
 def parse_window(payload: bytes) -> int:
@@ -269,6 +287,21 @@ class SendWindow:
         self._granted.set()
 
 
+async def send_data(
+    send: Callable[[bytes], Awaitable[None]], stream: int, data: bytes, window: SendWindow
+) -> bool:
+    """`data` as DATA frames on `stream`, each as large as `window` lets (at most
+    `MAX_PAYLOAD`); False when the window closed before all of it went (the stream is over)."""
+    view = memoryview(data)
+    while view:
+        taken = await window.take(min(len(view), MAX_PAYLOAD))
+        if not taken:
+            return False
+        await send(encode(FrameType.DATA, stream, bytes(view[:taken])))
+        view = view[taken:]
+    return True
+
+
 class ReceiveWindow:
     """What the peer may still send on a stream, and when to grant it more: once the reader has
     consumed half the initial window, all of it is granted back at once (fewer WINDOW frames)."""
@@ -283,9 +316,9 @@ class ReceiveWindow:
         self.peak = 0
 
     def received(self, size: int) -> None:
-        """DATA of `size` bytes arrived; `TunnelProtocolError` past the window."""
+        """DATA of `size` bytes arrived; `FlowControlError` past the window."""
         if size > self.remaining:
-            raise TunnelProtocolError("DATA past the stream's window")
+            raise FlowControlError("DATA past the stream's window")
         self.remaining -= size
         self.buffered += size
         self.peak = max(self.peak, self.buffered)

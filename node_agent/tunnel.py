@@ -33,6 +33,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus, WebSocketException
 
 from modelforge_contracts.tunnel import (
+    CLOSE_GOING_AWAY,
+    CLOSE_PROTOCOL,
     IDLE_TIMEOUT,
     KEEPALIVE_SECONDS,
     MAX_PAYLOAD,
@@ -41,7 +43,6 @@ from modelforge_contracts.tunnel import (
     FrameType,
     OpenRequest,
     ReceiveWindow,
-    Reset,
     ResetCode,
     ResponseHead,
     SendWindow,
@@ -51,6 +52,8 @@ from modelforge_contracts.tunnel import (
     forwarded,
     keepalive,
     parse_window,
+    reset_frame,
+    send_data,
     window,
 )
 
@@ -235,7 +238,7 @@ class _Session:
                 await self._dispatch(message)
         except TunnelProtocolError as exc:
             log.warning("the control plane broke the tunnel's protocol (%s); reconnecting", exc)
-            await self._websocket.close(1002, "protocol error")
+            await self._websocket.close(CLOSE_PROTOCOL, "protocol error")
         except WebSocketException:
             pass  # closed: the caller reconnects
         finally:
@@ -254,7 +257,7 @@ class _Session:
     async def _watch_stop(self) -> None:
         while not self._client._stop.is_set():
             await asyncio.sleep(0.2)
-        await self._websocket.close(1001, "the agent is stopping")
+        await self._websocket.close(CLOSE_GOING_AWAY, "the agent is stopping")
 
     async def _dispatch(self, message: bytes) -> None:
         frame = decode(message)
@@ -267,21 +270,19 @@ class _Session:
         try:
             forward.on_frame(frame.kind, frame.payload)
         except TunnelProtocolError as exc:
-            code = ResetCode.FLOW_CONTROL if "window" in str(exc) else ResetCode.PROTOCOL_ERROR
-            await forward.reset(code, str(exc))
+            await forward.reset(exc.code, str(exc))
 
     async def _open(self, stream_id: int, payload: bytes) -> None:
         if stream_id in self._streams:
             raise TunnelProtocolError("an OPEN for a stream that is open")
         if len(self._streams) >= self._client.max_streams:
-            reset = Reset(ResetCode.TOO_MANY_STREAMS, f"{self._client.max_streams} streams open")
-            await self.send_quietly(encode(FrameType.RESET, stream_id, reset.to_payload()))
+            message = f"{self._client.max_streams} streams open"
+            await self.send_quietly(reset_frame(stream_id, ResetCode.TOO_MANY_STREAMS, message))
             return
         try:
             request = OpenRequest.from_payload(payload)
         except TunnelProtocolError as exc:
-            reset = Reset(ResetCode.PROTOCOL_ERROR, str(exc))
-            await self.send_quietly(encode(FrameType.RESET, stream_id, reset.to_payload()))
+            await self.send_quietly(reset_frame(stream_id, ResetCode.PROTOCOL_ERROR, str(exc)))
             return
         forward = _Forward(self, stream_id, request)
         self._streams[stream_id] = forward
@@ -342,8 +343,7 @@ class _Forward:
             return
         self._session.forget(self.id)
         self.cancel()
-        reset = Reset(code, message)
-        await self._session.send_quietly(encode(FrameType.RESET, self.id, reset.to_payload()))
+        await self._session.send_quietly(reset_frame(self.id, code, message))
 
     async def _body(self, first: bytes) -> AsyncIterator[bytes]:
         chunk: bytes | None = first
@@ -395,13 +395,8 @@ class _Forward:
                 )
 
     async def _send_data(self, piece: bytes) -> None:
-        view = memoryview(piece)
-        while view:
-            taken = await self._send_window.take(min(len(view), MAX_PAYLOAD))
-            if not taken:
-                raise _Closed("the stream was reset")
-            await self._session.send(encode(FrameType.DATA, self.id, bytes(view[:taken])))
-            view = view[taken:]
+        if not await send_data(self._session.send, self.id, piece, self._send_window):
+            raise _Closed("the stream was reset")
 
 
 class _Closed(Exception):

@@ -36,8 +36,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from control_plane.clock import Clock
 from control_plane.models import GatewayTunnel
 from modelforge_contracts.tunnel import (
+    CLOSE_GOING_AWAY,
+    CLOSE_PROTOCOL,
     IDLE_TIMEOUT,
-    MAX_PAYLOAD,
     MAX_STREAMS,
     FrameType,
     Headers,
@@ -51,6 +52,8 @@ from modelforge_contracts.tunnel import (
     decode,
     encode,
     parse_window,
+    reset_frame,
+    send_data,
     window,
 )
 
@@ -61,8 +64,6 @@ _WATCH_EVERY = 0.5
 CLOSE_REVOKED = 4401
 CLOSE_REPLACED = 4409
 CLOSE_IDLE = 4408
-CLOSE_PROTOCOL = 1002
-CLOSE_GOING_AWAY = 1001
 
 
 class TunnelUnavailable(Exception):
@@ -110,15 +111,9 @@ class Stream:
 
     async def send(self, data: bytes) -> None:
         """A piece of the request body, sent as the agent's window allows."""
-        view = memoryview(data)
-        while view:
+        if not await send_data(self._tunnel.send, self.id, data, self._send_window):
+            # Reset, or else the answer is complete: the agent reads no more of the request.
             self._raise_if_reset()
-            taken = await self._send_window.take(min(len(view), MAX_PAYLOAD))
-            self._raise_if_reset()
-            if not taken:
-                return  # the answer is complete: the agent reads no more of the request
-            await self._tunnel.send(encode(FrameType.DATA, self.id, bytes(view[:taken])))
-            view = view[taken:]
 
     async def end(self) -> None:
         """The request body is complete."""
@@ -149,9 +144,7 @@ class Stream:
         if self._reset is not None:
             return
         self._ended(StreamReset(code, message))
-        await self._tunnel.send_quietly(
-            encode(FrameType.RESET, self.id, Reset(code, message).to_payload())
-        )
+        await self._tunnel.send_quietly(reset_frame(self.id, code, message))
 
     def _raise_if_reset(self) -> None:
         if self._reset is not None:
@@ -263,8 +256,7 @@ class Tunnel:
             try:
                 stream._on_frame(frame.kind, frame.payload)
             except TunnelProtocolError as exc:
-                code = ResetCode.FLOW_CONTROL if "window" in str(exc) else ResetCode.PROTOCOL_ERROR
-                await stream.reset(code, str(exc))
+                await stream.reset(exc.code, str(exc))
 
     def close_streams(self, message: str) -> None:
         self.closed = True
