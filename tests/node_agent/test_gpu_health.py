@@ -233,7 +233,7 @@ def test_a_fault_judged_then_a_reset_healthy_again(
 ) -> None:
     faults = FaultInjector(tmp_path / "nvml-control")
     faults.ecc(1, "corrected", "volatile", 10)  # read from the start: growth is measured from it
-    options = {"throttle_window": 0.5, "corrected_ecc_threshold": 100}
+    options: dict[str, Any] = {"throttle_window": 0.5, "corrected_ecc_threshold": 100}
     with watching(fake_nvml_dir, tmp_path, **options) as watch:
         watch.first()
         inject(watch.faults)
@@ -323,29 +323,7 @@ def test_the_agent_reports_gpu_health_at_once_and_again(
     """A whole agent on the substitute's two GPUs: the first report once the watch read them,
     the XID's report within a second, the body as the contract says."""
 
-    def respond(request: Recorded) -> Answer:
-        if request.path == ENROLL:
-            return 200, ENROLLED
-        if request.path == CLAIM:
-            return no_work(request)
-        if request.path == GPU_HEALTH:
-            return 200, {"accepted": True}
-        return 200, {}
-
-    control = tmp_path / "nvml-control"
-    control.touch()
-    server = RecordingServer(respond=respond).start()
-    env = agent_env(
-        tmp_path / "state",
-        url=server.url,
-        mode="nvidia",
-        nvml_dir=fake_nvml_dir,
-        MODELFORGE_AGENT_GPU_HEALTH_POLL_SECONDS="0.2",
-        **{CONTROL_ENV: str(control)},
-    )
-    log = tmp_path / "agent.log"
-    agent = start_agent(env, log)
-    try:
+    with _health_agent(fake_nvml_dir, tmp_path, ENROLLED) as (server, control, log):
 
         def reports() -> list[Recorded]:
             return [r for r in list(server.requests) if r.path == GPU_HEALTH]
@@ -366,9 +344,6 @@ def test_the_agent_reports_gpu_health_at_once_and_again(
         assert gpus[0]["state"] == "healthy"
         assert gpus[1]["state"] == "unhealthy"
         assert gpus[1]["evidence"][0]["xid"] == 79
-    finally:
-        assert stop_agent(agent) == 0, log.read_text()
-        server.stop()
     assert "GPU 1 (GPU-66666666-7777-8888-9999-000000000000) is now unhealthy" in log.read_text()
 
 
@@ -413,38 +388,15 @@ def test_the_agent_s_telemetry_goes_on_while_a_gpu_is_lost(
     heartbeat says which GPU gave none, the health report has GPU 1 unhealthy (lost); after a
     reset GPU 1's readings come back. No loop fails."""
 
-    def respond(request: Recorded) -> Answer:
-        if request.path == ENROLL:
-            return 200, dict(
-                ENROLLED, heartbeat_interval_seconds=0.2, telemetry_interval_seconds=0.2
-            )
-        if request.path == CLAIM:
-            return no_work(request)
-        if request.path == GPU_HEALTH:
-            return 200, {"accepted": True}
-        return 200, {}
+    enrolled = dict(ENROLLED, heartbeat_interval_seconds=0.2, telemetry_interval_seconds=0.2)
+    with _health_agent(fake_nvml_dir, tmp_path, enrolled) as (server, control, log):
 
-    control = tmp_path / "nvml-control"
-    control.touch()
-    server = RecordingServer(respond=respond).start()
-    env = agent_env(
-        tmp_path / "state",
-        url=server.url,
-        mode="nvidia",
-        nvml_dir=fake_nvml_dir,
-        MODELFORGE_AGENT_GPU_HEALTH_POLL_SECONDS="0.2",
-        **{CONTROL_ENV: str(control)},
-    )
-    log = tmp_path / "agent.log"
-    agent = start_agent(env, log)
+        def bodies(path: str) -> list[dict[str, Any]]:
+            return [json.loads(r.body) for r in list(server.requests) if r.path == path]
 
-    def bodies(path: str) -> list[dict[str, Any]]:
-        return [json.loads(r.body) for r in list(server.requests) if r.path == path]
+        def telemetry_where(accept: Callable[[list[dict[str, Any]]], bool]) -> bool:
+            return any(accept(body["gpus"]) for body in bodies(TELEMETRY))
 
-    def telemetry_where(accept: Callable[[list[dict[str, Any]]], bool]) -> bool:
-        return any(accept(body["gpus"]) for body in bodies(TELEMETRY))
-
-    try:
         wait_until(lambda: bodies(GPU_HEALTH), 30, "the first GPU health report")
         FaultInjector(control).lose(1)
         wait_until(
@@ -483,7 +435,41 @@ def test_the_agent_s_telemetry_goes_on_while_a_gpu_is_lost(
             10,
             "GPU 1's readings back",
         )
+    assert "unexpected error" not in log.read_text()
+
+
+@contextmanager
+def _health_agent(
+    fake_nvml_dir: Path, tmp_path: Path, enrolled: dict[str, Any]
+) -> Iterator[tuple[RecordingServer, Path, Path]]:
+    """A whole agent on the substitute's GPUs (their health read every 0.2 s) against a
+    recording control plane that answers its enrolment with `enrolled`: the server, the
+    substitute's control file and the agent's log; at the end the agent stops (exit 0)."""
+
+    def respond(request: Recorded) -> Answer:
+        if request.path == ENROLL:
+            return 200, enrolled
+        if request.path == CLAIM:
+            return no_work(request)
+        if request.path == GPU_HEALTH:
+            return 200, {"accepted": True}
+        return 200, {}
+
+    control = tmp_path / "nvml-control"
+    control.touch()
+    server = RecordingServer(respond=respond).start()
+    env = agent_env(
+        tmp_path / "state",
+        url=server.url,
+        mode="nvidia",
+        nvml_dir=fake_nvml_dir,
+        MODELFORGE_AGENT_GPU_HEALTH_POLL_SECONDS="0.2",
+        **{CONTROL_ENV: str(control)},
+    )
+    log = tmp_path / "agent.log"
+    agent = start_agent(env, log)
+    try:
+        yield server, control, log
     finally:
         assert stop_agent(agent) == 0, log.read_text()
         server.stop()
-    assert "unexpected error" not in log.read_text()
