@@ -85,13 +85,7 @@ def test_json_report_names_each_gpu_and_the_inference(fake_nvml_dir: Path, tmp_p
 
 def test_xid_79_on_gpu_1_fails_naming_it(fake_nvml_dir: Path, tmp_path: Path) -> None:
     control = tmp_path / "control"
-    process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--seconds", INJECT_SECONDS, "--provider", CPU, "--json"],
-        env=_env(fake_nvml_dir, control),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process = _start_injectable(fake_nvml_dir, control)
     progress = _until_watching(process)
     # The watcher's event set is registered now: an XID from here on reaches it.
     FaultInjector(control).xid(1, 79)
@@ -115,13 +109,7 @@ def test_xid_79_on_gpu_1_fails_naming_it(fake_nvml_dir: Path, tmp_path: Path) ->
 
 def test_application_xids_are_counted_and_pass(fake_nvml_dir: Path, tmp_path: Path) -> None:
     control = tmp_path / "control"
-    process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--seconds", INJECT_SECONDS, "--provider", CPU, "--json"],
-        env=_env(fake_nvml_dir, control),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process = _start_injectable(fake_nvml_dir, control)
     _until_watching(process)
     injector = FaultInjector(control)
     for _ in range(5):
@@ -156,6 +144,17 @@ def test_a_failed_preflight_fails_with_its_code(fake_nvml_dir: Path, tmp_path: P
     assert done.returncode == 1, done.stdout + done.stderr
     assert _last_line(done.stdout).startswith(
         "device-check: FAILED: preflight NVIDIA_NVML_UNAVAILABLE: "
+    )
+
+
+def _start_injectable(nvml_dir: Path, control: Path) -> subprocess.Popen[str]:
+    """The check on the CPU for `INJECT_SECONDS`, answering JSON, its faults through `control`."""
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--seconds", INJECT_SECONDS, "--provider", CPU, "--json"],
+        env=_env(nvml_dir, control),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
