@@ -78,9 +78,10 @@ def test_a_placed_service_becomes_its_replica_0_on_postgresql(empty_postgres: st
                 "FROM service_replicas ORDER BY service_id"
             )
         ).all()
-        states: dict[str, str] = dict(
-            connection.execute(text("SELECT id, state FROM services")).tuples().all()
-        )
+        states: dict[str, str] = {
+            service_id: state
+            for service_id, state in connection.execute(text("SELECT id, state FROM services"))
+        }
         revisions = connection.execute(
             text("SELECT service_id, revision, spec FROM service_revisions ORDER BY service_id")
         ).all()
