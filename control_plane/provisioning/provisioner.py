@@ -6,7 +6,8 @@ Every few seconds, in a thread, never holding a transaction across an SSH call:
   answer: no node with its labels, none online, none large enough, no room) and a profile carries
   its labels and has the resources it asks for → a request for that profile, unless one is
   outstanding (`submitting`/`pending`: a partial unique index keeps it to one per profile across
-  replicas) or the profile's last request failed less than a minute ago.
+  replicas), one attached less than `_SETTLING` ago (its node may not look online yet where the
+  waiting reasons are read), or the profile's last request failed less than a minute ago.
 - **submit**: in one transaction a node is created for the agent-to-be (labels = the profile's)
   with a credential the provisioner issues, valid 24 h (CR-3); then over SSH the credential goes
   to a 0600 file on the cluster and `sbatch` gets the job script (control_plane.provisioning.slurm).
@@ -62,6 +63,13 @@ OUTSTANDING = ("submitting", "pending")
 #: Waiting reasons a new node of a fitting profile would answer.
 _NEEDS_A_NODE = {"NO_NODES", "NO_MATCHING_NODE", "NODES_OFFLINE", "TOO_LARGE", "NO_ROOM"}
 _RETRY_AFTER_FAILURE = timedelta(seconds=60)
+#: How long a request that attached still counts as busy. Its round attaches it from the node's
+#: live heartbeat, but the waiting reasons come from the scheduler's fleet view, up to
+#: `fleet_view.MAX_AGE_SECONDS` old (and on another replica the heartbeat reaches the database
+#: only at its next flush, up to a second): there the node may still look offline, a reason a
+#: new node would answer, and a second node would be asked for. Its agent then reports its
+#: inventory and claims the work within a few seconds.
+_SETTLING = timedelta(seconds=10)
 #: How many queued jobs' shapes one round looks at.
 _SHAPES_FROM = 2000
 
@@ -197,6 +205,10 @@ class Provisioner:
                 for row in session.execute(
                     select(ProvisionRequest.provisioner, ProvisionRequest.profile).where(
                         ProvisionRequest.state.in_(OUTSTANDING)
+                        | (
+                            (ProvisionRequest.state == "attached")
+                            & (ProvisionRequest.attached_at > now - _SETTLING)
+                        )
                         | (
                             (ProvisionRequest.state == "failed")
                             & (ProvisionRequest.ended_at > now - _RETRY_AFTER_FAILURE)
