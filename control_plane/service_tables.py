@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Table
+from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Table, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from control_plane.table_base import Base
@@ -20,7 +20,17 @@ class Service(Base):
     for, which the nodes' agents act on."""
 
     __tablename__ = "services"
-    __table_args__ = (Index("ix_services_state", "state"),)
+    __table_args__ = (
+        Index("ix_services_state", "state"),
+        # The gateway reaches a service by its name: one deployed service per name (0016).
+        Index(
+            "uq_services_deployed_name",
+            "name",
+            unique=True,
+            sqlite_where=text("state != 'stopped'"),
+            postgresql_where=text("state != 'stopped'"),
+        ),
+    )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     name: Mapped[str] = mapped_column(String(100))

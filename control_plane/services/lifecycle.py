@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from control_plane.artifacts.store import reference_artifacts
@@ -41,6 +42,11 @@ ONNX_HEALTH_PATH = "/v2/health/ready"
 
 
 def deploy(*, session: Session, clock: Clock, request: ServiceCreate) -> Service:
+    """A new service and its pending replicas. Its name is the gateway's address for it, so no
+    other deployed (not `stopped`) service may hold it (409 `SERVICE_NAME_TAKEN`)."""
+    taken = _holder_of(session, request.name)
+    if taken is not None:
+        raise _name_taken(request.name, taken)
     spec = resolve_spec(session=session, request=request)
     autoscale = request.autoscale.model_dump() if request.autoscale is not None else None
     count = request.replicas
@@ -61,12 +67,35 @@ def deploy(*, session: Session, clock: Clock, request: ServiceCreate) -> Service
         updated_at=now,
         next_event_seq=1,
     )
-    session.add(service)
-    session.flush()  # the service's row before its replicas' (their foreign key)
+    try:
+        # The row before its replicas' (their foreign key); two deploys of one name at once:
+        # the partial unique index (migration 0016) lets one win.
+        with session.begin_nested():
+            session.add(service)
+    except IntegrityError:
+        raise _name_taken(request.name, _holder_of(session, request.name)) from None
     replicas.start(session, service, now)
     record_event(session, service, now, "state", {"state": "pending"})
     session.flush()
     return service
+
+
+def _holder_of(session: Session, name: str) -> str | None:
+    """The id of the deployed service named `name`, if one is."""
+    return session.scalar(
+        select(Service.id).where(Service.name == name, Service.state != "stopped").limit(1)
+    )
+
+
+def _name_taken(name: str, holder: str | None) -> Conflict:
+    which = f"service {holder}" if holder else "another service"
+    undeploy = f"DELETE /api/v1/services/{holder or '<its id>'}"
+    return Conflict(
+        f"The name {name} is taken by {which}, which is deployed: the gateway reaches a "
+        f"service by its name, so two deployed services may not share one.",
+        f"Undeploy {which} ({undeploy}) first, or deploy this one under another name.",
+        code="SERVICE_NAME_TAKEN",
+    )
 
 
 def resolve_spec(*, session: Session, request: ServiceCreate) -> dict[str, Any]:
