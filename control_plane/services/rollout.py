@@ -212,7 +212,9 @@ def scale(session: Session, service: Service, now: datetime, want: int) -> None:
         session.add_all(added)
         copies += added
     else:
-        live.sort(key=lambda copy: (copy.state == "healthy", copy.ordinal))
+        # Retired first: those not serving, then the highest ordinals (the lowest stay, as a
+        # service's ordinals count up from 0).
+        live.sort(key=lambda copy: (copy.state == "healthy", -copy.ordinal))
         for copy in live[: len(live) - want]:
             retire(session, service, copy, now, "scaled down")
     replicas.summarise(session, service, now, copies)

@@ -210,11 +210,13 @@ def test_replicas_alone_scale_without_a_revision_and_bad_changes_change_nothing(
         assert grown["state"] == "degraded" or grown["state"] == "healthy"
 
         shrunk = _patch(cp, sid, {"replicas": 1})
-        # The pending one goes first, then a serving one drains.
-        states = sorted(r["state"] for r in shrunk["replicas"])
-        assert states == ["draining", "healthy"]
+        # The pending one goes first, then the serving one of the highest ordinal drains.
+        states = [(r["ordinal"], r["state"]) for r in shrunk["replicas"]]
+        assert states == [(0, "healthy"), (1, "draining")]
         advance_rollouts(cp.ctx)
-        assert [r["state"] for r in _service(cp, sid)["replicas"]] == ["healthy"]
+        assert [(r["ordinal"], r["state"]) for r in _service(cp, sid)["replicas"]] == [
+            (0, "healthy")
+        ]
 
         before = _service(cp, sid)
         bad = _patch(cp, sid, {"runner": "onnx"}, code=422)
