@@ -3,7 +3,8 @@
 - `change` (`PATCH /api/v1/services/{id}`): a change of what a replica runs (its model, weights,
   command, params, env, secrets, labels, resources, health, restart, serving settings) makes a
   new `service_revisions` row and starts a rollout to it; a change of `replicas` or `autoscale`
-  alone only scales (`scale`). One rollout at a time (409 `ROLLOUT_IN_PROGRESS`).
+  alone only scales (`scale`). One rollout at a time (409 `ROLLOUT_IN_PROGRESS`); a change of
+  `autoscale` alone is taken while one runs, its bounds applied to the count when it ends.
 - A rollout from revision N to N+1 surges: `replicas` new replicas of N+1 start at once (room
   for them is needed beside the old ones); the old ones keep serving meanwhile. Once every new
   one is healthy and warm (`ready_at`), the old ones are drained (the gateway sends them no new
@@ -80,9 +81,13 @@ def change(
         if autoscale != service.autoscale:
             service.autoscale = autoscale
             record_event(session, service, now, "autoscale", {"settings": autoscale})
-    want = request.replicas if request.replicas is not None else service.replicas
-    if service.autoscale:
-        want = max(int(service.autoscale["min"]), min(int(service.autoscale["max"]), want))
+    service.updated_at = now
+    if in_progress(service):
+        # `autoscale` alone (anything else was refused above): its bounds apply when the
+        # rollout ends (`_end`), as the autoscaler's do; scaling now could retire the new
+        # revision's replicas before they are warm.
+        return service
+    want = _bounded(service, request.replicas if request.replicas is not None else None)
     if want != service.replicas:
         record_event(session, service, now, "scale", {"from": service.replicas, "to": want})
     if changes:
@@ -90,8 +95,15 @@ def change(
         _start(session, service, now, spec, deadline)
     elif want != service.replicas:
         scale(session, service, now, want)
-    service.updated_at = now
     return service
+
+
+def _bounded(service: Service, count: int | None) -> int:
+    """`count` (None: the service's `replicas`) within its autoscale bounds, if it has them."""
+    want = service.replicas if count is None else count
+    if service.autoscale:
+        want = max(int(service.autoscale["min"]), min(int(service.autoscale["max"]), want))
+    return want
 
 
 def _merged(service: Service, request: ServiceUpdate) -> ServiceCreate:
@@ -350,6 +362,8 @@ def _fail(
 
 
 def _end(session: Session, service: Service, now: datetime, state: str, why: str | None) -> None:
+    """The rollout ends `state`; then the service's count is brought within autoscale bounds
+    changed while it ran (a `scale` event)."""
     record = dict(service.rollout or {})
     record.update(state=state, ended_at=now.isoformat(), reason=why)
     service.rollout = record
@@ -357,6 +371,11 @@ def _end(session: Session, service: Service, now: datetime, state: str, why: str
     if why:
         data["reason"] = why
     record_event(session, service, now, "rollout", data)
+    want = _bounded(service, None)
+    if service.state != "stopped" and want != service.replicas:
+        scale_data = {"from": service.replicas, "to": want, "reason": "autoscale bounds"}
+        record_event(session, service, now, "scale", scale_data)
+        scale(session, service, now, want)
 
 
 def revision_specs(

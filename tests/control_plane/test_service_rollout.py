@@ -229,3 +229,45 @@ def test_replicas_alone_scale_without_a_revision_and_bad_changes_change_nothing(
         stopped = cp.client.delete(f"/api/v1/services/{sid}", headers=cp.admin)
         assert stopped.status_code == 200
         assert _patch(cp, sid, {"env": {}}, code=409)["error"]["code"] == "SERVICE_STOPPED"
+
+
+def test_autoscale_changed_during_a_rollout_applies_its_bounds_when_it_ends(
+    tmp_path: Path, database_url: str
+) -> None:
+    with control_plane(tmp_path, database_url, service_drain_seconds=5) as cp:
+        service, nodes = _deployed_healthy(cp)
+        sid = service["service_id"]
+        old_ids = {r["id"] for r in _service(cp, sid)["replicas"]}
+        _patch(cp, sid, {"env": {"MODE": "new"}})
+        # Taken, but the count waits for the rollout: none of its new replicas is retired.
+        bounds = {"min": 1, "max": 1, "target_in_flight": 4}
+        taken = _patch(cp, sid, {"autoscale": bounds})
+        assert taken["autoscale"]["max"] == 1 and taken["desired_replicas"] == 2
+        new_ids = {r["id"] for r in taken["replicas"]} - old_ids
+        assert len(new_ids) == 2
+        assert {r["state"] for r in taken["replicas"] if r["id"] in new_ids} == {"pending"}
+
+        assert place_services(cp.ctx) == 2
+        on_node = {rid: node for node in nodes for rid in _running(cp, node)}
+        for rid in new_ids:
+            _report(cp, on_node[rid], {rid: "healthy"})
+        assert advance_rollouts(cp.ctx) == 1
+        done = _service(cp, sid)
+        assert done["rollout"]["state"] == "succeeded" and done["desired_replicas"] == 1
+        # The old ones drain (replaced), and of the new ones the highest ordinal (scaled down).
+        states = {(r["revision"], r["ordinal"]): r["state"] for r in done["replicas"]}
+        assert states == {
+            (1, 0): "draining",
+            (1, 1): "draining",
+            (2, 0): "healthy",
+            (2, 1): "draining",
+        }
+        kinds = [(e["kind"], e["data"].get("state")) for e in _events(cp, sid)]
+        assert kinds.index(("rollout", "succeeded")) < kinds.index(("scale", None))
+        (scaled,) = [e["data"] for e in _events(cp, sid) if e["kind"] == "scale"]
+        assert scaled == {"from": 2, "to": 1, "reason": "autoscale bounds"}
+        cp.clock.advance(5)
+        advance_rollouts(cp.ctx)
+        assert [(r["revision"], r["state"]) for r in _service(cp, sid)["replicas"]] == [
+            (2, "healthy")
+        ]
