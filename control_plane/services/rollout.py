@@ -137,9 +137,8 @@ def _merged(service: Service, request: ServiceUpdate) -> ServiceCreate:
     for name in given - set(_SCALING):
         value = getattr(request, name)
         body[name] = value.model_dump() if hasattr(value, "model_dump") else value
-    if body["command"] is not None:
-        body.pop("batching", None)
-        body.pop("instances", None)
+    # `batching` or `instances` given to a service that runs a command is refused below, never
+    # dropped (beside a `command` in the change itself the schema refuses them, as on deploy).
     try:
         return ServiceCreate.model_validate(body)
     except ValidationError as exc:

@@ -104,6 +104,12 @@ class ServiceAutoscale(StrictModel):
 ReplicaCount = Annotated[int, Field(ge=1, le=16, strict=True)]
 
 
+#: The refusal of `batching` or `instances` beside a `command`, deploy's and a change's alike.
+SERVING_OPTIONS_NOT_FOR_A_COMMAND = (
+    "batching and instances are the onnx runner's; not for a command"
+)
+
+
 class ServiceCreate(StrictModel):
     name: Name
     #: argv; `{weights}` becomes the local path of the weights, `{port}` a free port.
@@ -144,7 +150,7 @@ class ServiceCreate(StrictModel):
         if len(set(self.secrets)) != len(self.secrets):
             raise ValueError("secrets must not name a secret twice")
         if self.command is not None and (self.batching, self.instances) != (None, None):
-            raise ValueError("batching and instances are the onnx runner's; not for a command")
+            raise ValueError(SERVING_OPTIONS_NOT_FOR_A_COMMAND)
         return self
 
 
@@ -183,6 +189,8 @@ class ServiceUpdate(StrictModel):
                 "model",
             ):
                 raise ValueError(f"{name} must not be null")
+        if self.command is not None and (self.batching, self.instances) != (None, None):
+            raise ValueError(SERVING_OPTIONS_NOT_FOR_A_COMMAND)
         return self
 
 

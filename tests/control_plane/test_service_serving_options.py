@@ -97,7 +97,7 @@ def test_serving_options_are_the_onnx_runners_and_a_models_are_checked_too(
         refused = cp.client.post("/api/v1/services", headers=cp.admin, json=command)
         assert refused.status_code == 422 and "onnx runner" in refused.text
         weights = _upload(cp, b"onnx weights")
-        model = {"name": "m", "version": "1", "weights": weights}
+        model: dict[str, Any] = {"name": "m", "version": "1", "weights": weights}
         model["params"] = {"batching": {"max_batch_size": "lots"}}
         assert cp.client.post("/api/v1/models", headers=cp.admin, json=model).status_code == 201
         deployed = cp.client.post(
@@ -115,6 +115,36 @@ def test_serving_options_are_the_onnx_runners_and_a_models_are_checked_too(
         assert overridden.status_code == 201, overridden.text  # the service's own wins
         assert overridden.json()["batching"]["max_batch_size"] == 8
         assert len(cp.client.get("/api/v1/services", headers=cp.admin).json()) == 1
+
+
+def test_a_change_to_a_command_with_serving_options_is_refused_as_a_deploy_is(
+    tmp_path: Path, database_url: str
+) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        command = ["serve", "{port}"]
+        deploy = {"name": "web", "command": command, "instances": 2}
+        refused = cp.client.post("/api/v1/services", headers=cp.admin, json=deploy)
+        assert refused.status_code == 422, refused.text
+        weights = _upload(cp, b"onnx weights")
+        onnx = {"name": "web", "runner": "onnx", "weights": weights, "batching": BATCHING}
+        created = cp.client.post("/api/v1/services", headers=cp.admin, json=onnx)
+        assert created.status_code == 201, created.text
+        url = f"/api/v1/services/{created.json()['service_id']}"
+        for extra in ({"instances": 2}, {"batching": BATCHING}):
+            changed = cp.client.patch(url, headers=cp.admin, json={"command": command, **extra})
+            # Deploy's refusal, code and message, never the serving options dropped.
+            assert changed.status_code == 422, changed.text
+            assert changed.json() == refused.json()
+        moved = cp.client.patch(url, headers=cp.admin, json={"command": command})
+        assert moved.status_code == 200, moved.text  # the options go with the onnx runner
+        assert moved.json()["batching"] is None and moved.json()["revision"] == 2
+        # Now a command service: the options alone would make it invalid; nothing changes.
+        alone = cp.client.patch(url, headers=cp.admin, json={"instances": 2})
+        assert alone.status_code == 422, alone.text
+        error = alone.json()["error"]
+        assert error["code"] == "INVALID_SERVICE_UPDATE" and "onnx runner" in error["message"]
+        after = cp.client.get(url, headers=cp.admin).json()
+        assert after["revision"] == 2 and after["instances"] is None
 
 
 def test_the_worker_refuses_serving_options_it_cannot_take() -> None:
