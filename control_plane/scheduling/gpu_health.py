@@ -23,8 +23,9 @@ def apply_report(
     """Record `report` of node `node_id`'s GPUs and stop the work on any it turns unhealthy;
     returns the GPUs whose state or rules state changed."""
     now = clock.now()
-    # Node, jobs, GPUs: the lock order of every writer (`fleet.gpu_health.lock_node`). Only a
-    # report with a GPU judged unhealthy can fail jobs, so only that one locks them.
+    # Node, jobs, GPUs, then the services on a failed GPU: the lock order of every writer
+    # (`fleet.gpu_health.lock_node`; a replica's placement locks a node before its service).
+    # Only a report with a GPU judged unhealthy can fail jobs, so only that one locks them.
     gpu_health.lock_node(session, node_id)
     if any(gpu.state == "unhealthy" for gpu in report.gpus):
         job_failures.lock_running(session, node_id=node_id)

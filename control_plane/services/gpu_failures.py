@@ -22,10 +22,11 @@ def replace_from_gpu(
     """Put back to `pending` every replica deployed on `node_id` that holds the GPU `uuid`,
     each with a state event saying `reason`; returns their services' ids."""
     moved: list[str] = []
+    # Their services are locked in id order, as the agents' sync locks a node's services.
     candidates = session.execute(
-        select(ServiceReplica.id, ServiceReplica.service_id, ServiceReplica.assigned_gpus).where(
-            ServiceReplica.node_id == node_id, ServiceReplica.state.in_(DEPLOYED)
-        )
+        select(ServiceReplica.id, ServiceReplica.service_id, ServiceReplica.assigned_gpus)
+        .where(ServiceReplica.node_id == node_id, ServiceReplica.state.in_(DEPLOYED))
+        .order_by(ServiceReplica.service_id, ServiceReplica.ordinal)
     ).all()
     for replica_id, service_id, gpus in candidates:
         if replicas.holds_gpu(gpus, uuid) and replicas.send_back(

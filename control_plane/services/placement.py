@@ -3,8 +3,9 @@
 Each replica of a service is placed like a job — labels (`require`/`prefer`), free resources,
 specific GPUs (SC-5: never one out of the schedule, degraded ones last), and the labels of its
 secrets — but it holds no claim slot: `place_pending` assigns pending replicas to nodes (one
-transaction each, under its service's row lock, the chosen node's row locked as a job batch
-locks it, so the two never over-commit a node), on a node none of its siblings is on where one
+transaction each; each node tried has its row locked as a job batch locks it, so the two never
+over-commit a node, and then the service's row: node before service, as a GPU report takes
+them), on a node none of its siblings is on where one
 fits, else beside them on other GPUs; from then on it holds its service's resources and its
 GPUs there (the scheduler's `free_capacity` counts them) until it is undeployed.
 
@@ -77,6 +78,8 @@ def _replace_lost(session: Session, clock: Clock, liveness: Liveness) -> None:
         .add_columns(Node.last_heartbeat_at)
         .outerjoin(Node, Node.id == ServiceReplica.node_id)
         .where(ServiceReplica.node_id.is_not(None), ServiceReplica.state.in_(DEPLOYED))
+        # Services locked in id order, as a GPU report and the agents' sync lock several.
+        .order_by(ServiceReplica.service_id, ServiceReplica.ordinal)
     ).all()
     for replica_id, service_id, node_id, last in rows:
         if node_id is None:
@@ -103,7 +106,8 @@ def _place_one(
     service_id: str,
     replica_id: str,
 ) -> int:
-    service = session.get(Service, service_id, with_for_update=True)
+    # Read unlocked: the candidates are chosen here, each tried under its locks (`_try_node`).
+    service = session.get(Service, service_id)
     replica = session.get(ServiceReplica, replica_id)
     if service is None or service.state == "stopped" or replica is None:
         return 0
@@ -135,20 +139,62 @@ def _place_one(
     same = {copy.node_id for copy in placed if copy.revision == replica.revision}
     taken = {copy.node_id for copy in placed}
     candidates = sorted(carrying + others, key=lambda row: (row.id in same, row.id in taken))
-    request = Request.of(service.resources)
     for row in candidates:
+        tried = _try_node(session, now, free_capacity, row, shape, service_id, replica_id)
+        if tried != _NO_ROOM:
+            return 1 if tried == _PLACED else 0
+    return 0
+
+
+#: What trying one node came to (`_try_node`).
+_PLACED, _NO_ROOM, _CHANGED = "placed", "no room", "changed"
+
+
+def _try_node(
+    session: Session,
+    now: Any,
+    free_capacity: FreeCapacity,
+    row: Any,
+    shape: Shape,
+    service_id: str,
+    replica_id: str,
+) -> str:
+    """Place the replica on node `row` if it fits. The node's row is locked first, then the
+    service's: the order of a GPU report (`scheduling.gpu_health`: the node, then the services
+    on a GPU it fails), which the other order let wait on a placement for good. In a savepoint,
+    so a node it does not fit releases both locks before the next is tried: this transaction
+    never holds a service while it waits for a node."""
+    savepoint = session.begin_nested()
+    try:
         # The node's row lock: a job batch holding it finishes first, then its jobs count.
         session.execute(select(Node.id).where(Node.id == row.id).with_for_update())
+        service = session.get(Service, service_id, with_for_update=True, populate_existing=True)
+        replica = session.get(ServiceReplica, replica_id, populate_existing=True)
+        if (
+            service is None
+            or service.state == "stopped"
+            or replica is None
+            or replica.state != "pending"
+            or shape_of(session, service) != shape
+        ):
+            savepoint.rollback()
+            return _CHANGED  # placed, stopped or changed meanwhile: the next round sees it
         free = free_capacity(session, {row.id: row.inventory})[row.id]
+        request = Request.of(service.resources)
         if not free.fits(request):
-            continue
+            savepoint.rollback()
+            return _NO_ROOM
         gpus = free.pick_gpus(request)
         replica.node_id, replica.assigned_gpus = row.id, gpus
         replica.placed_at = now
         replicas.set_state(session, service, replica, now, "starting", node_id=row.id, gpus=gpus)
-        replicas.summarise(session, service, now, copies)
-        return 1
-    return 0
+        replicas.summarise(session, service, now, replicas.of_service(session, service_id))
+        savepoint.commit()
+        return _PLACED
+    except BaseException:
+        if savepoint.is_active:
+            savepoint.rollback()
+        raise
 
 
 def waiting_reason(

@@ -15,7 +15,7 @@ from sqlalchemy import func, select, text
 
 from control_plane.background.service_placement import place_services
 from control_plane.jobs.reports import Outcome, complete_jobs
-from control_plane.models import GpuHealth, GpuHealthEvent, Job
+from control_plane.models import GpuHealth, GpuHealthEvent, Job, Service
 from tests.control_plane.test_gpu_assignment import _view
 from tests.control_plane.test_jobs import _claim, _node, _submit
 from tests.control_plane.test_metrics import _parse, _value
@@ -335,7 +335,7 @@ def test_a_report_and_the_check_s_completion_take_their_locks_in_one_order(
             completion.execute(text("SET LOCAL lock_timeout = '10s'"))
             completion.execute(select(Job.id).where(Job.id == check).with_for_update()).all()
             report = pool.submit(_report, cp, node, _gpu(node, 0), again)
-            _until_a_backend_waits_on_a_lock(cp)
+            _until_backends_wait_on_locks(cp, 1)
             outcome = Outcome(check, node["node_id"], "succeeded", {"ok": True}, {}, None)
             (problem,) = complete_jobs(session=completion, clock=cp.clock, outcomes=[outcome])
             assert problem is None
@@ -352,7 +352,47 @@ def test_a_report_and_the_check_s_completion_take_their_locks_in_one_order(
         assert kinds[-2:] == [("readmit", "healthy"), ("state", "unhealthy")]
 
 
-def _until_a_backend_waits_on_a_lock(cp: ControlPlane) -> None:
+def test_a_report_and_a_replica_s_placement_take_their_locks_in_one_order(
+    tmp_path: Path, pg_database_url: str
+) -> None:
+    """PostgreSQL. A report failing a GPU locks the node, then the services on that GPU; the
+    placement of a service's pending replica locks the node it tries, then the service. So a
+    placement and a report on one node, both held up behind a service's row (a sync, a
+    rollout step) while one of the service's replicas sits on the failing GPU and another
+    waits to be placed, never wait on each other: both commit. (Placement used to lock the
+    service first: once the row was free it waited for the node the report held, the report
+    for the service, and PostgreSQL aborted one.)"""
+    with control_plane(tmp_path, pg_database_url) as cp:
+        node = _node(cp, cpus=16, gpus=2)
+        sid = _deploy(cp, resources={"cpus": 1, "gpus": 1})["service_id"]
+        assert place_services(cp.ctx) == 1
+        (on_0,) = _service(cp, sid)["replicas"]
+        assert on_0["assigned_gpus"][0]["index"] == 0
+        scaled = cp.client.patch(f"/api/v1/services/{sid}", headers=cp.admin, json={"replicas": 2})
+        assert scaled.status_code == 200, scaled.text
+        assert [r["state"] for r in _service(cp, sid)["replicas"]] == ["starting", "pending"]
+
+        with cp.ctx.session_factory() as holder, ThreadPoolExecutor(2) as pool:
+            holder.execute(select(Service.id).where(Service.id == sid).with_for_update()).all()
+            placing = pool.submit(place_services, cp.ctx)
+            _until_backends_wait_on_locks(cp, 1)
+            report = pool.submit(_report, cp, node, _xid79(node, 0), _gpu(node, 1))
+            _until_backends_wait_on_locks(cp, 2)
+            holder.rollback()
+            assert placing.result(timeout=30) == 1
+            answered = report.result(timeout=30)
+        assert answered.status_code == 200, answered.text
+
+        # The pending replica went to GPU 1; the one on GPU 0 is pending again, off GPU 0.
+        by_ordinal = {r["ordinal"]: r for r in _service(cp, sid)["replicas"]}
+        assert by_ordinal[0]["state"] == "pending" and by_ordinal[0]["node_id"] is None
+        assert by_ordinal[1]["state"] == "starting"
+        assert [g["index"] for g in by_ordinal[1]["assigned_gpus"]] == [1]
+        row = _row(cp, node, 0)
+        assert row is not None and row.state == "unhealthy"
+
+
+def _until_backends_wait_on_locks(cp: ControlPlane, count: int) -> None:
     deadline = time.monotonic() + 10
     with cp.ctx.session_factory() as session:
         while time.monotonic() < deadline:
@@ -363,7 +403,7 @@ def _until_a_backend_waits_on_a_lock(cp: ControlPlane) -> None:
                 )
             )
             session.rollback()
-            if waiting:
+            if waiting is not None and waiting >= count:
                 return
             time.sleep(0.02)
-    raise AssertionError("the report never waited on the completion's lock")
+    raise AssertionError(f"{count} transactions never waited on a lock")
