@@ -45,11 +45,12 @@ class AgentSettings(PreflightSettings):
     """The agent's settings, each from `MODELFORGE_AGENT_<NAME>` (the artifact cache's from
     `MODELFORGE_ARTIFACT_CACHE*`).
 
-    `service_host` (`MODELFORGE_AGENT_SERVICE_HOST`, optional): the host name or IP address at
-    which others reach the services this node runs; the control plane builds each service's URL
-    from it and the service's port. Unset, the control plane uses the address it sees the agent
-    connect from. Only a host: no scheme, no port, no path, no spaces (an IPv6 address may be
-    given bare or in brackets).
+    `service_host` (`MODELFORGE_AGENT_SERVICE_HOST`, optional): turns on direct access to the
+    replicas this node runs, naming the host name or IP address at which others reach them: they
+    listen on every interface and the control plane builds each replica's URL from it and the
+    replica's port. Unset (the default), replicas listen on 127.0.0.1 only and are reached
+    through the gateway (the agent's tunnel). Only a host: no scheme, no port, no path, no
+    spaces (an IPv6 address may be given bare or in brackets).
     """
 
     control_plane_url: str

@@ -11,7 +11,10 @@ generation, has its weights fetched through the node's artifact cache and is han
 worker (`PUT /v1/services/{id}`, with the agent's socket and private paths as for a job); a
 service the worker runs that is not wanted is stopped (`DELETE`). Weights that cannot be fetched
 make the service `failed`, reported once with a `WEIGHTS_UNAVAILABLE` error event, and are tried
-again at the next poll.
+again at the next poll. Each is told where to listen (`host`): `127.0.0.1`, where the agent's
+tunnel reaches it, unless the node turned direct access on by naming its `service_host`
+(`MODELFORGE_AGENT_SERVICE_HOST`): then every interface, `0.0.0.0`, for clients that dial a
+replica's URL.
 
 It runs only while the control plane accepts the runtime worker (`worker_compatible`). A failed
 sync is logged once per streak and tried again; nothing is reconciled without both answers. A
@@ -55,6 +58,9 @@ _MAX_POLL_INTERVAL = 300.0
 _SERVICE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 #: A DELETE waits while the worker stops the service and everything it started.
 _WORKER_TIMEOUT = 60.0
+#: Where a service listens: this node only, or (direct access) every interface.
+LOOPBACK_HOST = "127.0.0.1"
+EVERY_INTERFACE = "0.0.0.0"  # noqa: S104 - only when the node turned direct access on
 #: What a report carries of a service's status, as the worker gives it.
 _REPORTED = ("service_id", "generation", "state", "port", "restarts", "last_exit", "log_tail")
 
@@ -118,6 +124,8 @@ class ServiceKeeper:
             self.worker_compatible.set()
         self.private_paths = list(private_paths or [])
         self.service_host = service_host
+        #: Direct access (a `service_host` named): replicas listen on every interface.
+        self.listen_host = EVERY_INTERFACE if service_host else LOOPBACK_HOST
         self.interval = DEFAULT_POLL_INTERVAL
         #: The worker process the event numbers below belong to (they start over with it).
         self._instance: str | None = None
@@ -323,6 +331,7 @@ class ServiceKeeper:
             "restart": spec.get("restart") or {},
             "agent_socket": str(self.agent_socket),
             "private_paths": self.private_paths,
+            "host": self.listen_host,
         }
         try:
             status, answer = self._worker("PUT", f"/v1/services/{service_id}", body)

@@ -1,6 +1,7 @@
 """The specification of a service (WL-5a) as `PUT /v1/services/{service_id}` gives it: parsed
-and checked into a `ServiceSpec` (its command, with the built-in `onnx` runner's filled in, its
-health check and its restart policy), or refused with `InvalidService`.
+and checked into a `ServiceSpec` (its command, with the built-in `onnx` runner's filled in, the
+address it listens on, its health check and its restart policy), or refused with
+`InvalidService`.
 
 It starts and supervises nothing (runtime_worker.services does). It must never show a secret:
 `env` and `secrets` are kept out of `repr()` and out of the messages it refuses with.
@@ -8,6 +9,7 @@ It starts and supervises nothing (runtime_worker.services does). It must never s
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import re
@@ -25,6 +27,9 @@ from runtime_worker.serving.policy import (
 )
 
 ONNX_HEALTH_PATH = "/v2/health/ready"
+#: Where a service listens unless its agent turned direct access on: this node only, where the
+#: agent's tunnel (and the worker's health probe) reach it.
+LOOPBACK_HOST = "127.0.0.1"
 _SERVICE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 
 
@@ -54,8 +59,9 @@ class RestartPolicy:
 
 @dataclass(frozen=True)
 class ServiceSpec:
-    """What to run, checked; `argv` has `{weights}` filled in, `{port}` and `{grpc_port}` still
-    to fill."""
+    """What to run, checked; `argv` has `{weights}` filled in, `{port}`, `{grpc_port}` and
+    `{host}` still to fill. `host` is the address it listens on (also in `HOST`): the agent's
+    choice, loopback unless the node turned direct access on."""
 
     service_id: str
     generation: int
@@ -70,6 +76,7 @@ class ServiceSpec:
     gpu_env: dict[str, str] = field(default_factory=dict)
     agent_socket: str | None = None
     private_paths: tuple[str, ...] = ()
+    host: str = LOOPBACK_HOST
 
     @classmethod
     def from_json(cls, body: Any, *, service_id: str) -> ServiceSpec:
@@ -104,6 +111,7 @@ class ServiceSpec:
         resources = body.get("resources") or {}
         if not isinstance(resources, dict):
             raise InvalidService("resources must be an object")
+        host = _host(body.get("host"))
         try:
             env = check_variables(body.get("env"), "env")
             secret_values = check_variables(body.get("secrets"), "secrets")
@@ -127,6 +135,7 @@ class ServiceSpec:
             gpu_env=gpu_env,
             agent_socket=agent_socket,
             private_paths=tuple(private_paths),
+            host=host,
         )
 
 
@@ -142,6 +151,8 @@ def onnx_argv(name: str) -> list[str]:
         "{port}",
         "--grpc-port",
         "{grpc_port}",
+        "--host",
+        "{host}",
         "--name",
         name,
     ]
@@ -187,6 +198,19 @@ def _argv(command: Any, runner: Any, name: str, weights_path: str | None) -> lis
     if weights_path is None:
         return list(command)
     return [arg.replace("{weights}", weights_path) for arg in command]
+
+
+def _host(value: Any) -> str:
+    """The address to listen on: an IP address (an agent before direct access sends none:
+    loopback)."""
+    if value is None:
+        return LOOPBACK_HOST
+    try:
+        return str(ipaddress.ip_address(value if isinstance(value, str) else ""))
+    except ValueError:
+        raise InvalidService(
+            "host must be the IP address to listen on, e.g. 127.0.0.1 or 0.0.0.0"
+        ) from None
 
 
 def _section(value: Any, name: str) -> dict[str, Any]:

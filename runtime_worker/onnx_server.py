@@ -3,7 +3,7 @@ Protocol (KServe v2 / Triton HTTP/REST, and KServe v2 gRPC with `--grpc-port`), 
 clients such as `tritonclient.http` and `tritonclient.grpc` work unchanged.
 
     python -m runtime_worker.onnx_server --model PATH --port N --name NAME [--grpc-port N]
-        [--host 0.0.0.0] [--max-concurrency N] [--max-request-bytes N] [--max-json-bytes N]
+        [--host 127.0.0.1] [--max-concurrency N] [--max-request-bytes N] [--max-json-bytes N]
         [--max-inflight-bytes N] [--instances N] [--cpus N] [--batching JSON]
 
 The runtime worker starts it for a deployed service (`runtime_worker.services`); unlike the
@@ -190,8 +190,9 @@ def parse_settings(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Se
     parser.add_argument("--port", type=int, required=True, help="TCP port (0: any free one)")
     parser.add_argument("--grpc-port", type=int, help="TCP port of the KServe v2 gRPC front")
     parser.add_argument("--name", required=True, help="the model's name in /v2/models/{name}")
-    # Every interface by default: the control plane reaches a service at the node's address.
-    parser.add_argument("--host", default="0.0.0.0")  # noqa: S104
+    # This node only by default: the gateway reaches a replica through its agent's tunnel on
+    # loopback; the worker passes 0.0.0.0 when the node turned direct access on.
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     parser.add_argument("--max-concurrency", type=_positive, help="requests handled at once")
     parser.add_argument("--max-request-bytes", type=_positive, help="the largest body")
     parser.add_argument("--max-json-bytes", type=_positive, help="the largest JSON part")

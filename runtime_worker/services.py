@@ -7,9 +7,10 @@ Each start runs under a supervisor of its own (runtime_worker.supervisor, argv m
 service's process in a process group of its own, in a fresh work directory, ended with everything
 it started when the service is stopped, restarted, or the worker stops or dies — exactly as for a
 job. `{port}` in the command becomes a free TCP port chosen at each start (also in `PORT`),
-`{grpc_port}` a second one (also in `GRPC_PORT`; the `onnx` runner's gRPC front), `{weights}` the
-local path of its weights. Its environment is the worker's, filtered as a job's,
-then its `env`, its `secrets`, `PORT` and the variables naming exactly its GPUs.
+`{grpc_port}` a second one (also in `GRPC_PORT`; the `onnx` runner's gRPC front), `{host}` the
+address to listen on (also in `HOST`: `127.0.0.1` unless the node's agent turned direct access
+on), `{weights}` the local path of its weights. Its environment is the worker's, filtered as a
+job's, then its `env`, its `secrets`, `PORT`, `HOST` and the variables naming exactly its GPUs.
 
 A thread per service keeps it running: it probes `http://127.0.0.1:{port}{health.path}` every
 interval (2xx and 3xx are healthy; before the first healthy answer, failures count only after the
@@ -111,6 +112,7 @@ def service_environment(
     if spec.agent_socket is not None:
         env["MODELFORGE_AGENT_SOCKET"] = spec.agent_socket
     env["PORT"] = str(port)
+    env["HOST"] = spec.host
     if grpc_port is not None:
         env["GRPC_PORT"] = str(grpc_port)
     env.update(spec.gpu_env)
@@ -313,7 +315,9 @@ class Service:
                 f"{self._redact(executable)!r} is not an executable file on the service's PATH",
             )
         argv = [
-            arg.replace("{port}", str(port)).replace("{grpc_port}", str(grpc_port))
+            arg.replace("{port}", str(port))
+            .replace("{grpc_port}", str(grpc_port))
+            .replace("{host}", spec.host)
             for arg in spec.argv
         ]
         self._jobs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -5,13 +5,16 @@ events, the tail of the output — and gets back the replicas placed on it, with
 secrets' values for its process only. Each spec carries the service's id and name and the
 replica's id (`replica_id`), which the agent runs it by and reports it by (an agent from before
 replicas reports by the service's id: its first replica on the node is meant). A replica not in
-that answer (undeployed, or placed elsewhere) is stopped by the agent. Its URL is built from the
-address the control plane saw the agent connect from, or the agent's
-`MODELFORGE_AGENT_SERVICE_HOST`.
+that answer (undeployed, or placed elsewhere) is stopped by the agent. A replica listens on its
+node's loopback address, reached through the agent's tunnel, unless the node turned direct access
+on by naming its `MODELFORGE_AGENT_SERVICE_HOST`: only then does it get a URL (at that host),
+or when its agent connects from the control plane's own machine (over loopback), where the
+replica answers at that loopback address.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 from sqlalchemy import select
@@ -46,7 +49,7 @@ def sync(
 ) -> list[AgentServiceSpec]:
     """Record what the node reports of its replicas; answer with the replicas it must run."""
     now = clock.now()
-    host = body.service_host or seen_host
+    host = body.service_host or (seen_host if _loopback(seen_host) else None)
     held = _held_here(session, node_id)
     by_id = {replica.id: (service, replica) for service, replica in held}
     # An agent from before replicas reports by the service's id: its first replica here.
@@ -72,8 +75,8 @@ def sync(
         replica.restarts = status.restarts
         replica.last_exit = status.last_exit
         replica.log_tail = status.log_tail[-_LOG_TAIL:]
-        replica.url = _url(host, status.port) if status.port else None
-        replica.grpc_url = _address(host, status.grpc_port) if status.grpc_port else None
+        replica.url = _url(host, status.port) if status.port and host else None
+        replica.grpc_url = _address(host, status.grpc_port) if status.grpc_port and host else None
         replica.updated_at = service.updated_at = now
     desired = []
     # Each replica runs its own revision's spec (a rollout runs two side by side).
@@ -158,6 +161,13 @@ def _held_here(session: Session, node_id: str) -> list[tuple[Service, ServiceRep
     held = [(services[replica.service_id], replica) for replica in rows]
     held.sort(key=lambda pair: (pair[0].created_at, pair[0].id, pair[1].ordinal))
     return held
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 def _url(host: str, port: int) -> str:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from fastapi.testclient import TestClient
+
 from control_plane.background.service_placement import place_services
 from tests.control_plane.test_jobs import _node
 from tests.control_plane.test_workloads import _deploy, _service, _sync
@@ -62,3 +64,41 @@ def test_the_view_shows_the_reported_grpc_address_until_the_service_leaves_its_n
         assert _service(cp, service_id)["grpc_url"] == "10.0.0.6:8124"
         undeployed = cp.client.delete(f"/api/v1/services/{service_id}", headers=cp.admin)
         assert undeployed.json()["url"] is None and undeployed.json()["grpc_url"] is None
+
+
+def test_addresses_show_only_with_direct_access_on_or_on_the_control_planes_machine(
+    tmp_path: Path, database_url: str
+) -> None:
+    """Replicas listen on their node's loopback unless its agent turned direct access on by
+    naming its service host: an agent that names none, connecting from another machine, gets no
+    URL (nothing would answer there); one on the control plane's own machine (loopback) gets
+    the loopback address, where its replicas answer."""
+    with control_plane(tmp_path, database_url) as cp:
+        node = _node(cp)
+        service_id = _deploy(cp)["service_id"]
+        assert place_services(cp.ctx) == 1
+        both = _status(service_id, port=8123, grpc_port=8124)
+        headers = {"Authorization": node["Authorization"]}
+
+        def sync_from(address: str, **body: Any) -> dict[str, Any]:
+            agent = TestClient(cp.client.app, client=(address, 50000))
+            response = agent.post("/api/v1/agent/services/sync", headers=headers, json=body)
+            assert response.status_code == 200, response.text
+            view = _service(cp, service_id)
+            return {"url": view["url"], "grpc_url": view["grpc_url"]}
+
+        assert sync_from("10.0.0.7", services=[both]) == {"url": None, "grpc_url": None}
+        assert sync_from("10.0.0.7", service_host="gpu-box.lan", services=[both]) == {
+            "url": "http://gpu-box.lan:8123",
+            "grpc_url": "gpu-box.lan:8124",
+        }
+        # Direct access turned off again (the agent restarted without it): the URLs go.
+        assert sync_from("10.0.0.7", services=[both]) == {"url": None, "grpc_url": None}
+        assert sync_from("127.0.0.1", services=[both]) == {
+            "url": "http://127.0.0.1:8123",
+            "grpc_url": "127.0.0.1:8124",
+        }
+        assert sync_from("::1", services=[both]) == {
+            "url": "http://[::1]:8123",
+            "grpc_url": "[::1]:8124",
+        }

@@ -34,6 +34,7 @@ from tests.node_agent.conftest import (
     control_plane_client,
     run_agent,
 )
+from tests.runtime_worker.test_service_host import TELLS_HOST, listening_on
 
 SYNC = "/api/v1/agent/services/sync"
 WEIGHTS = b"weights of the model\n"
@@ -86,7 +87,10 @@ def worker_socket(tmp_path: Path) -> Iterator[Path]:
 
 
 def keeper_for(
-    worker_socket: Path, cache: ArtifactCache, control_plane: ControlPlane | None = None
+    worker_socket: Path,
+    cache: ArtifactCache,
+    control_plane: ControlPlane | None = None,
+    service_host: str | None = "gpu-box.lan",
 ) -> ServiceKeeper:
     def fetch(digest: str) -> Path:
         assert control_plane is not None, "these services have no weights"
@@ -99,7 +103,7 @@ def keeper_for(
         fetch_weights=fetch,
         stop=threading.Event(),
         private_paths=[str(worker_socket.parent / "state")],
-        service_host="gpu-box.lan",
+        service_host=service_host,
     )
 
 
@@ -295,6 +299,26 @@ def test_a_service_host_that_is_not_a_host_stops_the_start(
 def test_a_host_name_or_address_is_a_service_host(host: str) -> None:
     settings = AgentSettings(control_plane_url="https://cp.lan", service_host=host)
     assert settings.service_host == host
+
+
+def test_replicas_listen_on_loopback_unless_the_node_turned_direct_access_on(
+    worker_socket: Path, tmp_path: Path
+) -> None:
+    cache = ArtifactCache(tmp_path / "cache", 1024**2)
+    direct = keeper_for(worker_socket, cache)  # names its service host: direct access on
+    quiet = keeper_for(worker_socket, cache, service_host=None)
+    for keeper, service_id, expected in (
+        (quiet, "svc_quiet", "127.0.0.1"),
+        (direct, "svc_direct", "0.0.0.0"),  # noqa: S104 - what direct access means
+    ):
+        out = tmp_path / service_id
+        out.mkdir()
+        command = [sys.executable, "-c", TELLS_HOST, "{host}"]
+        keeper.reconcile([wanted(service_id, command=command, env={"OUT_DIR": str(out)})])
+        wait_state(keeper, service_id, "healthy")
+        assert json.loads((out / "host.json").read_text())["HOST"] == expected
+        assert listening_on(running(keeper)[service_id]["port"]) == {expected}
+        keeper.reconcile([])
 
 
 def test_a_service_wanted_or_running_keeps_the_node_from_idling(

@@ -408,9 +408,12 @@ def test_the_onnx_runner_command_and_malformed_specifications() -> None:
         "{port}",
         "--grpc-port",
         "{grpc_port}",
+        "--host",
+        "{host}",
         "--name",
         "relu",
     )
+    assert spec.host == "127.0.0.1"  # an agent that sends no host: this node only
     assert spec.health.path == ONNX_HEALTH_PATH
     secret = ServiceSpec.from_json(
         {"generation": 1, "name": "n", "command": ["x"], "secrets": {"A": "hidden-value"}},
