@@ -197,11 +197,15 @@ def deploy(
     try:
         wait_until(lambda: warm(stack.service(service_id), replicas), 120, f"{name} healthy")
     except AssertionError:
-        events = stack.call("GET", f"/api/v1/services/{service_id}/events")
-        raise PartUnavailable(
-            f"{name} not healthy in 120 s: {json.dumps(events)[-1500:]}"
-        ) from None
+        raise PartUnavailable(f"{name} not healthy in 120 s: {why(stack, service_id)}") from None
     return stack.service(service_id)
+
+
+def why(stack: Stack, service_id: str) -> str:
+    """The service's last events and its output's last lines, for a part that could not run."""
+    events = stack.call("GET", f"/api/v1/services/{service_id}/events")
+    tail = stack.service(service_id).get("log_tail", [])
+    return f"{json.dumps(events[-6:])}; its output: {json.dumps(tail[-8:])}"
 
 
 def warm(service: dict[str, Any], replicas: int, revision: int | None = None) -> bool:
@@ -367,7 +371,9 @@ def rollout(
     try:
         wait_until(rolled, 120, "the rollout")
     except AssertionError:
-        raise PartUnavailable("the rollout did not finish within 120 s of the load") from None
+        raise PartUnavailable(
+            f"the rollout did not finish within 120 s of the load: {why(stack, service_id)}"
+        ) from None
     done = time.monotonic()
     covered = done <= load_ended + 0.5  # polled about every 0.1 s, a call taking a little more
     when = "while the load ran" if covered else "only after the load had ended"
