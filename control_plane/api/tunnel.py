@@ -13,11 +13,12 @@ from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocketDisconnect
 
 from control_plane.api.deps import require_node
+from control_plane.api.routing import LaneRoute
 from control_plane.context import AppContext
 from control_plane.errors import ModelForgeError
 from modelforge_contracts.tunnel import TUNNEL_PATH
 
-router = APIRouter(tags=["agent"])
+router = APIRouter(tags=["agent"], route_class=LaneRoute)
 _POLICY_VIOLATION = 1008
 
 
