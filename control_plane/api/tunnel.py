@@ -2,8 +2,8 @@
 its node credential (`Authorization: Bearer`, as its other calls). Without a valid credential
 the upgrade is refused 401 with the usual error body (where the server can send one; else the
 WebSocket is closed with 1008); with one, the socket is handed to the process's `TunnelHub`
-(`gateway/tunnels.py`), which holds it until it closes or the credential is revoked. The
-frames are `modelforge_contracts.tunnel`'s; this module only adapts the socket.
+(`gateway/tunnels.py`), which holds it until it closes or the credential is revoked or
+expires. The frames are `modelforge_contracts.tunnel`'s; this module only adapts the socket.
 """
 
 from __future__ import annotations
@@ -72,4 +72,5 @@ async def agent_tunnel(websocket: WebSocket) -> None:
         principal.node_id,
         _StarletteSocket(websocket),
         still_active=lambda: ctx.authority.still_active(principal),
+        expired=lambda: ctx.authority.has_expired(principal),
     )

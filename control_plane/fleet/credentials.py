@@ -276,6 +276,12 @@ class CredentialAuthority:
     def _expired(self, principal: NodePrincipal) -> bool:
         return principal.expires is not None and self._clock.now().timestamp() >= principal.expires
 
+    def has_expired(self, principal: NodePrincipal) -> bool:
+        """Whether a principal authenticated earlier is past its credential's `exp` now, on this
+        control plane's clock (for a connection that outlives the request that opened it, as
+        a tunnel does). Memory only: never blocks."""
+        return self._expired(principal)
+
     def still_active(self, principal: NodePrincipal) -> bool:
         """Whether a principal authenticated earlier is still unrevoked as far as this process
         knows (revoked here, or picked up by `refresh`). Memory only: never blocks."""

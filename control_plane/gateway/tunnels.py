@@ -2,9 +2,9 @@
 
 One `TunnelHub` per process (on `AppContext`). The transport (`api/tunnel.py`) authenticates an
 agent's WebSocket and hands it to `TunnelHub.serve`, which holds it until it closes, its node's
-credential is revoked, or it is silent for `IDLE_TIMEOUT`. A node has one tunnel: a new one
-replaces the old. The gateway asks `connected(node_id)` and calls `open_stream`, which sends
-OPEN and returns a `Stream`: the request body goes out with `send` and `end`, the answer comes
+credential is revoked or expires, or it is silent for `IDLE_TIMEOUT`. A node has one tunnel: a
+new one replaces the old. The gateway asks `connected(node_id)` and calls `open_stream`, which
+sends OPEN and returns a `Stream`: the request body goes out with `send` and `end`, the answer comes
 back through `response()` and `body()`, each direction under the protocol's flow control
 (`modelforge_contracts.tunnel`), so a stream holds at most its window in memory whatever the
 body's size. Everything runs on the event loop that serves the WebSocket; nothing here blocks.
@@ -60,7 +60,8 @@ from modelforge_contracts.tunnel import (
 log = logging.getLogger(__name__)
 #: How often a held tunnel's credential and silence are checked.
 _WATCH_EVERY = 0.5
-#: WebSocket close codes the control plane ends a tunnel with.
+#: WebSocket close codes the control plane ends a tunnel with (REVOKED: its credential no
+#: longer stands, revoked or expired).
 CLOSE_REVOKED = 4401
 CLOSE_REPLACED = 4409
 CLOSE_IDLE = 4408
@@ -352,10 +353,17 @@ class TunnelHub:
         return await tunnel.open(request)
 
     async def serve(
-        self, node_id: str, socket: TunnelSocket, *, still_active: Callable[[], bool]
+        self,
+        node_id: str,
+        socket: TunnelSocket,
+        *,
+        still_active: Callable[[], bool],
+        expired: Callable[[], bool] = lambda: False,
     ) -> None:
         """Hold an accepted tunnel until it ends; `still_active` says whether the node's
-        credential still stands (memory only: it is asked twice a second)."""
+        credential is unrevoked, `expired` whether it has expired since (memory only: both are
+        asked twice a second). The agent's attempts to open it again with that credential are
+        refused like its other calls."""
         tunnel = Tunnel(node_id, socket, max_streams=self.max_streams)
         previous = self._tunnels.get(node_id)
         self._tunnels[node_id] = tunnel
@@ -375,6 +383,10 @@ class TunnelHub:
                 if not still_active():
                     why = "its credential was revoked"
                     await tunnel.close(CLOSE_REVOKED, "the node credential was revoked")
+                    break
+                if expired():
+                    why = "its credential expired"
+                    await tunnel.close(CLOSE_REVOKED, "the node credential expired")
                     break
                 if time.monotonic() - tunnel.heard_at > self.idle_timeout:
                     why = f"silent for {self.idle_timeout:g} s"

@@ -329,6 +329,43 @@ def test_a_revoked_credential_closes_the_tunnel(server: DoorServer, agent: Agent
     assert agent.node_id not in server.stats()["nodes"]
 
 
+def test_an_expired_credential_closes_the_tunnel(tmp_path: Path, replica: Replica) -> None:
+    lifetime = 8.0  # seconds: long enough for the agent to connect on a loaded machine
+    live = DoorServer(
+        data_dir=tmp_path / "data",
+        database_url=f"sqlite:///{tmp_path}/cp.db",
+        env_overrides={"MODELFORGE_CREDENTIAL_LIFETIME_DAYS": str(lifetime / 86400)},
+    )
+    with live:
+        enrolling = time.monotonic()
+        agent = _agent(live, replica)  # its credential lasts `lifetime` from its enrollment
+        try:
+            assert httpx.get(_through(live, agent, "hello"), timeout=30).status_code == 200
+            _wait(
+                lambda: agent.node_id not in live.stats()["nodes"],
+                "the tunnel outlived its credential",
+                lifetime + 10,
+            )
+            # Closed at its expiry, not before it (`exp` is in whole seconds: up to 1 s early).
+            assert time.monotonic() - enrolling >= lifetime - 1
+            assert httpx.get(_through(live, agent, "hello"), timeout=30).status_code == 503
+            # The agent's attempts to open it again with that credential are refused (the
+            # upgrade's refusal has no body here: its other calls say why).
+            url = live.url.replace("http", "ws") + TUNNEL_PATH
+            bearer = {"Authorization": f"Bearer {agent.credential}"}
+            with pytest.raises(InvalidStatus) as refused:
+                connect(url, additional_headers=bearer, open_timeout=10)
+            assert refused.value.response.status_code == 401
+            with live.client() as client:
+                beat = client.post("/api/v1/agent/heartbeat", headers=bearer, json={})
+            assert beat.status_code == 401
+            assert beat.json()["error"]["code"] == "CREDENTIAL_EXPIRED"
+            time.sleep(2)
+            assert agent.node_id not in live.stats()["nodes"]
+        finally:
+            agent.stop.set()
+
+
 def test_the_agent_reconnects_after_the_control_plane_restarts(
     server: DoorServer, agent: Agent
 ) -> None:
