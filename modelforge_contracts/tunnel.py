@@ -6,8 +6,9 @@ sends it) and the control plane opens streams inside it, one per HTTP request.
 Every WebSocket message is one binary frame: `type u8 | stream u32 | payload`.
 
 - OPEN (control plane -> agent): JSON `{"replica_id", "method", "path", "query", "headers"}`,
-  at most `MAX_OPEN` bytes. Stream ids are the control plane's, never 0, never reused within a
-  tunnel.
+  at most `MAX_OPEN` bytes; `path` and `query` percent-encoded, as the replica is to get them
+  (the agent puts them in the URL as they are). Stream ids are the control plane's, never 0,
+  never reused within a tunnel.
 - DATA (both): a piece of this direction's body, at most `MAX_PAYLOAD` bytes.
 - END (both): this direction's body is complete.
 - RESPONSE (agent -> control plane): JSON `{"status", "headers"}`, before any DATA.

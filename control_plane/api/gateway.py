@@ -12,6 +12,11 @@ the edge: it answers its own paths and hands every other request on untouched.
 - Any service at `/services/{name}/{path...}` (any method, bodies streamed both ways); the
   replica gets `/{path...}` with the query. (`/services` and `/services/{id}` stay the console's.)
 
+The path is read as the client sent it (`received_path`: percent-encoded), one segment at a
+time, each decoded once: the service's name is decoded exactly once, and what follows it goes
+to the replica still encoded, so `%2F`, `%3F`, `%23` or `%25` in it mean there what they meant
+to the client (on Granian's RSGI, which decodes the path before the app sees it, all but `%2F`).
+
 Each request needs a token of that service (`Authorization: Bearer mfs_...`): 401 without one,
 429 past its rate (`authorize`). Then the bounds: headers, the body (413 by its length or as
 it arrives), a place among the service's concurrent requests (503 once its queue is full or its
@@ -24,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import unquote
@@ -33,16 +37,19 @@ from control_plane import RELEASE_VERSION
 from control_plane.api.asgi import ASGIApp, Receive, Scope, Send
 from control_plane.api.edge import SECURITY_HEADERS
 from control_plane.api.gateway_forward import (
-    DROPPED_REQUEST_HEADERS,
     BodyTooLarge,
     ClientGone,
     ClientTimeout,
     Opener,
     Outbound,
     RequestBody,
+    ResponseBroken,
     TransportFailed,
+    crossing,
+    encode_segment,
     finish,
     open_exchange,
+    received_path,
     relay_response,
 )
 from control_plane.clock import Clock
@@ -54,10 +61,11 @@ from control_plane.services.autoscale import Traffic
 
 log = logging.getLogger(__name__)
 
-#: The most header bytes a gateway request may bring (a tunnel's OPEN frame holds 16 KiB).
+#: The most header bytes a gateway request may bring (a tunnel's OPEN frame holds 16 KiB, and
+#: the headers' JSON there may be larger still: `Outbound.oversized` judges that).
 MAX_HEADER_BYTES = 12 * 1024
-_MODEL = re.compile(r"^/v2/models/([^/]+)(/versions/([^/]+))?(/ready|/infer)?/?$")
-_SERVICE = re.compile(r"^/services/([^/]+)/(.*)$")
+#: A request whose decoded path starts so may be the gateway's (`gateway_target` decides).
+_PREFIXES = ("/v2", "/services/")
 _JSON = (b"content-type", b"application/json")
 
 
@@ -86,30 +94,40 @@ class _Target:
 
 
 def gateway_target(method: str, path: str) -> _Target | None:
-    """Which of the gateway's requests `method path` is, if one."""
-    if path.startswith("/v2"):
-        if path in ("/v2", "/v2/"):
-            return _Target("server")
-        if path == "/v2/health/live":
-            return _Target("live")
-        if path == "/v2/health/ready":
-            return _Target("ready")
-        found = _MODEL.match(path)
-        if found is None:
-            return None
-        name, versioned, version, action = found.groups()
-        name = unquote(name)
-        if action == "/ready":
-            return _Target("model_ready", name)
-        # The replica's server answers its model's name; the name part is replaced later.
-        suffix = (versioned or "") + (action or "")
-        return _Target("model", name, suffix)
-    if path.startswith("/services/"):
-        found = _SERVICE.match(path)
-        if found is None:
-            return None
-        return _Target("proxy", unquote(found.group(1)), "/" + found.group(2))
-    return None
+    """Which of the gateway's requests `method path` is, if one. `path` is percent-encoded
+    (`received_path`): each segment is decoded once to be read, and a target's `path` (what the
+    replica gets) keeps the segments as they came."""
+    raw = path.split("/")
+    if len(raw) < 2 or raw[0]:
+        return None
+    words = [unquote(segment) for segment in raw[1:4]]
+    if words[0] == "services":
+        if len(raw) < 4 or not words[1]:
+            return None  # `/services/{id}`: the console's
+        return _Target("proxy", words[1], "/" + "/".join(raw[3:]))
+    if words[0] != "v2":
+        return None
+    if len(raw) == 2 or raw[2:] == [""]:
+        return _Target("server")
+    if words[1:] == ["health", "live"] and len(raw) == 4:
+        return _Target("live")
+    if words[1:] == ["health", "ready"] and len(raw) == 4:
+        return _Target("ready")
+    if words[1] != "models" or len(raw) < 4 or not words[2]:
+        return None
+    name, rest = words[2], raw[4:]
+    if rest and not rest[-1]:
+        rest = rest[:-1]  # one trailing slash
+    versioned = ""
+    if len(rest) >= 2 and unquote(rest[0]) == "versions" and rest[1]:
+        versioned, rest = f"/versions/{rest[1]}", rest[2:]
+    action = unquote(rest[0]) if len(rest) == 1 else None
+    if rest and action not in ("ready", "infer"):
+        return None
+    if action == "ready":
+        return _Target("model_ready", name)
+    # The replica's server answers its model's name; the name part is replaced later.
+    return _Target("model", name, versioned + (f"/{action}" if action else ""))
 
 
 class Gateway:
@@ -145,8 +163,8 @@ class Gateway:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         target = None
-        if scope["type"] == "http":
-            target = gateway_target(scope["method"], scope["path"])
+        if scope["type"] == "http" and scope["path"].startswith(_PREFIXES):
+            target = gateway_target(scope["method"], received_path(scope))
         if target is None:
             await self.app(scope, receive, send)
             return
@@ -154,6 +172,9 @@ class Gateway:
         label, status = "", 500
         try:
             label, status = await self._serve(target, scope, receive, send)
+        except ResponseBroken as broken:  # counted under its service, by the status it began
+            label, status = broken.service, broken.status
+            raise
         finally:
             self.metrics.answered(label, status, self.clock.monotonic() - started)
 
@@ -221,7 +242,7 @@ class Gateway:
             self.metrics.error(label, "too_large")
             return label, await _error(send, 413, self._too_large(), [(b"connection", b"close")])
         if target.what == "model":
-            path = f"/v2/models/{service.model_name}{target.path}"
+            path = f"/v2/models/{encode_segment(service.model_name)}{target.path}"
             if method == "POST" and not target.path.endswith("/infer"):
                 return label, await _error(send, 405, "POST is for .../infer; GET the metadata")
         else:
@@ -229,10 +250,15 @@ class Gateway:
         forwarded = [
             (name.decode("latin-1"), value.decode("latin-1"))
             for name, value in headers
-            if name.decode("latin-1").lower() not in DROPPED_REQUEST_HEADERS
+            if crossing(name.decode("latin-1").lower())
         ]
         query = scope.get("query_string", b"").decode("latin-1")
         outbound = Outbound(method, path, query, forwarded)
+        # Past the tunnel's OPEN frame it could only fail at each replica: refused here, once.
+        oversized = outbound.oversized(max((len(r.id) for r in service.replicas), default=64))
+        if oversized is not None:
+            self.metrics.error(label, f"{oversized}_too_large")
+            return label, await _error(send, *_OVERSIZED[oversized])
         self.traffic.began(service.id)
         try:
             return await self._admitted(service, snapshot, receive, send, outbound)
@@ -314,6 +340,10 @@ class Gateway:
                     continue
                 try:
                     await relay_response(exchange, send, SECURITY_HEADERS, body=body)
+                except ResponseBroken as broken:
+                    self.metrics.error(label, "response_broken")
+                    cut = ResponseBroken(broken.cause, status=broken.status, service=label)
+                    raise cut from None
                 finally:
                     self.balancer.ended(replica.id)
                     if exchange.pump.done():
@@ -387,6 +417,21 @@ class Gateway:
             f"service {service.name!r} has no replica ready ({service.state}); retry once it "
             "is healthy, or see its events (GET /api/v1/services/{id}/events)"
         )
+
+
+#: A request whose OPEN frame would not fit: its status and message, by what is too large.
+_OVERSIZED = {
+    "headers": (
+        431,
+        "the request's headers are too large to carry to a replica once encoded (non-ASCII "
+        "characters take up to 6 bytes each); send fewer or shorter headers",
+    ),
+    "target": (
+        414,
+        "the request's path and query are too large to carry to a replica; send the data in "
+        "the body instead",
+    ),
+}
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:

@@ -16,6 +16,11 @@ which service and whether; this module, how).
   connection, so the client cannot take a cut body for a whole one).
 - The response body goes to the client as it comes, each chunk sent before the next is taken
   from the tunnel, so a slow client slows the replica, never fills memory.
+- A replica's path is the one the client sent, still percent-encoded (`received_path`), so
+  `%3F`, `%23` and `%25` mean at the replica what they meant to the client. No header named
+  `x-modelforge-...` crosses in either direction (`INTERNAL_HEADER`): those are the control
+  plane's own (the admin token, the replicas' signatures, a holder's transport failure), so a
+  replica can neither read one nor make the gateway retry by sending one.
 
 It never logs a request's data, its headers or a token.
 """
@@ -27,16 +32,55 @@ import inspect
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+from urllib.parse import quote
 
-from control_plane.api.asgi import Message, Receive, Send
+from control_plane.api.asgi import Message, Receive, Scope, Send
 from control_plane.gateway.tunnels import StreamOpener, TunnelUnavailable
-from modelforge_contracts.tunnel import HOP_BY_HOP, Headers, OpenRequest
+from modelforge_contracts.tunnel import (
+    HOP_BY_HOP,
+    MAX_OPEN,
+    Headers,
+    OpenRequest,
+    TunnelProtocolError,
+)
 
 #: Request headers never sent on to a replica: the token (the replica must never see one) and
 #: those of one HTTP hop.
 DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {"authorization", "cookie"}
 #: Response headers of one hop, never sent on to the client.
 DROPPED_RESPONSE_HEADERS = HOP_BY_HOP
+#: The control plane's own headers start so: none crosses between a client and a replica.
+INTERNAL_HEADER = "x-modelforge-"
+#: What a path may hold unencoded (RFC 3986's `pchar`, and `/`); everything else is encoded.
+_PATH_SAFE = "/:@!$&'()*+,;=~"
+#: The most a character grows to in the OPEN frame's JSON (`\u00e9` for one byte).
+_JSON_GROWTH = 6
+#: The OPEN frame's JSON without its values, per header pair, and a replica's id, at most.
+_OPEN_FRAME = 128
+_OPEN_PAIR = 8
+
+
+def received_path(scope: Scope) -> str:
+    """The request's path as the client sent it, percent-encoded.
+
+    ASGI's `raw_path` where the server gives one. Granian's RSGI interface, which serves the
+    control plane (`api/rsgi.py`), gives only the path decoded (and no raw form at all), so
+    there it is encoded again: `?`, `#`, `%`, spaces and the rest come back as the client
+    encoded them, but an encoded slash (`%2F`) cannot be told from `/` any more."""
+    raw = scope.get("raw_path")
+    if raw:
+        return bytes(raw).decode("latin-1").partition("?")[0]
+    return quote(scope["path"], safe=_PATH_SAFE)
+
+
+def encode_segment(text: str) -> str:
+    """`text` as one path segment (a `/` in it encoded)."""
+    return quote(text, safe=_PATH_SAFE.replace("/", ""))
+
+
+def crossing(name: str) -> bool:
+    """Whether a header named `name` (lower case) may pass between a client and a replica."""
+    return name not in DROPPED_REQUEST_HEADERS and not name.startswith(INTERNAL_HEADER)
 
 
 class Stream(Protocol):
@@ -66,7 +110,7 @@ class Opener(Protocol):
 @dataclass(frozen=True)
 class Outbound:
     """What the gateway sends on to whichever replica it picks: the method, the path there,
-    the query and the headers (without `DROPPED_REQUEST_HEADERS`)."""
+    the query and the headers (those that `crossing` lets through)."""
 
     method: str
     path: str
@@ -75,6 +119,28 @@ class Outbound:
 
     def to(self, replica_id: str) -> OpenRequest:
         return OpenRequest(replica_id, self.method, self.path, self.query, self.headers)
+
+    def oversized(self, replica_id_length: int) -> str | None:
+        """What makes this request's OPEN frame pass `MAX_OPEN` bytes once JSON-encoded
+        (`"headers"`, else `"target"`: the path and query), or None when it fits, for a replica
+        id of up to `replica_id_length` characters. Encoded only when it might not fit."""
+        raw = len(self.method) + len(self.path) + len(self.query) + replica_id_length
+        raw += sum(len(name) + len(value) for name, value in self.headers)
+        if _JSON_GROWTH * raw + _OPEN_PAIR * len(self.headers) + _OPEN_FRAME <= MAX_OPEN:
+            return None  # the common case: no encoding to know it fits
+        stand_in = "r" * replica_id_length
+        if _fits(self.to(stand_in)):
+            return None
+        bare = OpenRequest(stand_in, self.method, self.path, self.query, [])
+        return "headers" if _fits(bare) else "target"
+
+
+def _fits(request: OpenRequest) -> bool:
+    try:
+        request.to_payload()  # refuses one past `MAX_OPEN`
+    except TunnelProtocolError:
+        return False
+    return True
 
 
 class ClientTimeout(Exception):
@@ -98,7 +164,12 @@ class TransportFailed(Exception):
 
 
 class ResponseBroken(Exception):
-    """The stream broke after the response started: the client's connection is dropped."""
+    """The stream broke after the response started (with `status`): the client's connection is
+    dropped. `service` is the service's name, once the gateway knows it (for its metrics)."""
+
+    def __init__(self, cause: str, *, status: int, service: str = "") -> None:
+        super().__init__(cause)
+        self.cause, self.status, self.service = cause, status, service
 
 
 async def _settle(value: Any) -> None:
@@ -212,9 +283,9 @@ async def open_exchange(
         pump.cancel()
         raise
     headers_out = [
-        (str(name).lower().encode("latin-1"), str(value).encode("latin-1"))
-        for name, value in raw_headers
-        if str(name).lower() not in DROPPED_RESPONSE_HEADERS
+        (name.encode("latin-1"), str(value).encode("latin-1"))
+        for name, value in ((str(name).lower(), value) for name, value in raw_headers)
+        if name not in DROPPED_RESPONSE_HEADERS and not name.startswith(INTERNAL_HEADER)
     ]
     return Exchange(stream=stream, status=int(status), headers=headers_out, pump=pump)
 
@@ -273,7 +344,7 @@ async def relay_response(
     except Exception as exc:
         if watch is not None and watch.fired:
             raise ClientGone from None
-        raise ResponseBroken(type(exc).__name__) from None
+        raise ResponseBroken(type(exc).__name__, status=exchange.status) from None
     finally:
         if watch is not None:
             await watch.stop()

@@ -9,6 +9,9 @@ process has no key), saying nothing more. It never forwards again: a stream it c
 here (the tunnel gone since the caller read who holds it) is answered 502 with
 `FAILURE_HEADER`, which the caller takes for a transport failure and may retry elsewhere.
 The client's token was checked by the forwarding replica; none reaches here or the replica.
+No `x-modelforge-...` header passes between here and the replica either way
+(`gateway_forward.crossing`): a replica answering with `FAILURE_HEADER` cannot pass for this
+process failing (the forwarding replica would retry the request elsewhere).
 """
 
 from __future__ import annotations
@@ -18,21 +21,22 @@ from collections.abc import Callable
 
 from control_plane.api.asgi import ASGIApp, Receive, Scope, Send
 from control_plane.api.gateway_forward import (
-    DROPPED_REQUEST_HEADERS,
     BodyTooLarge,
     ClientGone,
     ClientTimeout,
     Exchange,
+    Outbound,
     RequestBody,
     TransportFailed,
+    crossing,
     finish,
     open_exchange,
+    received_path,
     relay_response,
 )
 from control_plane.clock import Clock
-from control_plane.gateway.peers import FAILURE_HEADER, PEER_HEADERS, PEER_PREFIX, authentic
+from control_plane.gateway.peers import FAILURE_HEADER, PEER_PREFIX, authentic
 from control_plane.gateway.tunnels import StreamOpener, TunnelHub
-from modelforge_contracts.tunnel import OpenRequest
 
 _JSON = (b"content-type", b"application/json")
 
@@ -75,10 +79,13 @@ class PeerRoute:
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = self.key()
-        path: str = scope["path"]
-        node_id, _, rest = path[len(PEER_PREFIX) :].partition("/")
+        path: str = scope["path"]  # signed decoded: what every server can give
+        # The replica's path as the forwarding replica sent it (percent-encoded).
+        received = received_path(scope)
+        node_id, _, rest = received.removeprefix(PEER_PREFIX).partition("/")
         replica_id, slash, tail = rest.partition("/")
-        if key is None or not node_id or not replica_id or not slash:
+        well_formed = received.startswith(PEER_PREFIX) and node_id and replica_id and slash
+        if key is None or not well_formed:
             await _answer(send, 404, "not found")
             return
         method: str = scope["method"]
@@ -90,19 +97,16 @@ class PeerRoute:
         if not authentic(key, method=method, path=path, query=query, headers=headers, now=now):
             await _answer(send, 401, "unauthorized")
             return
-        forwarded = [
-            (name, value)
-            for name, value in headers
-            if name.lower() not in DROPPED_REQUEST_HEADERS and name.lower() not in PEER_HEADERS
-        ]
+        forwarded = [(name, value) for name, value in headers if crossing(name.lower())]
+        outbound = Outbound(method, "/" + tail, query, forwarded)
+        if outbound.oversized(len(replica_id)) is not None:  # the caller's own answer: no retry
+            await _answer(send, 431, "the request's head is too large for the node's tunnel")
+            return
         body = RequestBody(receive, limit=self.body_limit, timeout=self.body_timeout, retry_bytes=0)
         exchange: Exchange | None = None
         try:
             exchange = await open_exchange(
-                _HeldHere(self.hub),
-                node_id=node_id,
-                request=OpenRequest(replica_id, method, "/" + tail, query, forwarded),
-                body=body,
+                _HeldHere(self.hub), node_id=node_id, request=outbound.to(replica_id), body=body
             )
         except TransportFailed as failed:
             extra = [(FAILURE_HEADER.encode(), failed.cause.encode("latin-1", "replace"))]

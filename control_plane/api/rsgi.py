@@ -146,7 +146,10 @@ async def serve_asgi(
 
 def _asgi_scope(scope: Any, state: dict[str, Any]) -> Scope:
     # RSGI gives text (a header whose value is not visible ASCII is left out by Granian); the
-    # query string is the raw one, so encoding it again gives the bytes the client sent.
+    # query string is the raw one, so encoding it again gives the bytes the client sent. The
+    # path comes percent-decoded, and RSGI has no raw form of it (Granian's scope decodes
+    # `uri.path()` when read), so there is no `raw_path`: ASGI lets a server leave it out, and
+    # a reader that needs the path as sent encodes it again (`gateway_forward.received_path`).
     return {
         "type": "http",
         "asgi": _ASGI,

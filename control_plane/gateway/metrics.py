@@ -1,12 +1,14 @@
 """The gateway's Prometheus series, in the app's own registry (`control_plane.metrics.Metrics`).
 
-- `modelforge_gateway_requests_total{service,code}`: requests answered, by HTTP status;
+- `modelforge_gateway_requests_total{service,code}`: requests answered, by HTTP status (an
+  answer broken off after it began: the status it began with, and `response_broken` below);
 - `modelforge_gateway_request_seconds{service}`: from arrival to the response's end;
 - `modelforge_gateway_in_flight{service}`: requests being served now (queued ones not);
 - `modelforge_gateway_queue{service}`: requests waiting for a place (`balancer.Admission`);
 - `modelforge_gateway_errors_total{service,cause}`: what the gateway answered itself, by cause
-  (`unauthorized`, `rate_limited`, `too_large`, `client_timeout`, `busy`, `no_replica`,
-  `transport`, `retried`, `client_gone`, ...).
+  (`unauthorized`, `rate_limited`, `headers_too_large`, `target_too_large`, `too_large`,
+  `client_timeout`, `busy`, `no_replica`, `transport`, `retried`, `client_gone`,
+  `response_broken`, ...).
 
 A service label is a deployed service's name (one the routing table knows), never what a
 client typed, so a client cannot grow the number of series.

@@ -227,18 +227,21 @@ class Peers:
         if found is None or found.holder == self.holder or not found.address:
             raise TunnelUnavailable(f"no process holds a tunnel to node {node_id}")
         method, query = request.method, request.query
-        route = f"{PEER_PREFIX}{node_id}/{request.replica_id}{request.path}"
+        # The replica's path goes on as it is (percent-encoded: the holder passes it on so).
+        route = quote(f"{PEER_PREFIX}{node_id}/{request.replica_id}", safe="/") + request.path
+        url = httpx.URL(found.address.rstrip("/") + route + (f"?{query}" if query else ""))
         timestamp = f"{self._clock.now().timestamp():.3f}"
-        signature = sign(self.key, method=method, path=route, query=query, timestamp=timestamp)
+        # Signed as the holder's server gives them: the path decoded, the query as it is sent.
+        sent_query = url.query.decode("latin-1")
+        signature = sign(
+            self.key, method=method, path=url.path, query=sent_query, timestamp=timestamp
+        )
         sent = [
             (name, value)
             for name, value in request.headers
             if name.lower() not in HOP_BY_HOP and name.lower() not in PEER_HEADERS
         ]
         sent += [(TIME_HEADER, timestamp), (SIGNATURE_HEADER, signature)]
-        url = found.address.rstrip("/") + quote(route, safe="/:@!$&'()*+,;=-._~")
-        if query:
-            url += "?" + query
         return PeerStream(
             self._client, method, url, sent, on_unreachable=lambda: self.directory.forget(node_id)
         )
@@ -254,7 +257,7 @@ class PeerStream:
         self,
         client: httpx.AsyncClient,
         method: str,
-        url: str,
+        url: httpx.URL,
         headers: list[tuple[str, str]],
         *,
         on_unreachable: Callable[[], None],

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from control_plane.api.gateway_forward import ClientTimeout, RequestBody
+from control_plane.api.gateway_forward import ClientTimeout, RequestBody, ResponseBroken
 from control_plane.gateway.balancer import Admission, Balancer, Refused
 from control_plane.gateway.routing import ReplicaTarget
 from control_plane.models import Service, ServiceReplica
@@ -62,10 +62,14 @@ class _Upstream(BaseHTTPRequestHandler):
                 "path": self.path,
                 "body": body.decode(errors="replace"),
                 "authorization": self.headers.get("authorization"),
+                "internal": [k for k in self.headers if k.lower().startswith("x-modelforge-")],
             }
             data = json.dumps(echo).encode()
             self.send_response(200)
             self.send_header("content-type", "application/json")
+            if self.path.startswith("/forge"):  # as a hostile replica would
+                self.send_header("x-modelforge-peer-failure", "forged")
+                self.send_header("X-ModelForge-Digest", "forged")
         self.send_header("content-length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -92,10 +96,20 @@ def _upstream(name: str) -> Iterator[int]:
 class _Peer:
     """A node's side of the tunnel: each stream forwarded to `port` over HTTP/1.1."""
 
-    def __init__(self, ws: Any, port: int, *, refuse: bool = False, end_first: bool = False):
+    def __init__(
+        self,
+        ws: Any,
+        port: int,
+        *,
+        refuse: bool = False,
+        end_first: bool = False,
+        break_mid: bool = False,
+    ):
         self.ws, self.port, self.refuse = ws, port, refuse
         #: Answer every stream END with no RESPONSE (a broken agent).
         self.end_first = end_first
+        #: Reset every stream after its answer's first piece (a replica that broke mid-answer).
+        self.break_mid = break_mid
         #: The streams the control plane reset.
         self.resets: list[int] = []
         self._send = threading.Lock()
@@ -165,6 +179,11 @@ class _Peer:
                     return
                 self._windows[stream] -= size
             self.send(encode(FrameType.DATA, stream, chunk))
+            if self.break_mid:
+                reset = Reset("UPSTREAM_FAILED", "the replica broke the connection")
+                self.send(encode(FrameType.RESET, stream, reset.to_payload()))
+                connection.close()
+                return
         self.send(encode(FrameType.END, stream))
         connection.close()
 
@@ -175,13 +194,14 @@ class _Fleet:
         self.nodes: list[Any] = []
         self.peers: list[_Peer] = []
 
-    def node(self, name: str, *, refuse: bool = False, end_first: bool = False) -> str:
+    def node(self, name: str, **behaviour: bool) -> str:
+        """A node whose tunnel forwards to a replica server of its own (`_Peer`'s options)."""
         ready = self.cp.ready_node()
         port = self.stack.enter_context(_upstream(name))
         ws = self.stack.enter_context(
             self.cp.client.websocket_connect(TUNNEL_PATH, headers=ready.headers)
         )
-        self.peers.append(_Peer(ws, port, refuse=refuse, end_first=end_first))
+        self.peers.append(_Peer(ws, port, **behaviour))
         self.nodes.append(ready)
         return ready.node_id
 
@@ -348,22 +368,7 @@ async def _leave_after_the_first_chunk(app: Any, headers: dict[str, str]) -> int
             relayed += len(message.get("body", b""))
             gone.set()
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": "/services/web/big",
-        "raw_path": b"/services/web/big",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
-        "client": ("127.0.0.1", 1),
-        "server": ("testserver", 80),
-        "state": {},
-    }
-    await asyncio.wait_for(app(scope, receive, send), 30)
+    await asyncio.wait_for(app(_scope("/services/web/big", headers), receive, send), 30)
     return relayed
 
 
@@ -434,6 +439,115 @@ def test_services_path_streams_bodies_both_ways(fleet: _Fleet) -> None:
     assert len(big.content) == 1024 * 1024 and big.content[:3] == bytes(range(3))
     # A command service has no /v2 paths.
     assert client.get("/v2/models/web", headers=headers).status_code == 404
+
+
+def test_a_path_reaches_the_replica_as_the_client_encoded_it(fleet: _Fleet) -> None:
+    node = fleet.node("a")
+    headers = fleet.token(fleet.service("web", [node], runner=None))
+    model = fleet.token(fleet.service("iris", [node]))
+    _wait_connected(fleet)
+    client = fleet.cp.client
+    # An encoded slash, question mark, hash and percent each stay one character of a segment.
+    echoed = client.get("/services/web/a%2Fb%3Fc%23d%25e%20f/g?q=%2F%3F", headers=headers)
+    assert echoed.status_code == 200, echoed.text
+    assert echoed.json()["path"] == "/a%2Fb%3Fc%23d%25e%20f/g?q=%2F%3F"
+    # The service's name is decoded exactly once: `w%65b` is `web`; `w%2565b` is `w%65b`,
+    # which no service is called (decoded twice it would reach `web`).
+    assert client.get("/services/w%65b/x", headers=headers).json()["path"] == "/x"
+    assert client.get("/services/w%2565b/x", headers=headers).status_code == 401
+    versioned = client.post("/v2/models/ir%69s/versions/1%2F2/infer", headers=model, json={})
+    assert versioned.json()["path"] == "/v2/models/iris/versions/1%2F2/infer"
+
+
+def test_no_internal_header_crosses_between_client_and_replica(fleet: _Fleet) -> None:
+    node = fleet.node("a")
+    headers = fleet.token(fleet.service("web", [node], runner=None))
+    _wait_connected(fleet)
+    client = fleet.cp.client
+    sent = {**headers, "X-ModelForge-Admin-Token": "not-for-a-replica", "x-other": "1"}
+    answer = client.get("/services/web/forge", headers=sent)
+    # The replica's forged transport failure is not taken for one: answered once, no retry.
+    assert answer.status_code == 200, answer.text
+    assert not [name for name in answer.headers if name.lower().startswith("x-modelforge-")]
+    assert fleet.peers[0].opened == 1
+    # Nor does the client's admin token reach the replica.
+    assert answer.json()["internal"] == []
+    metrics = client.get("/metrics", headers=fleet.cp.admin).text
+    assert 'cause="transport"' not in metrics
+
+
+def test_a_head_too_large_for_the_tunnel_is_refused_without_a_retry(fleet: _Fleet) -> None:
+    a, b = fleet.node("a"), fleet.node("b")
+    headers = fleet.token(fleet.service("web", [a, b], runner=None))
+    _wait_connected(fleet)
+    client = fleet.cp.client
+    # 9 KiB of quotes: under the 12 KiB of headers, but twice that once escaped in the OPEN
+    # frame's JSON (16 KiB at most).
+    quoted = client.get("/services/web/x", headers={**headers, "x-quoted": '"' * 9000})
+    assert quoted.status_code == 431
+    assert set(quoted.json()) == {"error"} and "headers" in quoted.json()["error"]
+    long_query = client.get("/services/web/x?q=" + "a" * 17000, headers=headers)
+    assert long_query.status_code == 414
+    assert set(long_query.json()) == {"error"}
+    assert [peer.opened for peer in fleet.peers] == [0, 0]  # no replica was tried
+    metrics = client.get("/metrics", headers=fleet.cp.admin).text
+    assert 'modelforge_gateway_errors_total{cause="headers_too_large",service="web"} 1.0' in metrics
+    assert 'modelforge_gateway_errors_total{cause="target_too_large",service="web"} 1.0' in metrics
+    assert 'cause="retried"' not in metrics
+    assert client.get("/services/web/x", headers=headers).status_code == 200
+
+
+def test_a_response_broken_midway_is_counted_under_its_service(fleet: _Fleet) -> None:
+    node = fleet.node("a", break_mid=True)
+    headers = fleet.token(fleet.service("web", [node], runner=None))
+    _wait_connected(fleet)
+    cp = fleet.cp
+    portal = cp.client.portal
+    assert portal is not None
+    with pytest.raises(ResponseBroken):  # the server drops the client's connection
+        portal.call(_request, cp.client.app, "/services/web/big", headers)
+    metrics = cp.client.get("/metrics", headers=cp.admin).text
+    assert 'modelforge_gateway_requests_total{code="200",service="web"} 1.0' in metrics
+    assert 'modelforge_gateway_errors_total{cause="response_broken",service="web"} 1.0' in metrics
+    assert 'modelforge_gateway_requests_total{code="500",service=""}' not in metrics
+
+
+async def _request(app: Any, path: str, headers: dict[str, str]) -> list[dict[str, Any]]:
+    """One GET of `path` straight into the app; what it sent."""
+    sent: list[dict[str, Any]] = []
+    requested = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.Event().wait()
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await asyncio.wait_for(app(_scope(path, headers), receive, send), 30)
+    return sent
+
+
+def _scope(path: str, headers: dict[str, str]) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 1),
+        "server": ("testserver", 80),
+        "state": {},
+    }
 
 
 def test_the_metrics_count_requests_per_service(fleet: _Fleet) -> None:
