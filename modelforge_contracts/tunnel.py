@@ -3,7 +3,8 @@ control plane's gateway reaches the replicas running on that node. The control p
 dials a node: the agent connects out (`TUNNEL_PATH`, the node credential as every agent call
 sends it) and the control plane opens streams inside it, one per HTTP request.
 
-Every WebSocket message is one binary frame: `type u8 | stream u32 | payload`.
+Every WebSocket message is one binary frame, `type u8 | stream u32 | payload`, or a BATCH of
+them (below).
 
 - OPEN (control plane -> agent): JSON `{"replica_id", "method", "path", "query", "headers"}`,
   at most `MAX_OPEN` bytes; `path` and `query` percent-encoded, as the replica is to get them
@@ -17,6 +18,11 @@ Every WebSocket message is one binary frame: `type u8 | stream u32 | payload`.
   0) it is the agent's keepalive: the control plane drops a tunnel it has heard nothing from
   for `IDLE_TIMEOUT` seconds (RSGI servers answer WebSocket pings without telling the app, so a
   ping alone cannot show the tunnel is alive there).
+- BATCH (both, stream 0): several of the frames above in one WebSocket message, each as
+  `length u32 | frame`, in order, at most `MAX_BATCH` bytes in all (a batch holds no batch). A
+  small request's OPEN, DATA and END, or a small answer's RESPONSE, DATA and END, go as one
+  message: each WebSocket message costs the control plane's server a hand-over between its
+  threads, more than the frames' own work.
 
 Flow control is per stream and direction: a sender may have at most its window in DATA payload
 unacknowledged; each side starts with `INITIAL_WINDOW` and the receiver grants more (WINDOW) as
@@ -42,6 +48,8 @@ INITIAL_WINDOW = 256 * 1024
 MAX_PAYLOAD = 64 * 1024
 MAX_OPEN = 16 * 1024
 MAX_STREAMS = 256
+#: The most one BATCH message holds: an OPEN and a full DATA with their headers and ENDs.
+MAX_BATCH = MAX_OPEN + MAX_PAYLOAD + 64
 #: How often the agent sends its keepalive (and a WebSocket ping).
 KEEPALIVE_SECONDS = 10.0
 #: A tunnel silent this long is dropped (by the control plane; the agent's pings time out too).
@@ -77,6 +85,7 @@ class FrameType(IntEnum):
     RESPONSE = 4
     RESET = 5
     WINDOW = 6
+    BATCH = 7
 
 
 class ResetCode(StrEnum):
@@ -122,6 +131,10 @@ def encode(kind: FrameType, stream: int, payload: bytes = b"") -> bytes:
     return _HEAD.pack(kind, stream) + payload
 
 
+_BATCH_HEAD = encode(FrameType.BATCH, 0)
+_BATCH_TYPE = _BATCH_HEAD[:1]
+
+
 def decode(message: bytes) -> Frame:
     """One WebSocket message as a frame; `TunnelProtocolError` for anything else."""
     if len(message) < _HEAD.size:
@@ -136,8 +149,44 @@ def decode(message: bytes) -> Frame:
     if len(payload) > limit:
         raise TunnelProtocolError(f"a {frame_type.name} frame over {limit} bytes")
     if stream == 0 and frame_type is not FrameType.WINDOW:
-        raise TunnelProtocolError("only the keepalive (WINDOW) uses stream 0")
+        raise TunnelProtocolError("only the keepalive (WINDOW) and BATCH use stream 0")
     return Frame(frame_type, stream, payload)
+
+
+def decode_message(message: bytes) -> list[Frame]:
+    """The frames of one WebSocket message: one, or those of a BATCH in order;
+    `TunnelProtocolError` for anything malformed."""
+    if message[:1] != _BATCH_TYPE:
+        return [decode(message)]
+    if len(message) > MAX_BATCH + _HEAD.size:
+        raise TunnelProtocolError(f"a BATCH over {MAX_BATCH} bytes")
+    if _HEAD.unpack_from(message)[1] != 0:
+        raise TunnelProtocolError("a BATCH is on stream 0")
+    frames, at, size = [], _HEAD.size, len(message)
+    while at < size:
+        if at + _U32.size > size:
+            raise TunnelProtocolError("a BATCH cut inside a frame's length")
+        (length,) = _U32.unpack_from(message, at)
+        at += _U32.size
+        if at + length > size:
+            raise TunnelProtocolError("a BATCH cut inside a frame")
+        inner = message[at : at + length]
+        if inner[:1] == _BATCH_TYPE:
+            raise TunnelProtocolError("a BATCH inside a BATCH")
+        frames.append(decode(inner))
+        at += length
+    return frames
+
+
+def batch(frames: list[bytes]) -> bytes:
+    """`frames` (each `encode`d, together at most `MAX_BATCH` bytes) as one WebSocket message: a
+    BATCH, or the frame itself when there is one."""
+    if len(frames) == 1:
+        return frames[0]
+    parts = [_BATCH_HEAD]
+    for frame in frames:
+        parts += (_U32.pack(len(frame)), frame)
+    return b"".join(parts)
 
 
 def keepalive() -> bytes:

@@ -8,9 +8,11 @@ a thread of its own. It reconnects with backoff (1 s doubling to 16 s, with jitt
 loss: a control plane restarting, the network, a refusal (401 is logged; the heartbeats'
 terminal refusal is what stops the agent). For each OPEN it forwards the request to that
 replica's local port (`127.0.0.1:<port>` the runtime worker reported) over HTTP/1.1 keep-alive
-and streams both bodies under the protocol's windows (`modelforge_contracts.tunnel`), so a
-stream holds at most its window of either body. More than `MAX_STREAMS` streams at once: the
-newest is reset with `TOO_MANY_STREAMS`.
+(`local_http.py`) and streams both bodies under the protocol's windows
+(`modelforge_contracts.tunnel`), so a stream holds at most its window of either body. A request
+whose END came with its OPEN (one BATCH) goes to the replica whole, in one write; an answer
+whose declared length fits one DATA frame goes back whole, RESPONSE, DATA and END in one BATCH.
+More than `MAX_STREAMS` streams at once: the newest is reset with `TOO_MANY_STREAMS`.
 
 It never logs the credential, a header or a body.
 """
@@ -28,7 +30,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus, WebSocketException
 
@@ -47,21 +48,20 @@ from modelforge_contracts.tunnel import (
     ResponseHead,
     SendWindow,
     TunnelProtocolError,
-    decode,
+    batch,
+    decode_message,
     encode,
-    forwarded,
     keepalive,
     parse_window,
     reset_frame,
     send_data,
     window,
 )
+from node_agent.local_http import LocalHTTP, LocalHTTPError, LocalResponse
 
 log = logging.getLogger("modelforge.node_agent.tunnel")
 _BACKOFF_FIRST = 1.0
 _BACKOFF_MAX = 16.0
-#: How long the replica's port may take to accept a connection.
-_CONNECT_TIMEOUT = 5.0
 #: How long a cached view of the replicas' ports is trusted before it is asked again.
 _PORTS_FRESH = 1.0
 
@@ -152,11 +152,8 @@ class TunnelClient:
     async def _main(self) -> None:
         backoff = _BACKOFF_FIRST
         failing_since: float | None = None
-        async with httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=_CONNECT_TIMEOUT),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-            trust_env=False,
-        ) as http:
+        http = LocalHTTP(self._local_host)
+        try:
             while not self._stop.is_set():
                 try:
                     async with connect(
@@ -197,6 +194,8 @@ class TunnelClient:
                     backoff = _BACKOFF_FIRST  # a tunnel that was open comes back at once-ish
                 await self._pause(backoff * random.uniform(0.5, 1.0))  # noqa: S311 - jitter
                 backoff = min(backoff * 2, _BACKOFF_MAX)
+        finally:
+            await http.aclose()
 
     async def _pause(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -206,14 +205,15 @@ class TunnelClient:
     def port(self, replica_id: str) -> int | None:
         return self._ports(replica_id)
 
-    def local_url(self, port: int, path: str, query: str) -> str:
-        return f"http://{self._local_host}:{port}{path}" + (f"?{query}" if query else "")
+    @staticmethod
+    def local_target(path: str, query: str) -> str:
+        return path + (f"?{query}" if query else "")
 
 
 class _Session:
     """One open tunnel: its reader, its keepalive, its streams."""
 
-    def __init__(self, websocket: ClientConnection, http: httpx.AsyncClient, client: TunnelClient):
+    def __init__(self, websocket: ClientConnection, http: LocalHTTP, client: TunnelClient):
         self._websocket = websocket
         self._http = http
         self._client = client
@@ -260,17 +260,17 @@ class _Session:
         await self._websocket.close(CLOSE_GOING_AWAY, "the agent is stopping")
 
     async def _dispatch(self, message: bytes) -> None:
-        frame = decode(message)
-        if frame.kind is FrameType.OPEN:
-            await self._open(frame.stream, frame.payload)
-            return
-        forward = self._streams.get(frame.stream)
-        if forward is None:
-            return  # a stream already over: its frames in flight are dropped
-        try:
-            forward.on_frame(frame.kind, frame.payload)
-        except TunnelProtocolError as exc:
-            await forward.reset(exc.code, str(exc))
+        for frame in decode_message(message):
+            if frame.kind is FrameType.OPEN:
+                await self._open(frame.stream, frame.payload)
+                continue
+            forward = self._streams.get(frame.stream)
+            if forward is None:
+                continue  # a stream already over: its frames in flight are dropped
+            try:
+                forward.on_frame(frame.kind, frame.payload)
+            except TunnelProtocolError as exc:
+                await forward.reset(exc.code, str(exc))
 
     async def _open(self, stream_id: int, payload: bytes) -> None:
         if stream_id in self._streams:
@@ -292,7 +292,7 @@ class _Session:
         self._streams.pop(stream_id, None)
 
     @property
-    def http(self) -> httpx.AsyncClient:
+    def http(self) -> LocalHTTP:
         return self._http
 
     @property
@@ -345,14 +345,45 @@ class _Forward:
         self.cancel()
         await self._session.send_quietly(reset_frame(self.id, code, message))
 
-    async def _body(self, first: bytes) -> AsyncIterator[bytes]:
-        chunk: bytes | None = first
-        while chunk is not None:
-            increment = self._receive_window.consumed(len(chunk))
-            yield chunk
-            if increment:
-                await self._session.send_quietly(window(self.id, increment))
-            chunk = await self._chunks.get()
+    def _queued(self) -> tuple[list[bytes], bool]:
+        """The body pieces already here, and whether its END is among them."""
+        pieces: list[bytes] = []
+        while not self._chunks.empty():
+            chunk = self._chunks.get_nowait()
+            if chunk is None:
+                return pieces, True
+            pieces.append(chunk)
+        return pieces, False
+
+    async def _body(self, first: list[bytes]) -> AsyncIterator[bytes]:
+        pieces: list[bytes | None] = list(first)
+        while True:
+            for chunk in pieces:
+                if chunk is None:
+                    return
+                increment = self._receive_window.consumed(len(chunk))
+                yield chunk
+                if increment:
+                    await self._session.send_quietly(window(self.id, increment))
+            pieces = [await self._chunks.get()]
+
+    async def _request_body(self) -> bytes | AsyncIterator[bytes] | None:
+        """The request body: whole when its END is here already (a small request's BATCH),
+        else streamed as it comes, under the window."""
+        pieces, ended = self._queued()
+        if not ended:
+            if not pieces:
+                first = await self._chunks.get()
+                if first is None:
+                    return None
+                pieces = [first]
+                more, ended = self._queued()
+                pieces += more
+            if not ended:
+                return self._body(pieces)
+        for piece in pieces:
+            self._receive_window.consumed(len(piece))  # the peer sends no more: no WINDOW
+        return b"".join(pieces) if pieces else None
 
     async def _run(self) -> None:
         request = self._request
@@ -362,37 +393,51 @@ class _Forward:
                 ResetCode.NO_SUCH_REPLICA, f"this node runs no replica {request.replica_id}"
             )
             return
-        first = await self._chunks.get()
-        content = None if first is None else self._body(first)
-        url = self._session.client.local_url(port, request.path, request.query)
         answered = False
+        response: LocalResponse | None = None
         try:
-            async with self._session.http.stream(
-                request.method, url, headers=forwarded(request.headers), content=content
-            ) as response:
-                headers = forwarded([(k, v) for k, v in response.headers.multi_items()])
-                head = ResponseHead(response.status_code, headers)
-                await self._session.send(encode(FrameType.RESPONSE, self.id, head.to_payload()))
+            body = await self._request_body()
+            target = TunnelClient.local_target(request.path, request.query)
+            response = await self._session.http.request(
+                port, request.method, target, request.headers, body
+            )
+            head = encode(
+                FrameType.RESPONSE,
+                self.id,
+                ResponseHead(response.status, response.headers).to_payload(),
+            )
+            size = response.length
+            if size is not None and size <= MAX_PAYLOAD and size <= self._send_window.available:
+                # Small and declared: read whole, then RESPONSE, DATA and END as one message.
+                data = await response.read()
+                frames = [head]
+                if data:
+                    self._send_window.available -= len(data)
+                    frames.append(encode(FrameType.DATA, self.id, data))
+                frames.append(encode(FrameType.END, self.id))
+                await self._session.send(batch(frames))
                 answered = True
-                async for piece in response.aiter_raw():
+            else:
+                await self._session.send(head)
+                answered = True
+                async for piece in response.chunks():
                     await self._send_data(piece)
-            await self._session.send(encode(FrameType.END, self.id))
+                await self._session.send(encode(FrameType.END, self.id))
             self._over = True
             self._session.forget(self.id)
         except asyncio.CancelledError:
             raise
         except (WebSocketException, OSError):
             self.cancel()  # the tunnel went: its reader ends every stream
-        except (httpx.HTTPError, _Closed) as exc:
-            if answered:
-                await self.reset(
-                    ResetCode.UPSTREAM_FAILED, f"the replica broke off ({exc!r})"[:200]
-                )
+        except (LocalHTTPError, _Closed) as exc:
+            reached = answered or (isinstance(exc, LocalHTTPError) and exc.reached)
+            if reached:
+                await self.reset(ResetCode.UPSTREAM_FAILED, f"the replica broke off ({exc})"[:200])
             else:
-                await self.reset(
-                    ResetCode.UPSTREAM_UNREACHABLE,
-                    f"the replica's port {port} did not answer ({type(exc).__name__})",
-                )
+                await self.reset(ResetCode.UPSTREAM_UNREACHABLE, str(exc)[:200])
+        finally:
+            if response is not None:
+                response.release()
 
     async def _send_data(self, piece: bytes) -> None:
         if not await send_data(self._session.send, self.id, piece, self._send_window):

@@ -253,7 +253,11 @@ class Gateway:
             if crossing(name.decode("latin-1").lower())
         ]
         query = scope.get("query_string", b"").decode("latin-1")
-        outbound = Outbound(method, path, query, forwarded)
+        if declared is not None:
+            expected = int(declared) if declared.isdigit() else None
+        else:  # no length: no body, unless it comes chunked
+            expected = None if _header(headers, b"transfer-encoding") else 0
+        outbound = Outbound(method, path, query, forwarded, expected)
         # Past the tunnel's OPEN frame it could only fail at each replica: refused here, once.
         oversized = outbound.oversized(max((len(r.id) for r in service.replicas), default=64))
         if oversized is not None:
@@ -305,6 +309,7 @@ class Gateway:
             limit=limits.body_bytes,
             timeout=limits.body_timeout,
             retry_bytes=limits.retry_bytes,
+            expected=outbound.expected,
         )
         tried: set[str] = set()
         failure = ""

@@ -39,6 +39,7 @@ from control_plane.gateway.tunnels import StreamOpener, TunnelUnavailable
 from modelforge_contracts.tunnel import (
     HOP_BY_HOP,
     MAX_OPEN,
+    MAX_PAYLOAD,
     Headers,
     OpenRequest,
     TunnelProtocolError,
@@ -101,7 +102,9 @@ class Opener(Protocol):
     """What opens a stream to a replica: the tunnel hub (`gateway.tunnels.TunnelHub`), with
     `peers` for a node whose tunnel another process holds (None: this process alone)."""
 
-    async def open_stream(self, node_id: str, request: OpenRequest) -> Stream: ...
+    async def open_stream(
+        self, node_id: str, request: OpenRequest, *, body: bytes | None = None
+    ) -> Stream: ...
 
     @property
     def peers(self) -> StreamOpener | None: ...
@@ -116,6 +119,9 @@ class Outbound:
     path: str
     query: str
     headers: Headers
+    #: The request body's declared length (0 for a request that declares none and is not
+    #: chunked), None when unknown: `RequestBody.expected`.
+    expected: int | None = None
 
     def to(self, replica_id: str) -> OpenRequest:
         return OpenRequest(replica_id, self.method, self.path, self.query, self.headers)
@@ -180,9 +186,19 @@ async def _settle(value: Any) -> None:
 class RequestBody:
     """The client's body, read once, kept up to `retry_bytes` so a second attempt replays it."""
 
-    def __init__(self, receive: Receive, *, limit: int, timeout: float, retry_bytes: int) -> None:
+    def __init__(
+        self,
+        receive: Receive,
+        *,
+        limit: int,
+        timeout: float,
+        retry_bytes: int,
+        expected: int | None = None,
+    ) -> None:
         self._receive = receive
         self.limit, self.timeout, self.retry_bytes = limit, timeout, retry_bytes
+        #: The body's length as the request declared it (0: it has none), when it did.
+        self.expected = expected
         self.kept: list[bytes] = []
         self.size = 0
         self.done = False
@@ -199,6 +215,21 @@ class RequestBody:
             chunk = await self._next()
             if chunk:
                 yield chunk
+
+    async def whole(self) -> bytes | None:
+        """The whole body, read before the stream opens, when its declared length fits one
+        DATA frame (and is kept for a retry): it then goes with the OPEN in one message. None
+        when it is to be streamed."""
+        expected = self.expected
+        if expected is None or expected > min(MAX_PAYLOAD, self.retry_bytes):
+            return None
+        while not self.done and self.size <= expected:
+            await self._next()
+        if not self.replayable:
+            raise BodyTooLarge  # more than declared, past what is kept
+        if not self.done:
+            return None  # more than declared: streamed, from what was kept
+        return b"".join(self.kept)
 
     async def _next(self) -> bytes:
         # A read cancelled by a failed attempt is not lost: the next attempt takes it up.
@@ -239,8 +270,9 @@ class Exchange:
     stream: Stream
     status: int
     headers: list[tuple[bytes, bytes]]
-    #: The task sending the request body (still running when the replica answered early).
-    pump: asyncio.Task[None]
+    #: The task sending the request body (still running when the replica answered early; done
+    #: from the start when the body went with the OPEN).
+    pump: asyncio.Future[None]
 
 
 async def open_exchange(
@@ -249,17 +281,27 @@ async def open_exchange(
     """Open a stream to the replica, send the body, and wait for the response to start.
 
     Raises `TransportFailed` (another replica may be tried), or the client's own failures
-    (`ClientTimeout`, `BodyTooLarge`, `ClientGone`) with the stream reset."""
+    (`ClientTimeout`, `BodyTooLarge`, `ClientGone`) with the stream reset.
+
+    A body small enough to be read first (`RequestBody.whole`) goes with the OPEN in one
+    message through this process's tunnel; any other is sent as it comes, beside the wait."""
+    whole = await body.whole()
     try:
         try:
-            stream = await opener.open_stream(node_id, request)
+            if whole is None:
+                stream = await opener.open_stream(node_id, request)
+            else:
+                stream = await opener.open_stream(node_id, request, body=whole)
         except TunnelUnavailable:
             # Not held here: through the process that holds it, if another does.
             if opener.peers is None:
                 raise
             stream = await opener.peers.open_stream(node_id, request)
+            whole = None  # the body goes through the holder as it would come
     except Exception as exc:  # TunnelUnavailable, or the tunnel refused the stream
         raise TransportFailed(type(exc).__name__) from None
+    if whole is not None:
+        return await _answered(stream)
     pump = asyncio.ensure_future(_pump(stream, body))
     pump.add_done_callback(_retrieve)
     answered = asyncio.ensure_future(stream.response())
@@ -282,12 +324,26 @@ async def open_exchange(
         answered.cancel()
         pump.cancel()
         raise
-    headers_out = [
+    return Exchange(stream=stream, status=int(status), headers=_headers_out(raw_headers), pump=pump)
+
+
+async def _answered(stream: Stream) -> Exchange:
+    """The exchange of a stream whose whole request went with its OPEN."""
+    try:
+        status, raw_headers = await stream.response()
+    except Exception as exc:  # reset before the response, or the tunnel went away
+        raise TransportFailed(type(exc).__name__) from None
+    sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    sent.set_result(None)
+    return Exchange(stream=stream, status=int(status), headers=_headers_out(raw_headers), pump=sent)
+
+
+def _headers_out(raw_headers: Sequence[Sequence[str]]) -> list[tuple[bytes, bytes]]:
+    return [
         (name.encode("latin-1"), str(value).encode("latin-1"))
         for name, value in ((str(name).lower(), value) for name, value in raw_headers)
         if name not in DROPPED_RESPONSE_HEADERS and not name.startswith(INTERNAL_HEADER)
     ]
-    return Exchange(stream=stream, status=int(status), headers=headers_out, pump=pump)
 
 
 async def _pump(stream: Stream, body: RequestBody) -> None:
@@ -321,7 +377,8 @@ async def relay_response(
     `ResponseBroken` when the stream breaks on the way, and `ClientGone` when the client goes
     (watched through `body`'s `receive`: an HTTP server may take sends to a client that has
     gone without a word). Unless the response ended, the stream is reset, so the replica stops
-    and the tunnel's stream (one of its `MAX_STREAMS`) is freed at once."""
+    and the tunnel's stream (one of its `MAX_STREAMS`) is freed at once. An answer that has
+    all arrived already (a small one comes in one message) is sent whole, in one piece."""
     await send(
         {
             "type": "http.response.start",
@@ -329,6 +386,13 @@ async def relay_response(
             "headers": [*exchange.headers, *extra],
         }
     )
+    whole_body = getattr(exchange.stream, "whole_body", None)  # a peer's stream has none
+    whole = None if whole_body is None else whole_body()
+    if whole is not None:
+        if not exchange.pump.done():
+            exchange.pump.cancel()  # answered early: the rest of the request is not wanted
+        await send({"type": "http.response.body", "body": whole, "more_body": False})
+        return len(whole)
     sent = 0
     ended = False
     watch = None if body is None else _ClientWatch(body, exchange)

@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import re
+import sys
 from typing import Any
 
 from control_plane.api.agent_fast import AgentFastPath, agent_request
@@ -38,6 +39,9 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
 # Its own 500 carries the headers of the fast path's JSON replies.
 _JSON = RSGI_JSON_HEADERS
+#: Seconds a thread holds the GIL while another waits for it, in the served process (Python's
+#: default is 5 ms): see `ASGIOverRSGI.__rsgi_init__`.
+SWITCH_INTERVAL = 0.0005
 #: The app's own 500 (`errors.InternalError`), rendered as its routes render it.
 _FAILED = json.dumps(InternalError().to_body(), separators=(",", ":")).encode()
 
@@ -55,6 +59,11 @@ class ASGIOverRSGI:
         self.lifespan = Lifespan(app)
 
     def __rsgi_init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Granian's own threads hand every request, body piece and WebSocket message to the
+        # event loop's thread, and each hand-over needs the GIL: with Python's default switch
+        # interval (5 ms) a busy loop kept each waiting up to 5 ms, which capped the gateway's
+        # tunnel at about 130 requests/s however little each cost (issue 27, 8 connections).
+        sys.setswitchinterval(SWITCH_INTERVAL)
         try:
             loop.run_until_complete(self.lifespan.startup())
         except LifespanFailed as exc:
@@ -240,6 +249,10 @@ class _Exchange:
                 empty += 1
                 continue
             self._received += len(chunk)
+            if self._declared is not None and self._received >= self._declared:
+                # All it declared (hyper reads no more): complete now, not one read later.
+                self._request_done = True
+                return {"type": "http.request", "body": chunk, "more_body": False}
             return {"type": "http.request", "body": chunk, "more_body": True}
 
     async def _watch_client(self) -> None:

@@ -7,7 +7,11 @@ new one replaces the old. The gateway asks `connected(node_id)` and calls `open_
 sends OPEN and returns a `Stream`: the request body goes out with `send` and `end`, the answer comes
 back through `response()` and `body()`, each direction under the protocol's flow control
 (`modelforge_contracts.tunnel`), so a stream holds at most its window in memory whatever the
-body's size. Everything runs on the event loop that serves the WebSocket; nothing here blocks.
+body's size. A request whose whole body is at hand goes in one message (`open_stream(...,
+body=)`: OPEN, DATA and END in a BATCH), and an answer that came whole is taken at once
+(`whole_body()`): each WebSocket message is a hand-over between the server's threads, the
+largest cost of a small request. Everything runs on the event loop that serves the WebSocket;
+nothing here blocks.
 
 Where several control-plane replicas serve, each records the tunnels it holds in
 `gateway_tunnels` (`HolderRecord`, given to the hub at start: a row when a tunnel opens, gone
@@ -39,6 +43,7 @@ from modelforge_contracts.tunnel import (
     CLOSE_GOING_AWAY,
     CLOSE_PROTOCOL,
     IDLE_TIMEOUT,
+    MAX_PAYLOAD,
     MAX_STREAMS,
     FrameType,
     Headers,
@@ -49,7 +54,8 @@ from modelforge_contracts.tunnel import (
     ResponseHead,
     SendWindow,
     TunnelProtocolError,
-    decode,
+    batch,
+    decode_message,
     encode,
     parse_window,
     reset_frame,
@@ -103,6 +109,8 @@ class Stream:
         self._chunks: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._head: asyncio.Future[ResponseHead] = asyncio.get_running_loop().create_future()
         self._sent_end = False
+        #: The agent's END has come: the whole body waits in `_chunks`.
+        self._all_here = False
         self._reset: StreamReset | None = None
 
     @property
@@ -127,6 +135,18 @@ class Stream:
         """The replica's status and headers; `StreamReset` if the stream ended before them."""
         head = await self._head
         return head.status, head.headers
+
+    def whole_body(self) -> bytes | None:
+        """The whole response body when all of it has arrived (END received), taken at once;
+        else None, and nothing is taken (read it through `body()`)."""
+        if self._reset is not None or not self._all_here:
+            return None
+        pieces = []
+        while (chunk := self._chunks.get_nowait()) is not None:
+            self._receive_window.consumed(len(chunk))  # over: no WINDOW to send
+            pieces.append(chunk)
+        self._all_here = False
+        return b"".join(pieces)
 
     async def body(self) -> AsyncIterator[bytes]:
         """The response body as it arrives; the agent is granted more as it is consumed."""
@@ -168,6 +188,7 @@ class Stream:
                 # Else `response()` would wait for ever: the stream is forgotten below.
                 raise TunnelProtocolError("END before RESPONSE")
             self._chunks.put_nowait(None)
+            self._all_here = True
             self._send_window.close()
             self._tunnel.forget(self.id)
         elif kind is FrameType.WINDOW:
@@ -208,7 +229,7 @@ class Tunnel:
     def streams(self) -> int:
         return len(self._streams)
 
-    async def open(self, request: OpenRequest) -> Stream:
+    async def open(self, request: OpenRequest, body: bytes | None = None) -> Stream:
         if self.closed:
             raise TunnelUnavailable(f"the tunnel of node {self.node_id} closed")
         if len(self._streams) >= self.max_streams:
@@ -220,8 +241,15 @@ class Tunnel:
         stream = Stream(self, self._next_id)
         self._next_id += 1
         self._streams[stream.id] = stream
+        frames = [encode(FrameType.OPEN, stream.id, payload)]
+        if body is not None:  # the whole body: one message (the caller checked its size)
+            if body:
+                stream._send_window.available -= len(body)
+                frames.append(encode(FrameType.DATA, stream.id, body))
+            frames.append(encode(FrameType.END, stream.id))
+            stream._sent_end = True
         try:
-            await self.send(encode(FrameType.OPEN, stream.id, payload))
+            await self.send(batch(frames))
         except ConnectionError:
             self.forget(stream.id)
             raise TunnelUnavailable(f"the tunnel of node {self.node_id} closed") from None
@@ -248,16 +276,16 @@ class Tunnel:
         """Dispatch the agent's frames until the WebSocket closes."""
         while (message := await self._socket.receive()) is not None:
             self.heard_at = time.monotonic()
-            frame = decode(message)
-            if frame.stream == 0:
-                continue  # the keepalive
-            stream = self._streams.get(frame.stream)
-            if stream is None:
-                continue  # one this side reset or finished: its frames in flight are dropped
-            try:
-                stream._on_frame(frame.kind, frame.payload)
-            except TunnelProtocolError as exc:
-                await stream.reset(exc.code, str(exc))
+            for frame in decode_message(message):
+                if frame.stream == 0:
+                    continue  # the keepalive
+                stream = self._streams.get(frame.stream)
+                if stream is None:
+                    continue  # one this side reset or finished: its frames in flight are dropped
+                try:
+                    stream._on_frame(frame.kind, frame.payload)
+                except TunnelProtocolError as exc:
+                    await stream.reset(exc.code, str(exc))
 
     def close_streams(self, message: str) -> None:
         self.closed = True
@@ -344,13 +372,18 @@ class TunnelHub:
         """The nodes whose tunnel this process holds."""
         return [node for node, tunnel in self._tunnels.items() if not tunnel.closed]
 
-    async def open_stream(self, node_id: str, request: OpenRequest) -> Stream:
+    async def open_stream(
+        self, node_id: str, request: OpenRequest, *, body: bytes | None = None
+    ) -> Stream:
         """A new stream to `request.replica_id` on `node_id`: OPEN sent, nothing of the body
-        yet. `TunnelUnavailable` when this process holds no tunnel to that node."""
+        yet; or, given the whole `body` (at most `MAX_PAYLOAD` bytes), OPEN, the body and END in
+        one message. `TunnelUnavailable` when this process holds no tunnel to that node."""
         tunnel = self._tunnels.get(node_id)
         if tunnel is None or tunnel.closed:
             raise TunnelUnavailable(f"no tunnel to node {node_id} in this process")
-        return await tunnel.open(request)
+        if body is not None and len(body) > MAX_PAYLOAD:
+            raise ValueError("a body sent with its OPEN fits one DATA frame")
+        return await tunnel.open(request, body)
 
     async def serve(
         self,

@@ -30,11 +30,12 @@ from control_plane.services.schemas import AccessTokenCreate
 from modelforge_contracts.tunnel import (
     MAX_PAYLOAD,
     TUNNEL_PATH,
+    Frame,
     FrameType,
     OpenRequest,
     Reset,
     ResponseHead,
-    decode,
+    decode_message,
     encode,
     parse_window,
     window,
@@ -127,36 +128,40 @@ class _Peer:
     def _run(self) -> None:
         while True:
             try:
-                frame = decode(self.ws.receive_bytes())
+                frames = decode_message(self.ws.receive_bytes())
             except Exception:  # noqa: BLE001 - the tunnel closed
                 return
-            if frame.kind is FrameType.OPEN:
-                self.opened += 1
-                self._streams[frame.stream] = (OpenRequest.from_payload(frame.payload), bytearray())
-                self._windows[frame.stream] = 256 * 1024
-                if self.refuse:
-                    reset = Reset("UPSTREAM_UNREACHABLE", "connection refused")
-                    self.send(encode(FrameType.RESET, frame.stream, reset.to_payload()))
-                    del self._streams[frame.stream]
-                elif self.end_first:
-                    self.send(encode(FrameType.END, frame.stream))
-                    del self._streams[frame.stream]
-            elif frame.kind is FrameType.RESET:
-                with self._granted:
-                    self.resets.append(frame.stream)
-                    self._granted.notify_all()
-            elif frame.kind is FrameType.DATA and frame.stream in self._streams:
-                self._streams[frame.stream][1].extend(frame.payload)
-                self.send(window(frame.stream, len(frame.payload)))
-            elif frame.kind is FrameType.END and frame.stream in self._streams:
-                request, body = self._streams.pop(frame.stream)
-                threading.Thread(
-                    target=self._forward, args=(frame.stream, request, bytes(body)), daemon=True
-                ).start()
-            elif frame.kind is FrameType.WINDOW and frame.stream:
-                with self._granted:
-                    self._windows[frame.stream] += parse_window(frame.payload)
-                    self._granted.notify_all()
+            for frame in frames:
+                self._on_frame(frame)
+
+    def _on_frame(self, frame: Frame) -> None:
+        if frame.kind is FrameType.OPEN:
+            self.opened += 1
+            self._streams[frame.stream] = (OpenRequest.from_payload(frame.payload), bytearray())
+            self._windows[frame.stream] = 256 * 1024
+            if self.refuse:
+                reset = Reset("UPSTREAM_UNREACHABLE", "connection refused")
+                self.send(encode(FrameType.RESET, frame.stream, reset.to_payload()))
+                del self._streams[frame.stream]
+            elif self.end_first:
+                self.send(encode(FrameType.END, frame.stream))
+                del self._streams[frame.stream]
+        elif frame.kind is FrameType.RESET:
+            with self._granted:
+                self.resets.append(frame.stream)
+                self._granted.notify_all()
+        elif frame.kind is FrameType.DATA and frame.stream in self._streams:
+            self._streams[frame.stream][1].extend(frame.payload)
+            self.send(window(frame.stream, len(frame.payload)))
+        elif frame.kind is FrameType.END and frame.stream in self._streams:
+            request, body = self._streams.pop(frame.stream)
+            threading.Thread(
+                target=self._forward, args=(frame.stream, request, bytes(body)), daemon=True
+            ).start()
+        elif frame.kind is FrameType.WINDOW and frame.stream:
+            with self._granted:
+                self._windows[frame.stream] += parse_window(frame.payload)
+                self._granted.notify_all()
 
     def _forward(self, stream: int, request: OpenRequest, body: bytes) -> None:
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
