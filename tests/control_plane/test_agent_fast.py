@@ -16,6 +16,7 @@ from control_plane.api.agent_fast import AgentFastPath
 from control_plane.api.agent_frame import FAST_BODY_LIMIT
 from control_plane.api.edge import Edge
 from control_plane.api.gateway import Gateway
+from control_plane.api.gateway_peers import PeerRoute
 from modelforge_contracts import protocol
 from tests.control_plane.test_jobs import _claim, _node, _submit
 from tests.factories import ControlPlane, control_plane, heartbeat_body
@@ -24,9 +25,11 @@ from tests.factories import ControlPlane, control_plane, heartbeat_body
 def _fast_path(cp: ControlPlane) -> AgentFastPath:
     served = cp.client.app
     assert isinstance(served, AgentFastPath)  # the served app: the fast path is outermost,
-    # Whatever it does not answer meets the gateway, and what that does not take, the edge.
+    # Whatever it does not answer meets the gateway, then the replicas' internal route, and
+    # what neither takes, the edge.
     assert isinstance(served.app, Gateway)
-    assert isinstance(served.app.app, Edge)
+    assert isinstance(served.app.app, PeerRoute)
+    assert isinstance(served.app.app.app, Edge)
     return served
 
 
