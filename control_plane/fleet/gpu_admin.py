@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
 from control_plane.errors import GpuNotFound
-from control_plane.fleet.gpu_health import gpu_row, lock_node, set_state
+from control_plane.fleet.gpu_health import gpu_row, healthy_row, lock_node, set_state
 from control_plane.fleet.nodes import get_node
 from control_plane.fleet.schemas import (
     GpuCheck,
@@ -87,7 +87,7 @@ def gpus_of_node(*, session: Session, node_id: str) -> list[GpuHealthPublic]:
         row = rows.pop(gpu["uuid"], None)
         name = gpu.get("name")
         if row is None:
-            views.append(_implicit_healthy(gpu, node.inventory_at))
+            views.append(_implicit_healthy(node_id, gpu, node.inventory_at))
         else:
             views.append(_public(row, name=name, checks=checks))
     views += [_public(row, name=None, checks=checks) for row in sorted(rows.values(), key=_index)]
@@ -98,7 +98,9 @@ def gpu_public(session: Session, gpu: AdminGpu) -> GpuHealthPublic:
     """One GPU's view, as `gpus_of_node` lists it."""
     name = next((g.get("name") for g in _inventory_gpus(gpu.node) if g["uuid"] == gpu.uuid), None)
     if gpu.row is None:
-        return _implicit_healthy({"index": gpu.index, "uuid": gpu.uuid, "name": name}, None)
+        return _implicit_healthy(
+            gpu.node.id, {"index": gpu.index, "uuid": gpu.uuid, "name": name}, None
+        )
     checks = _check_states(session, [gpu.row.check_job_id] if gpu.row.check_job_id else [])
     return _public(gpu.row, name=name, checks=checks)
 
@@ -150,20 +152,10 @@ def _check_states(session: Session, job_ids: list[str]) -> dict[str, str]:
     return {job_id: state for job_id, state in rows}
 
 
-def _implicit_healthy(gpu: dict[str, Any], since: datetime | None) -> GpuHealthPublic:
-    return GpuHealthPublic(
-        index=int(gpu["index"]),
-        uuid=gpu["uuid"],
-        name=gpu.get("name"),
-        state="healthy",
-        rules_state="healthy",
-        reported="healthy",
-        reason="",
-        evidence=[],
-        since=since,
-        quarantine=None,
-        check=None,
-    )
+def _implicit_healthy(node_id: str, gpu: dict[str, Any], since: datetime | None) -> GpuHealthPublic:
+    """The view of a GPU that has no row yet: the row it would get (`healthy_row`)."""
+    row = healthy_row(node_id, gpu["uuid"], int(gpu["index"]), since)
+    return _public(row, name=gpu.get("name"), checks={})
 
 
 def _public(row: GpuHealth, *, name: str | None, checks: dict[str, str]) -> GpuHealthPublic:

@@ -113,22 +113,27 @@ def gpu_row(
     row = session.scalars(query.with_for_update()).first()  # created while we waited
     if row is not None or node is None:
         return row
-    at = now or node.inventory_at or node.created_at
-    row = GpuHealth(
+    row = healthy_row(node_id, uuid, create_index, now or node.inventory_at or node.created_at)
+    session.add(row)
+    session.flush()
+    return row
+
+
+def healthy_row(node_id: str, uuid: str, index: int, since: datetime | None) -> GpuHealth:
+    """A GPU's row as it stands before anything was reported of it: healthy since `since`. Not
+    added to a session: `gpu_row` adds it, the views show a GPU that has no row through it."""
+    return GpuHealth(
         node_id=node_id,
         uuid=uuid,
-        index=create_index,
+        index=index,
         state="healthy",
         rules_state="healthy",
         reported="healthy",
         reason="",
         evidence=[],
-        since=at,
-        reported_at=at,
+        since=since,
+        reported_at=since,
     )
-    session.add(row)
-    session.flush()
-    return row
 
 
 def set_state(
