@@ -35,6 +35,7 @@ import psycopg
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event, exc, text
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -365,6 +366,14 @@ def _configure_sqlite(engine: Engine, *, read_only: bool) -> None:
 def rowcount(result: object) -> int:
     """Rows matched by an UPDATE/DELETE result (typed access for mypy)."""
     return int(getattr(result, "rowcount", 0) or 0)
+
+
+def dialect_insert(session: Session, table: Any) -> Any:
+    """An INSERT into `table` in the session's dialect (PostgreSQL's or SQLite's), so that an
+    upsert's `on_conflict_do_nothing` / `on_conflict_do_update` is written once for both."""
+    if session.get_bind().dialect.name == "postgresql":
+        return postgresql.insert(table)
+    return sqlite.insert(table)
 
 
 def ping(*, session: Session) -> None:

@@ -34,7 +34,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import Clock
-from control_plane.db import rowcount
+from control_plane.db import dialect_insert, rowcount
 from control_plane.errors import CredentialError, CredentialExpired, CredentialRevoked, NotFound
 from control_plane.models import NodeCredential, SigningKey
 from control_plane.scheduling.dispatch import jobs_changed, node_key
@@ -119,13 +119,17 @@ class CredentialAuthority:
         self._kid, public_pem = _describe(self._private_pem)
         row = session.get(SigningKey, self._kid)
         if row is None:
-            session.add(
-                SigningKey(
+            # Control-plane replicas sharing the key may start together: the first insert wins,
+            # the others' change nothing (a plain insert failed the start of all but one).
+            session.execute(
+                dialect_insert(session, SigningKey)
+                .values(
                     kid=self._kid,
                     public_key_pem=public_pem.decode(),
                     created_at=self._clock.now(),
                     retired_at=None,
                 )
+                .on_conflict_do_nothing(index_elements=[SigningKey.kid])
             )
             session.flush()
         self._load_keys(session)

@@ -23,10 +23,10 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from sqlalchemy import func, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
+from control_plane.db import dialect_insert
 from control_plane.models import ControlPlanePresence, Node
 from control_plane.schemas import NodeState
 
@@ -86,8 +86,7 @@ def last_alive(*, session: Session) -> datetime | None:
 def mark_alive(*, session: Session, at: datetime) -> None:
     """Record that the control plane is alive at `at`: one upsert, which never moves the mark
     back (another replica may be ahead) and never conflicts with a replica marking at once."""
-    insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
-    statement = insert(ControlPlanePresence).values(id=_PRESENCE_ROW, alive_at=at)
+    statement = dialect_insert(session, ControlPlanePresence).values(id=_PRESENCE_ROW, alive_at=at)
     session.execute(
         statement.on_conflict_do_update(
             index_elements=[ControlPlanePresence.id],

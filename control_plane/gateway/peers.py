@@ -35,11 +35,10 @@ from urllib.parse import quote
 
 import httpx
 from sqlalchemy import delete, select
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import Clock
+from control_plane.db import dialect_insert
 from control_plane.gateway.tunnels import HolderRecord, StreamReset, TunnelHub, TunnelUnavailable
 from control_plane.models import GatewayPeerKey, GatewayTunnel
 from modelforge_contracts.tunnel import HOP_BY_HOP, Headers, OpenRequest
@@ -104,11 +103,7 @@ def ensure_peer_key(session: Session, *, now: datetime) -> bytes:
     """The replicas' shared key, made by the first to ask: an insert that does nothing when
     another replica's insert won, then the one read, so replicas starting together agree."""
     values = {"name": _KEY_NAME, "key": secrets.token_urlsafe(48), "created_at": now}
-    bind = session.get_bind()
-    if bind.dialect.name == "postgresql":
-        session.execute(pg_insert(GatewayPeerKey).values(values).on_conflict_do_nothing())
-    else:
-        session.execute(sqlite_insert(GatewayPeerKey).values(values).on_conflict_do_nothing())
+    session.execute(dialect_insert(session, GatewayPeerKey).values(values).on_conflict_do_nothing())
     key = session.execute(select(GatewayPeerKey.key).where(GatewayPeerKey.name == _KEY_NAME))
     return key.scalar_one().encode()
 
