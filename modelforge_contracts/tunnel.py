@@ -22,7 +22,8 @@ them (below).
   `length u32 | frame`, in order, at most `MAX_BATCH` bytes in all (a batch holds no batch). A
   small request's OPEN, DATA and END, or a small answer's RESPONSE, DATA and END, go as one
   message: each WebSocket message costs the control plane's server a hand-over between its
-  threads, more than the frames' own work.
+  threads, more than the frames' own work. Each side writes through one `FrameWriter`, so the
+  frames of concurrent streams sent while a message is being written leave together in the next.
 
 Flow control is per stream and direction: a sender may have at most its window in DATA payload
 unacknowledged; each side starts with `INITIAL_WINDOW` and the receiver grants more (WINDOW) as
@@ -187,6 +188,78 @@ def batch(frames: list[bytes]) -> bytes:
     for frame in frames:
         parts += (_U32.pack(len(frame)), frame)
     return b"".join(parts)
+
+
+class FrameWriter:
+    """The one writer of a tunnel's WebSocket, on either side: frames sent while a message is
+    being written wait, and go out together, as one BATCH (at most `MAX_BATCH` bytes), once it
+    is. Each WebSocket message costs the control plane's server a hand-over between its threads
+    (the largest cost of a small request), so concurrent streams share them, where an
+    `asyncio.Lock` around each write made every frame wait a whole hand-over of its own.
+    `linger` lets the event loop run once before a message is taken, so that frames made ready
+    together (answers read in the same wake-up) join it where writes never wait (a client
+    library that only buffers). Frames leave in the order sent; `send` returns once its frames
+    are written and raises `ConnectionError` once a write has failed (every later send too).
+    A sender cancelled while waiting does not take its frames back: they follow the frames sent
+    before them, so the peer sees the stream's frames in order either way."""
+
+    def __init__(self, write: Callable[[bytes], Awaitable[None]], *, linger: bool = False) -> None:
+        self._write = write
+        self._linger = linger
+        #: Frames not yet written, each with the future of the send it ends (else None).
+        self._pending: list[tuple[bytes, asyncio.Future[None] | None]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._failed = False
+        #: How many messages were written, and how many frames they held (tests read them).
+        self.messages = 0
+        self.frames = 0
+
+    async def send(self, *frames: bytes) -> None:
+        if self._failed:
+            raise ConnectionError("the tunnel closed")
+        if not frames or any(frame[:1] == _BATCH_TYPE for frame in frames):
+            raise ValueError("send frames, at least one, none of them a BATCH")
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending += [(frame, None) for frame in frames[:-1]]
+        self._pending.append((frames[-1], done))
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._run())
+        await done
+
+    async def _run(self) -> None:
+        group: list[tuple[bytes, asyncio.Future[None] | None]] = []
+        try:
+            if self._linger:
+                await asyncio.sleep(0)
+            while self._pending:
+                taken, size = 0, _HEAD.size
+                for frame, _ in self._pending:
+                    size += _U32.size + len(frame)
+                    if taken and size > MAX_BATCH:
+                        break
+                    taken += 1
+                group, self._pending = self._pending[:taken], self._pending[taken:]
+                await self._write(batch([frame for frame, _ in group]))
+                self.messages += 1
+                self.frames += len(group)
+                for _, done in group:
+                    if done is not None and not done.done():
+                        done.set_result(None)
+                group = []
+        except BaseException as exc:
+            # The transport's own closed-socket errors, or this task cancelled (the loop
+            # stopping): every waiting sender is told, as every later one will be.
+            self._failed = True
+            waiting, self._pending = group + self._pending, []
+            for _, done in waiting:
+                if done is not None and not done.done():
+                    failed = ConnectionError("the tunnel closed")
+                    failed.__cause__ = exc  # what the transport said, for the logs
+                    done.set_exception(failed)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._task = None
 
 
 def keepalive() -> bytes:

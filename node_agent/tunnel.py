@@ -42,13 +42,13 @@ from modelforge_contracts.tunnel import (
     MAX_STREAMS,
     TUNNEL_PATH,
     FrameType,
+    FrameWriter,
     OpenRequest,
     ReceiveWindow,
     ResetCode,
     ResponseHead,
     SendWindow,
     TunnelProtocolError,
-    batch,
     decode_message,
     encode,
     keepalive,
@@ -137,6 +137,9 @@ class TunnelClient:
         self.connections = 0
         #: The most of one request body a stream held at once.
         self.peak_buffered = 0
+        #: Replica id -> its requests in flight through the tunnel (`in_flight`).
+        self._in_flight: dict[str, int] = {}
+        self._in_flight_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<TunnelClient {self._url}>"
@@ -205,6 +208,20 @@ class TunnelClient:
     def port(self, replica_id: str) -> int | None:
         return self._ports(replica_id)
 
+    def in_flight(self, replica_id: str) -> int:
+        """The requests to `replica_id` in flight through the tunnel now (any thread): a
+        draining replica's agent reports it, and its drain ends once it is 0."""
+        with self._in_flight_lock:
+            return self._in_flight.get(replica_id, 0)
+
+    def _count(self, replica_id: str, change: int) -> None:
+        with self._in_flight_lock:
+            left = self._in_flight.get(replica_id, 0) + change
+            if left > 0:
+                self._in_flight[replica_id] = left
+            else:
+                self._in_flight.pop(replica_id, None)
+
     @staticmethod
     def local_target(path: str, query: str) -> str:
         return path + (f"?{query}" if query else "")
@@ -218,11 +235,13 @@ class _Session:
         self._http = http
         self._client = client
         self._streams: dict[int, _Forward] = {}
-        self._write = asyncio.Lock()
+        # The client library only buffers a write, so nothing would wait to join one: the
+        # writer lets the loop run once first, and answers read together leave together.
+        self._writer = FrameWriter(websocket.send, linger=True)
 
-    async def send(self, message: bytes) -> None:
-        async with self._write:
-            await self._websocket.send(message)
+    async def send(self, *frames: bytes) -> None:
+        """`frames` written in order (`FrameWriter`); `ConnectionError` once it closed."""
+        await self._writer.send(*frames)
 
     async def send_quietly(self, message: bytes) -> None:
         with contextlib.suppress(WebSocketException, OSError):
@@ -386,6 +405,14 @@ class _Forward:
         return b"".join(pieces) if pieces else None
 
     async def _run(self) -> None:
+        client = self._session.client
+        client._count(self._request.replica_id, 1)
+        try:
+            await self._forward()
+        finally:
+            client._count(self._request.replica_id, -1)
+
+    async def _forward(self) -> None:
         request = self._request
         port = self._session.client.port(request.replica_id)
         if port is None:
@@ -415,7 +442,7 @@ class _Forward:
                     self._send_window.available -= len(data)
                     frames.append(encode(FrameType.DATA, self.id, data))
                 frames.append(encode(FrameType.END, self.id))
-                await self._session.send(batch(frames))
+                await self._session.send(*frames)
                 answered = True
             else:
                 await self._session.send(head)

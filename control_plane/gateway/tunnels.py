@@ -27,17 +27,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
 from sqlalchemy import delete
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import Clock
+from control_plane.db import dialect_insert
 from control_plane.models import GatewayTunnel
 from modelforge_contracts.tunnel import (
     CLOSE_GOING_AWAY,
@@ -46,6 +45,7 @@ from modelforge_contracts.tunnel import (
     MAX_PAYLOAD,
     MAX_STREAMS,
     FrameType,
+    FrameWriter,
     Headers,
     OpenRequest,
     ReceiveWindow,
@@ -54,7 +54,6 @@ from modelforge_contracts.tunnel import (
     ResponseHead,
     SendWindow,
     TunnelProtocolError,
-    batch,
     decode_message,
     encode,
     parse_window,
@@ -221,7 +220,7 @@ class Tunnel:
         self._socket = socket
         self._streams: dict[int, Stream] = {}
         self._next_id = 1
-        self._write = asyncio.Lock()
+        self._writer = FrameWriter(socket.send)
         self.closed = False
         self.heard_at = time.monotonic()
 
@@ -249,20 +248,25 @@ class Tunnel:
             frames.append(encode(FrameType.END, stream.id))
             stream._sent_end = True
         try:
-            await self.send(batch(frames))
+            await self.send(*frames)
         except ConnectionError:
             self.forget(stream.id)
             raise TunnelUnavailable(f"the tunnel of node {self.node_id} closed") from None
+        except asyncio.CancelledError:
+            # The OPEN still goes (the writer keeps what it was given): nobody will read this
+            # stream, so the agent is told to drop it, and its place here is given back.
+            self.forget(stream.id)
+            reset = reset_frame(stream.id, ResetCode.CANCELLED, "the request went away")
+            _detached(self.send_quietly(reset))
+            raise
         return stream
 
-    async def send(self, message: bytes) -> None:
+    async def send(self, *frames: bytes) -> None:
+        """`frames` written in order (with any other streams' sent meanwhile: `FrameWriter`);
+        `ConnectionError` once the tunnel has closed or a write failed."""
         if self.closed:
             raise ConnectionError("the tunnel closed")
-        async with self._write:
-            try:
-                await self._socket.send(message)
-            except Exception as exc:  # the transport's own closed-socket errors
-                raise ConnectionError("the tunnel closed") from exc
+        await self._writer.send(*frames)
 
     async def send_quietly(self, message: bytes) -> None:
         """A frame whose loss changes nothing: the tunnel closing ends the stream anyway."""
@@ -297,6 +301,16 @@ class Tunnel:
         self.close_streams(reason)
         with contextlib.suppress(Exception):
             await self._socket.close(code, reason)
+
+
+_DETACHED: set[asyncio.Task[None]] = set()
+
+
+def _detached(work: Coroutine[Any, Any, None]) -> None:
+    """Run `work` beside the caller, which is being cancelled (kept until done)."""
+    task = asyncio.ensure_future(work)
+    _DETACHED.add(task)
+    task.add_done_callback(_DETACHED.discard)
 
 
 class StreamOpener(Protocol):
@@ -468,9 +482,8 @@ def record_holder(
     one upsert, so two processes recording the same node at once both succeed (the later wins)."""
     values = {"node_id": node_id, "holder": holder, "holder_address": address, "connected_at": at}
     changed = {"holder": holder, "holder_address": address, "connected_at": at}
-    insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
     session.execute(
-        insert(GatewayTunnel)
+        dialect_insert(session, GatewayTunnel)
         .values(values)
         .on_conflict_do_update(index_elements=[GatewayTunnel.node_id], set_=changed)
     )
