@@ -30,6 +30,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 from control_plane.service_tables import (
     SERVICES,
     GatewayPeerKey,
+    GatewayTraffic,
     GatewayTunnel,
     Service,
     ServiceAccessToken,
@@ -51,6 +52,7 @@ __all__ = [
     "ConsoleSession",
     "ControlPlanePresence",
     "GatewayPeerKey",
+    "GatewayTraffic",
     "GatewayTunnel",
     "GpuHealth",
     "GpuHealthEvent",

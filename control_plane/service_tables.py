@@ -111,6 +111,12 @@ class ServiceReplica(Base):
     #: When it last turned healthy (warm): the gateway sends it requests from then on.
     ready_at: Mapped[datetime | None]
     stopped_at: Mapped[datetime | None]
+    #: While draining: the requests in flight to it through its node's tunnel, as its agent
+    #: last reported them, when, and since when every report said that many (`rollout.idle`:
+    #: none left in two reports, the drain ends early).
+    in_flight: Mapped[int | None] = mapped_column(Integer)
+    in_flight_at: Mapped[datetime | None]
+    in_flight_since: Mapped[datetime | None]
 
 
 class ServiceAccessToken(Base):
@@ -149,6 +155,21 @@ class GatewayTunnel(Base):
     holder: Mapped[str] = mapped_column(String(64))
     holder_address: Mapped[str] = mapped_column(String(300))
     connected_at: Mapped[datetime]
+
+
+class GatewayTraffic(Base):
+    """One control-plane process's gateway requests in flight to an autoscaled service, as its
+    autoscaler last wrote them (issue 27): every process sizes a service from the sum of the
+    fresh rows, not its own share of the requests (`services/autoscale.py`)."""
+
+    __tablename__ = "gateway_traffic"
+
+    process: Mapped[str] = mapped_column(String(64), primary_key=True)
+    service_id: Mapped[str] = mapped_column(
+        ForeignKey("services.id", ondelete="CASCADE"), primary_key=True
+    )
+    in_flight: Mapped[int] = mapped_column(Integer)
+    reported_at: Mapped[datetime]
 
 
 class GatewayPeerKey(Base):

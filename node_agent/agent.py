@@ -278,7 +278,7 @@ class Agent:
                 activity=self.activity,
             )
             keeper.start()
-            TunnelClient(
+            tunnel = TunnelClient(
                 control_plane_url=self.settings.control_plane_url,
                 credential=identity.credential,
                 ports=LocalPorts(keeper.worker_view).port,
@@ -288,7 +288,9 @@ class Agent:
                     verify=self.settings.tls_verify,
                     ca_cert_path=self.settings.ca_cert_path,
                 ),
-            ).start()
+            )
+            keeper.in_flight = tunnel.in_flight  # a draining replica's drain ends at 0
+            tunnel.start()
             if self.max_idle_seconds > 0:
                 self._loop("idle watch", self._idle_watch, lambda: _IDLE_WATCH_EVERY)
             while not self.stop.wait(1.0):

@@ -3,7 +3,9 @@
 Every poll interval (the control plane's answer sets it; 2 s until it does) the `ServiceKeeper`
 asks the runtime worker what it runs (`GET /v1/services`), reports that to the control plane
 (`POST /api/v1/agent/services/sync`: each service's state, ports, restarts, last exit, the events
-not reported before and the tail of its output) and gets back the services this node must run.
+not reported before and the tail of its output; for one the last answer said was draining, its
+requests in flight through the tunnel, `in_flight`, so its drain can end once none is left)
+and gets back the services this node must run.
 Each is run and reported by the id the control plane sends, its `replica_id` (a service's
 replicas are apart, and may share a node), or the service's id from a control plane older than
 replicas. Then it reconciles: a wanted service the worker does not run, or runs at another
@@ -113,6 +115,11 @@ class ServiceKeeper:
         #: The services the worker ran, and those the control plane wanted here, when last told.
         self._ran: set[str] = set()
         self._wanted: set[str] = set()
+        #: Those the control plane said drain (out of the gateway's rotation), and how many
+        #: requests are in flight to a replica through the tunnel (set by the agent: the
+        #: tunnel's count): reported for the draining ones, whose drain ends when none is left.
+        self._draining: set[str] = set()
+        self.in_flight: Callable[[str], int] | None = None
         self.worker_socket = worker_socket
         self.agent_socket = agent_socket
         #: The local path of an artifact digest (the agent: its cache, filled from the control
@@ -192,6 +199,7 @@ class ServiceKeeper:
             return
         desired = [_keyed(spec) for spec in desired]
         self._wanted = _service_ids(desired)
+        self._draining = _service_ids([spec for spec in desired if _draining(spec)])
         self.activity.services(len(self._ran | self._wanted))
         self._services_down.want(desired)
         if view is not None:
@@ -235,6 +243,8 @@ class ServiceKeeper:
                 {"at": event.get("at"), "kind": event.get("kind"), "data": event.get("data")}
                 for event in fresh
             ]
+            if self.in_flight is not None and service_id in self._draining:
+                entry["in_flight"] = self.in_flight(service_id)
             entries[service_id] = self._services_down.counted(service_id, entry)
         down = self._services_down.entries() if view is None and self.worker.lost else {}
         entries.update(down)
@@ -397,6 +407,10 @@ def _service_ids(services: Any) -> set[str]:
         for entry in services
         if isinstance(entry, dict) and isinstance(entry.get("service_id"), str)
     }
+
+
+def _draining(spec: Any) -> bool:
+    return isinstance(spec, dict) and spec.get("draining") is True
 
 
 def _keyed(spec: Any) -> Any:

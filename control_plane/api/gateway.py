@@ -315,6 +315,12 @@ class Gateway:
         failure = ""
         try:
             for attempt in (0, 1):
+                # The replica is chosen from a table at most `max_age` old when its OPEN goes
+                # (after the queue and a small body's read, each of which may take seconds): a
+                # replica left the rotation that long ago gets no new request, which is what
+                # lets a draining one stop once none is in flight (`services/rollout.idle`).
+                await body.whole()
+                snapshot, service = await self._fresh(snapshot, service)
                 rotation = self.table.rotation(snapshot, service)
                 if not rotation and attempt == 0 and service.scales_from_zero:
                     snapshot, rotation = await self._wait_warm(service)
@@ -378,6 +384,17 @@ class Gateway:
             return await _error(send, 502, message)
         self.metrics.error(label, "no_replica")
         return await _error(send, 503, self._no_replica(service))
+
+    async def _fresh(
+        self, snapshot: RoutingSnapshot, service: ServiceTarget
+    ) -> tuple[RoutingSnapshot, ServiceTarget]:
+        """The routing table as it is now (in memory unless older than its `max_age`), and the
+        service in it; what was read before when the database cannot be read now."""
+        try:
+            snapshot = await self.table.current()
+        except Exception:  # noqa: BLE001 - the database: logged once by the table
+            return snapshot, service
+        return snapshot, snapshot.services.get(service.name, service)
 
     async def _wait_warm(self, service: ServiceTarget) -> tuple[RoutingSnapshot, list]:  # type: ignore[type-arg]
         """Hold a request for a service scaled to zero while a replica starts (bounded)."""

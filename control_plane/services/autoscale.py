@@ -5,8 +5,10 @@ scale_down_seconds}`.
 - `Traffic` is what the gateway of this process reports, in memory: the requests of each service
   in flight (queued ones included) and the time of its last one. The autoscale loop reads it
   about once a second (`apply`), writes `Service.last_request_at` from it (so the gateway never
-  writes per request) and sizes each autoscaled service. With several control-plane processes
-  each decides from its own share of the requests (their `last_request_at` is shared).
+  writes per request) and this process's requests in flight to each autoscaled service into
+  `gateway_traffic`, then sizes each service from the sum of every process's row written within
+  `SHARED_FRESH_SECONDS`: with several control-plane processes behind a load balancer, each
+  sees every request, not its own share (a process gone stops counting once its rows age).
 - `decide` is the rule: `ceil(in_flight / target_in_flight)` clamped to `[min, max]`; more
   replicas at once; fewer only once the wish has stayed below the current count for the whole
   `scale_down_seconds` (then to the most it wished in that window: slowly, never below `min`);
@@ -21,22 +23,27 @@ drained (the gateway stops sending them requests) before they stop. Every change
 from __future__ import annotations
 
 import math
+import secrets
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
-from control_plane.models import Service
+from control_plane.models import GatewayTraffic, Service
 from control_plane.services import rollout
 from control_plane.services._changes import record_event
 
 #: How long a wish to scale down must hold before it is acted on, unless the service says.
 DEFAULT_SCALE_DOWN_SECONDS = 60.0
+#: A process's requests in flight count while its row is younger than this (its loop writes it
+#: about every second); rows older than `_SHARED_KEPT_SECONDS` are deleted by any process.
+SHARED_FRESH_SECONDS = 5.0
+_SHARED_KEPT_SECONDS = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +98,10 @@ class Autoscaler:
 
     clock: Clock
     wishes: dict[str, _Wish] = field(default_factory=dict)
+    #: This process's name in `gateway_traffic` (a fresh one each start).
+    process: str = field(default_factory=lambda: "cp-" + secrets.token_hex(8))
+    #: Whether this process has rows there (else a round with nothing in flight writes nothing).
+    shared: bool = False
 
     def decide(
         self,
@@ -139,10 +150,17 @@ def apply(
         ).all()
     resized = 0
     now = clock.now()
+    scaled = {row[0] for row in rows if row[2]}  # a JSON null: autoscaling turned off
+    if not scaled and not autoscaler.shared:
+        return 0
+    own = {i: load.in_flight for i, load in loads.items() if i in scaled and load.in_flight > 0}
+    with session_factory.begin() as session:
+        everyone = share(session, autoscaler, own, now)
     for service_id, current, settings, last_stored in rows:
-        if not settings:  # a JSON null: autoscaling turned off
+        if service_id not in scaled:
             continue
         load = loads.get(service_id, Load(0, None))
+        load = Load(everyone.get(service_id, 0), load.last_request_at)
         last = _latest(last_stored, load.last_request_at)
         idle_for = float("inf") if last is None else (now - last).total_seconds()
         want = autoscaler.decide(
@@ -157,6 +175,33 @@ def apply(
         with session_factory.begin() as session:
             resized += _resize(session, clock, service_id, want, load, last)
     return resized
+
+
+def share(
+    session: Session, autoscaler: Autoscaler, own: Mapping[str, int], now: datetime
+) -> dict[str, int]:
+    """Write this process's requests in flight (`own`, the nonzero ones) as its rows of
+    `gateway_traffic` (nothing written when it had none and has none), and return every
+    process's fresh ones summed by service."""
+    mine = GatewayTraffic.process == autoscaler.process
+    if own or autoscaler.shared:
+        session.execute(delete(GatewayTraffic).where(mine))
+        session.add_all(
+            GatewayTraffic(process=autoscaler.process, service_id=i, in_flight=n, reported_at=now)
+            for i, n in own.items()
+        )
+        # And what processes gone long ago left (ignored meanwhile: not fresh).
+        old = GatewayTraffic.reported_at < now - timedelta(seconds=_SHARED_KEPT_SECONDS)
+        session.execute(delete(GatewayTraffic).where(old))
+        session.flush()
+        autoscaler.shared = bool(own)
+    fresh = now - timedelta(seconds=SHARED_FRESH_SECONDS)
+    summed = session.execute(
+        select(GatewayTraffic.service_id, func.sum(GatewayTraffic.in_flight))
+        .where(GatewayTraffic.reported_at >= fresh)
+        .group_by(GatewayTraffic.service_id)
+    ).all()
+    return {service_id: int(total) for service_id, total in summed}
 
 
 def _resize(

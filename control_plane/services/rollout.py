@@ -15,7 +15,10 @@
   the last rollout (`running`, `succeeded`, `failed` with its `reason`, `cancelled`) and each
   step is a `rollout` event.
 - A draining replica's `stopped_at` is when it began draining (it left the rotation then); it
-  is `stopped` once the drain period has passed since.
+  is `stopped` once the drain period has passed since, or sooner, once its agent reports no
+  request in flight to it through the tunnel (`in_flight`, reported while the sync's spec says
+  `draining`) in two reports in a row, the first received `DRAIN_SETTLE_SECONDS` or more after
+  it left the rotation (`record_in_flight`, `idle`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ _FAILING = ("failed", "unhealthy", "restarting")
 _RETIRED = ("stopped", "draining")
 #: Fields of an update that only scale.
 _SCALING = ("replicas", "autoscale")
+#: How long after a replica left the rotation a gateway may still choose it: the routing table
+#: a request reads is at most 2 s old (`gateway/routing.RoutingTable.max_age`), plus a second
+#: for the request to reach the node's tunnel.
+DRAIN_SETTLE_SECONDS = 3.0
 
 
 def in_progress(service: Service) -> bool:
@@ -283,12 +290,36 @@ def _advance_one(session: Session, clock: Clock, service_id: str, drain_seconds:
     drained = now - timedelta(seconds=drain_seconds)
     for copy in copies:
         gone = service.state == "stopped"
-        if copy.state == "draining" and (gone or (copy.stopped_at or now) <= drained):
+        if copy.state == "draining" and (gone or (copy.stopped_at or now) <= drained or idle(copy)):
             _stop(session, service, copy, now, "drained")
             changed += 1
     if changed:
         replicas.summarise(session, service, now, copies)
     return changed
+
+
+def record_in_flight(replica: ServiceReplica, count: int, now: datetime) -> None:
+    """A draining replica's requests in flight as its agent reported them (the sync): the
+    count, when, and the first of the reports in a row that said that count once no gateway
+    could still choose it (`idle` reads them)."""
+    left = replica.stopped_at
+    settled = None if left is None else left + timedelta(seconds=DRAIN_SETTLE_SECONDS)
+    since = replica.in_flight_since
+    if count != replica.in_flight or since is None or settled is None or since < settled:
+        replica.in_flight_since = now
+    replica.in_flight, replica.in_flight_at = count, now
+
+
+def idle(replica: ServiceReplica) -> bool:
+    """Whether a draining replica's agent said it has no request in flight in two reports in a
+    row, the first received once no gateway can still be choosing it (`DRAIN_SETTLE_SECONDS`
+    after it left the rotation): its drain is over before the drain period. Two, because a
+    report is counted when it arrives, and one the agent sent again after a failed try may
+    have been made before the last request came; the next is made after that one arrived."""
+    left, since, last = replica.stopped_at, replica.in_flight_since, replica.in_flight_at
+    if left is None or since is None or last is None or replica.in_flight != 0:
+        return False
+    return since >= left + timedelta(seconds=DRAIN_SETTLE_SECONDS) and last > since
 
 
 def _step(session: Session, service: Service, now: datetime, copies: list[ServiceReplica]) -> int:

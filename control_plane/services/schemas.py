@@ -307,6 +307,11 @@ class AgentServiceStatus(StrictModel):
     log_tail: Annotated[
         list[Annotated[Text, StringConstraints(max_length=4096)]], Field(max_length=200)
     ] = Field(default_factory=list)
+    #: The requests in flight to it through the node's tunnel: reported for a replica whose
+    #: spec said `draining`, so only to control planes that read it (while control-plane
+    #: replicas of two releases serve together, an older one refuses such a sync 422 until the
+    #: drain ends; the agent tries again each poll).
+    in_flight: Annotated[int, Field(ge=0, le=DB_INT_MAX)] | None = None
 
 
 ServiceHost = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.:\[\]-]{1,255}$")]
@@ -335,6 +340,9 @@ class AgentServiceSpec(BaseModel):
     resources: dict[str, Any]
     health: dict[str, Any]
     restart: dict[str, Any]
+    #: Out of the gateway's rotation, finishing its requests: the agent reports its
+    #: `in_flight` until it is stopped.
+    draining: bool = False
 
 
 class AgentServicesDesired(BaseModel):

@@ -67,6 +67,8 @@ def sync(
             record_event(
                 session, service, event.at or now, event.kind, event.data, replica_id=replica.id
             )
+        if status.in_flight is not None and replica.state == "draining":
+            rollout.record_in_flight(replica, status.in_flight, now)
         if status.generation != service.generation:
             continue  # a restart asked for is on its way
         # A draining replica stays out of the rotation whatever it reports (`rollout`).
@@ -118,6 +120,7 @@ def sync(
                 resources=spec["resources"],
                 health=spec["health"],
                 restart=spec["restart"],
+                draining=replica.state == "draining",
             )
         )
     copies = replicas.by_service(session, touched)

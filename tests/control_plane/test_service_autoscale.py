@@ -12,6 +12,7 @@ from typing import Any
 from control_plane.api.front import wake_service
 from control_plane.background.loops import advance_rollouts, autoscale_services
 from control_plane.background.service_placement import place_services
+from control_plane.services.autoscale import SHARED_FRESH_SECONDS, Autoscaler, Traffic, apply
 from tests.control_plane.test_jobs import _node
 from tests.control_plane.test_workloads import _deploy, _service, _sync
 from tests.factories import ControlPlane, control_plane, heartbeat_body
@@ -65,6 +66,53 @@ def test_replicas_follow_requests_in_flight_up_at_once_down_after_the_cool_down(
         assert _count(cp, sid) == 1  # never below min, however idle
         steps = [(e["from"], e["to"]) for e in _autoscale_events(cp, sid) if "from" in e]
         assert steps == [(1, 4), (4, 2), (2, 1)]
+
+
+def test_several_control_plane_processes_size_a_service_from_all_their_requests(
+    tmp_path: Path, database_url: str
+) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        sid = _deploy(cp, autoscale=SCALING)["service_id"]
+        # A second control-plane process on the same database: its own gateway's traffic and
+        # its own autoscaler, as behind a load balancer.
+        other_traffic, other = Traffic(cp.clock), Autoscaler(cp.clock)
+
+        def other_round() -> int:
+            return apply(
+                session_factory=cp.ctx.session_factory,
+                clock=cp.clock,
+                autoscaler=other,
+                loads=other_traffic.loads(),
+            )
+
+        for _ in range(3):
+            cp.ctx.traffic.began(sid)
+        for _ in range(4):
+            other_traffic.began(sid)
+        autoscale_services(cp.ctx)  # 3 here, none shared yet: 2 replicas
+        other_round()  # 4 there and the 3 shared: 7 / 2 -> 4
+        assert _count(cp, sid) == 4
+        assert _autoscale_events(cp, sid)[-1]["in_flight"] == 7
+
+        # Nothing in flight here any more, but 4 there: neither wishes it smaller than 2, so
+        # after the cool-down it is 2, not the 1 this process alone would have wished.
+        for _ in range(3):
+            cp.ctx.traffic.ended(sid)
+        for _ in range(2):
+            other_round()
+            autoscale_services(cp.ctx)
+            cp.clock.advance(3)  # each process writes its row every round: all stay fresh
+        cp.clock.advance(25)
+        other_round()
+        autoscale_services(cp.ctx)
+        assert _count(cp, sid) == 2
+
+        # The other process stops (its row ages out): only this one's requests count.
+        cp.clock.advance(SHARED_FRESH_SECONDS + 1)
+        autoscale_services(cp.ctx)
+        cp.clock.advance(31)
+        autoscale_services(cp.ctx)
+        assert _count(cp, sid) == 1
 
 
 def test_min_zero_scales_to_zero_when_idle_and_a_request_wakes_it(

@@ -56,6 +56,19 @@ def _deployed_healthy(cp: ControlPlane) -> tuple[dict[str, Any], list[dict[str, 
     return service, nodes
 
 
+def _new_ones_warm(
+    cp: ControlPlane, nodes: list[dict[str, str]], new_ids: set[str]
+) -> dict[str, dict[str, str]]:
+    """The rollout's new replicas placed and reported healthy: the rollout succeeds (its old
+    ones drain). Returns the node each replica runs on."""
+    assert place_services(cp.ctx) == 2
+    on_node = {rid: node for node in nodes for rid in _running(cp, node)}
+    for rid in new_ids:
+        _report(cp, on_node[rid], {rid: "healthy"})
+    assert advance_rollouts(cp.ctx) == 1
+    return on_node
+
+
 def test_a_change_rolls_out_new_replicas_before_the_old_ones_drain_and_stop(
     tmp_path: Path, database_url: str
 ) -> None:
@@ -113,6 +126,44 @@ def test_a_change_rolls_out_new_replicas_before_the_old_ones_drain_and_stop(
         assert [r["state"] for r in rollouts] == ["running", "succeeded"]
         # The next change rolls out revision 3.
         assert _patch(cp, sid, {"env": {"MODE": "newer"}})["revision"] == 3
+
+
+def test_a_draining_replica_stops_once_its_node_reports_no_request_in_flight(
+    tmp_path: Path, database_url: str
+) -> None:
+    with control_plane(tmp_path, database_url, service_drain_seconds=60) as cp:
+        service, nodes = _deployed_healthy(cp)
+        sid = service["service_id"]
+        old_ids = {r["id"] for r in _service(cp, sid)["replicas"]}
+        new_ids = {r["id"] for r in _patch(cp, sid, {"env": {"MODE": "new"}})["replicas"]} - old_ids
+        on_node = _new_ones_warm(cp, nodes, new_ids)
+        specs = _running(cp, *nodes)
+        assert {rid for rid, spec in specs.items() if spec["draining"]} == old_ids
+        busy, quiet = sorted(old_ids)  # one still answers a request for a while, one has none
+
+        def report(replica_id: str, in_flight: int) -> None:
+            _report(cp, on_node[replica_id], {replica_id: "healthy"}, in_flight=in_flight)
+
+        def draining() -> set[str]:
+            return {r["id"] for r in _service(cp, sid)["replicas"] if r["state"] == "draining"}
+
+        # Reports made while a gateway may still choose them count for nothing.
+        report(busy, 0)
+        report(quiet, 0)
+        assert advance_rollouts(cp.ctx) == 0
+        cp.clock.advance(3)
+        report(busy, 2)
+        report(quiet, 0)  # the first after they settled: one may have been made before it came
+        assert advance_rollouts(cp.ctx) == 0 and draining() == old_ids
+        cp.clock.advance(1)
+        report(busy, 0)
+        report(quiet, 0)  # the second of none in a row: its drain is over, 4 s in, not 60
+        assert advance_rollouts(cp.ctx) == 1 and draining() == {busy}
+        assert quiet not in _running(cp, *nodes)
+        cp.clock.advance(1)
+        report(busy, 0)
+        assert advance_rollouts(cp.ctx) == 1 and draining() == set()
+        assert {r["id"] for r in _service(cp, sid)["replicas"]}.isdisjoint(old_ids)
 
 
 def test_a_rollouts_new_replicas_take_distinct_nodes_beside_the_old_ones(
@@ -247,11 +298,7 @@ def test_autoscale_changed_during_a_rollout_applies_its_bounds_when_it_ends(
         assert len(new_ids) == 2
         assert {r["state"] for r in taken["replicas"] if r["id"] in new_ids} == {"pending"}
 
-        assert place_services(cp.ctx) == 2
-        on_node = {rid: node for node in nodes for rid in _running(cp, node)}
-        for rid in new_ids:
-            _report(cp, on_node[rid], {rid: "healthy"})
-        assert advance_rollouts(cp.ctx) == 1
+        _new_ones_warm(cp, nodes, new_ids)
         done = _service(cp, sid)
         assert done["rollout"]["state"] == "succeeded" and done["desired_replicas"] == 1
         # The old ones drain (replaced), and of the new ones the highest ordinal (scaled down).

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -453,8 +454,20 @@ def test_a_rollout_to_a_new_model_version_under_load_fails_no_request(fleet: Fle
     # Still one replica per node ("distinct nodes where they can be"): a node lost loses one.
     after = _healthy_replicas(fleet, "mlp")
     assert len({r["node_id"] for r in after}) == 2, after
-    events = json.dumps(fleet.call("GET", f"{path}/events"))
+    listed = fleet.call("GET", f"{path}/events")
+    events = json.dumps(listed)
     assert "rollout" in events.lower(), events[:2000]
+    # The old replicas stopped once their agents reported no request in flight, well before
+    # the drain period (30 s) that bounds a drain.
+    changes: dict[str, dict[str, datetime]] = {}
+    for event in listed:
+        if event["kind"] == "state" and event.get("replica_id"):
+            at = datetime.fromisoformat(event["at"])
+            changes.setdefault(event["replica_id"], {})[event["data"]["state"]] = at
+    drained = [
+        c["stopped"] - c["draining"] for c in changes.values() if {"draining", "stopped"} <= set(c)
+    ]
+    assert len(drained) == 2 and all(d.total_seconds() < 20 for d in drained), changes
 
 
 def test_a_replicas_node_killed_under_load_fails_no_request(fleet: Fleet) -> None:

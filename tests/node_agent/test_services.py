@@ -216,9 +216,18 @@ def test_sync_hands_over_weights_and_secrets_and_reports_each_event_once(
         assert control_plane.bodies[0] == {"service_host": "gpu-box.lan", "services": []}
         assert keeper.interval == 0.3
         wait_state(keeper, "svc_w", "healthy")
+        keeper.in_flight = lambda replica_id: 7 if replica_id == "svc_w" else 0
         for _ in range(3):
             keeper.sync_once()
         assert os.environ.get("API_KEY") != secret
+        # Told it drains (out of the gateway's rotation): its requests in flight through the
+        # tunnel are reported from the next sync on, so its drain can end once none is left.
+        control_plane.desired = [dict(control_plane.desired[0], draining=True)]
+        keeper.sync_once()
+        keeper.sync_once()
+        draining = control_plane.bodies[-1]["services"][-1]
+        assert draining["service_id"] == "svc_w" and draining["in_flight"] == 7
+        control_plane.bodies.pop()
     finally:
         client.close()
     reported = [s for body in control_plane.bodies for s in body["services"]]
