@@ -43,8 +43,9 @@ test: lint
 	./scripts/ensure-postgres
 	./scripts/ensure-chromium
 	./scripts/ensure-haproxy
+	./scripts/ensure-wrk
 	./scripts/ensure-slurm
-	$(VENV)/bin/pytest --ignore=tests/e2e_docker
+	$(VENV)/bin/pytest --ignore=tests/e2e_docker --durations=30
 
 ## The heavier end-to-end suite against a real Docker engine (installed and started if needed):
 ## build the images, bundle, sign, verify, load, and `up` the stack.
