@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
 import socket
 import sys
+import threading
 
 from pydantic import ValidationError
 
@@ -187,9 +189,15 @@ def _serve(settings: Settings, local_node: LocalNode | None) -> None:
         server.serve()
         return
     # Its children start once the server answers; they stop when it has stopped (a signal,
-    # Ctrl-C included, ends serve()), or when the start fails.
+    # Ctrl-C included, ends serve()), or when the start fails. Its thread waits until Granian
+    # has forked its worker from this process: a thread inside an import (httpx imports
+    # httpcore on a client's first use), OpenSSL or a log handler at that instant leaves its
+    # lock held for ever in the worker (the likely cause of a worker that never started, seen
+    # twice on one CI run; not reproduced in 25 starts under load, the window is narrow).
+    forked = threading.Event()
+    os.register_at_fork(after_in_parent=forked.set)
     try:
-        local_node.start()
+        local_node.start(not_before=forked)
     except LocalNodeError as exc:
         _die(EXIT_CONFIG, str(exc))
     try:

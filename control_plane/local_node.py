@@ -241,13 +241,14 @@ class LocalNode:
         self.worker = _Child("runtime worker", "runtime_worker", self.paths.log("worker"))
         self.agent = _Child("node agent", "node_agent", self.paths.log("agent"))
         self._lock_fd: int | None = None
+        self._not_before: threading.Event | None = None
         #: The enrollment minted in this run while the agent has not enrolled with it: one
         #: mint per run until the agent holds an identity, not one per restart.
         self._minted: str | None = None
 
-    def start(self) -> None:
-        """Take the data dir's local node and start supervising; `LocalNodeError` when another
-        control plane runs it."""
+    def start(self, *, not_before: threading.Event | None = None) -> None:
+        """Take the data dir's local node and start supervising (once `not_before` is set, when
+        given); `LocalNodeError` when another control plane runs it."""
         try:
             self.paths.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -266,6 +267,7 @@ class LocalNode:
                 "--no-local-node or another MODELFORGE_DATA_DIR"
             ) from None
         self._lock_fd = fd
+        self._not_before = not_before
         self._thread.start()
 
     def stop(self) -> None:
@@ -303,12 +305,13 @@ class LocalNode:
             self._stop_children()
 
     def _wait_until_serving(self) -> bool:
-        """Wait until this control plane's health answers (a 200 with its body: not another
-        server's answer on the port); False when stopped first.
-
-        An answer, not only a connection: Granian listens before it forks its worker, and
-        nothing here should run (a database connection, a spawn) while that fork copies this
-        process."""
+        """Wait until `not_before` is set (`cli`: once Granian forked its worker from this
+        process, which nothing here may touch while the fork copies it), then until this control
+        plane's health answers: a 200 with its body, not another server's answer on the port
+        (Granian listens before it forks). False when stopped first."""
+        while self._not_before is not None and not self._not_before.wait(0.1):
+            if self._stopping.is_set():
+                return False
         health = f"{served_url(self.settings)}/api/v1/health"
         # Only whether it answers; nothing is sent but this GET, so its certificate (which
         # may name another host than this address) is not checked.

@@ -326,6 +326,53 @@ def test_the_children_wait_for_this_control_planes_health_not_any_answer(
         server.server_close()
 
 
+def test_the_supervisor_does_nothing_until_the_server_has_forked_its_worker(
+    tmp_path: Path,
+) -> None:
+    # `cli` gives it an event set once Granian forked its worker from this process: a request
+    # under way at the fork (its first one imports httpcore) could leave a lock held for ever in
+    # the worker.
+    import http.server
+    import threading
+
+    asked: list[str] = []
+
+    class Counting(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            asked.append(self.path)
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Counting)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    node = LocalNode(_settings(tmp_path, port=server.server_address[1]))
+    forked = threading.Event()
+    try:
+        node.start(not_before=forked)
+        time.sleep(1.0)
+        assert asked == []
+        forked.set()
+        deadline = time.monotonic() + 10
+        while not asked:
+            assert time.monotonic() < deadline, "no health request once the fork was done"
+            time.sleep(0.05)
+        assert asked[0] == "/api/v1/health"
+    finally:
+        node.stop()
+        server.shutdown()
+        server.server_close()
+    # Stopped before the fork, it ends at once.
+    waiting = LocalNode(_settings(tmp_path / "second", port=server.server_address[1]))
+    waiting.start(not_before=threading.Event())
+    started = time.monotonic()
+    waiting.stop()
+    assert time.monotonic() - started < 2
+
+
 def test_an_agent_whose_configuration_is_refused_is_left_stopped(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
