@@ -211,10 +211,19 @@ def test_env_file_is_removed_when_compose_fails(node: Node) -> None:
     assert_token_never_leaked(node, result.stdout, result.stderr)
 
 
+def _as_at_a_terminal() -> None:
+    """In the child before it runs Bash: Ctrl-C and Ctrl-\\ as a terminal's foreground job gets
+    them. A run started in the background of a non-interactive shell (as `cmd &` does) ignores
+    SIGINT and SIGQUIT, every child inherits that, and Bash cannot trap a signal ignored when it
+    started: the test would then wait for a script that never saw the Ctrl-C."""
+    for signum in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_env_file_is_removed_on_a_signal(node: Node, signum: signal.Signals) -> None:
     _, start, _ = commands()
-    process = subprocess.Popen(
+    with subprocess.Popen(
         ["bash", "--norc", "--noprofile", "-c", start],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -223,7 +232,16 @@ def test_env_file_is_removed_on_a_signal(node: Node, signum: signal.Signals) -> 
         cwd=node.workdir,
         env={**node.env, "MF_DOCKER_UP": "hang"},
         start_new_session=True,  # its own process group, like a terminal's foreground job
-    )
+        preexec_fn=_as_at_a_terminal,  # noqa: PLW1509 - signal dispositions only, before exec
+    ) as process:
+        try:
+            _interrupt_while_up(node, process, signum)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+def _interrupt_while_up(node: Node, process: subprocess.Popen[str], signum: signal.Signals) -> None:
     assert process.stdin is not None
     process.stdin.write(TOKEN + "\n")
     process.stdin.flush()
