@@ -136,6 +136,12 @@ class HeartbeatBuffer:
         #: The batch being written: still visible to readers until its transaction commits, so
         #: a read during a flush never sees a node as less alive than it is.
         self._flushing: dict[str, PendingHeartbeat] = {}
+        #: Each node's heartbeat this process wrote last, kept after the commit: a reader that
+        #: loaded the node's row before that commit and asks the buffer after it would otherwise
+        #: find the heartbeat in neither (a node just enrolled looked never heard from, and its
+        #: readiness failed, for one read). One entry per node; readers take the newer of this
+        #: and the row, so it never hides a heartbeat another process wrote later.
+        self._written: dict[str, PendingHeartbeat] = {}
         # Serialises flushes so a shutdown flush never races the loop's last one.
         self._flush_lock = threading.Lock()
 
@@ -145,12 +151,17 @@ class HeartbeatBuffer:
 
     def peek(self, node_id: str) -> PendingHeartbeat | None:
         with self._lock:
-            return self._pending.get(node_id) or self._flushing.get(node_id)
+            return (
+                self._pending.get(node_id)
+                or self._flushing.get(node_id)
+                or self._written.get(node_id)
+            )
 
     def discard(self, node_id: str) -> None:
         with self._lock:
             self._pending.pop(node_id, None)
             self._flushing.pop(node_id, None)
+            self._written.pop(node_id, None)
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -172,6 +183,7 @@ class HeartbeatBuffer:
                     self._flushing = {}
                 raise
             with self._lock:
+                self._written.update(batch)
                 self._flushing = {}
             return len(batch)
 

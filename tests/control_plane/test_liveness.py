@@ -145,5 +145,34 @@ def test_a_read_during_a_flush_still_sees_the_heartbeat(tmp_path: Path, database
 
         assert buffer.flush(session_factory=Spy()) == 1  # type: ignore[arg-type]
         assert seen and seen[0] is not None
-        assert buffer.peek(enrolled["node_id"]) is None  # written: the database has it now
+        assert len(buffer) == 0  # written: nothing is pending
         assert cp.node(enrolled["node_id"])["state"] == "online"
+
+
+def test_a_row_read_before_a_flush_and_judged_after_it_keeps_the_heartbeat(
+    tmp_path: Path, database_url: str
+) -> None:
+    """A reader loads the node's row, the flush commits and leaves the buffer, then the reader
+    asks the buffer: the heartbeat is in neither unless the buffer keeps what it wrote (a CI
+    run saw a node's readiness go from ready to 'no heartbeat' for one read)."""
+    with control_plane(tmp_path, database_url) as cp:
+        enrolled = cp.enroll()
+        node_id = enrolled["node_id"]
+        cp.heartbeat(enrolled["credential"])
+        liveness = cp.ctx.liveness
+        with cp.ctx.read_session_factory() as session:
+            node = session.get(Node, node_id)
+            assert node is not None and node.last_heartbeat_at is None  # loaded before the flush
+            assert cp.flush() == 1
+            assert liveness.last_seen(node_id, node.last_heartbeat_at) == cp.clock.now()
+            assert liveness.reported(node)["health"] == {"status": "healthy", "preflight": "passed"}
+            assert liveness.state(node, cp.clock.now()) == "online"
+        cp.clock.advance(5)
+        cp.heartbeat(enrolled["credential"])
+        assert cp.flush() == 1
+        with cp.ctx.read_session_factory() as session:
+            node = session.get(Node, node_id)
+            assert node is not None and node.last_heartbeat_at == cp.clock.now()
+            assert liveness.last_seen(node_id, node.last_heartbeat_at) == cp.clock.now()
+        cp.client.delete(f"/api/v1/admin/nodes/{node_id}", headers=cp.admin).raise_for_status()
+        assert cp.ctx.heartbeats.peek(node_id) is None  # a deleted node's is forgotten

@@ -40,7 +40,7 @@ def test_node_becomes_ready_then_goes_stale_and_offline(
         node_id = node.start_worker().start_agent().node_id()
         wait_ready(server, node_id, 20, "readiness")
         readiness = server.get(f"/api/v1/admin/nodes/{node_id}/readiness")
-        assert {c["status"] for c in readiness["checks"]} == {"pass"}
+        assert {c["status"] for c in readiness["checks"]} == {"pass"}, readiness
         view = _node_view(server, node_id)
         assert view["state"] == "online"
         inventory, telemetry = view["inventory"], view["telemetry"]
