@@ -5,6 +5,7 @@ needed, is a real HTTP server on loopback answering the sync."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -122,19 +123,25 @@ def wait_state(keeper: ServiceKeeper, service_id: str, state: str, timeout: floa
 def test_reconcile_starts_restarts_and_stops_what_is_not_wanted(
     worker_socket: Path, tmp_path: Path
 ) -> None:
+    # Only what reconcile does may start or stop these: probes slow on a loaded machine must not
+    # restart one (3 probes over 1 s did; a service between that kill and its restart has no
+    # pid, which is how a CI run failed here once, `None == 6718`).
+    health = {"path": "/", "interval_seconds": 0.2, "timeout_seconds": 5, "failure_threshold": 10}
+    patient = functools.partial(wanted, health=health)
+
     cache = ArtifactCache(tmp_path / "cache", 1024**2)
     keeper = keeper_for(worker_socket, cache)
-    keeper.reconcile([wanted("svc_a"), wanted("svc_b")])
+    keeper.reconcile([patient("svc_a"), patient("svc_b")])
     wait_state(keeper, "svc_a", "healthy")
     wait_state(keeper, "svc_b", "healthy")
     first = running(keeper)
 
-    keeper.reconcile([wanted("svc_a"), wanted("svc_b")])  # nothing to do: nothing changes
+    keeper.reconcile([patient("svc_a"), patient("svc_b")])  # nothing to do: nothing changes
     assert {k: v["pid"] for k, v in running(keeper).items()} == {
         k: v["pid"] for k, v in first.items()
     }
 
-    keeper.reconcile([wanted("svc_a", generation=2), wanted("svc_b")])
+    keeper.reconcile([patient("svc_a", generation=2), patient("svc_b")])
     wait_until(
         lambda: (
             running(keeper)["svc_a"]["generation"] == 2
@@ -149,7 +156,7 @@ def test_reconcile_starts_restarts_and_stops_what_is_not_wanted(
 
     # An agent that starts again finds the worker's services and reconciles with them.
     restarted = keeper_for(worker_socket, cache)
-    restarted.reconcile([wanted("svc_a", generation=2)])
+    restarted.reconcile([patient("svc_a", generation=2)])
     now = running(restarted)
     assert list(now) == ["svc_a"]  # svc_b was stopped before the answer came
     assert now["svc_a"]["pid"] == running(keeper)["svc_a"]["pid"]
