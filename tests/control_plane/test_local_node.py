@@ -27,6 +27,7 @@ from control_plane.models import AuditEntry, NodeEnrollment
 from control_plane.security import sha256_hex
 from control_plane.settings import Settings
 from tests.e2e.server import control_plane_executable
+from tests.node_agent.conftest import RecordingServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -292,27 +293,12 @@ def test_a_port_held_by_another_program_is_refused_before_anything_starts(
 def test_the_children_wait_for_this_control_planes_health_not_any_answer(
     tmp_path: Path,
 ) -> None:
-    import http.server
-    import json
     import threading
 
-    body = {"detail": "Not Found"}
-
-    class Foreign(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            data = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Foreign)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    body: dict[str, object] = {"detail": "Not Found"}
+    server = RecordingServer(respond=lambda _request: (200, body)).start()
     try:
-        node = LocalNode(_settings(tmp_path, port=server.server_address[1]))
+        node = LocalNode(_settings(tmp_path, port=server.port))
         answered: list[bool] = []
         waiting = threading.Thread(target=lambda: answered.append(node._wait_until_serving()))
         waiting.start()
@@ -322,8 +308,7 @@ def test_the_children_wait_for_this_control_planes_health_not_any_answer(
         waiting.join(timeout=5.0)
         assert answered == [True]
     finally:
-        server.shutdown()
-        server.server_close()
+        server.stop()
 
 
 def test_the_supervisor_does_nothing_until_the_server_has_forked_its_worker(
@@ -332,41 +317,27 @@ def test_the_supervisor_does_nothing_until_the_server_has_forked_its_worker(
     # `cli` gives it an event set once Granian forked its worker from this process: a request
     # under way at the fork (its first one imports httpcore) could leave a lock held for ever in
     # the worker.
-    import http.server
     import threading
 
-    asked: list[str] = []
-
-    class Counting(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            asked.append(self.path)
-            self.send_response(503)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Counting)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    node = LocalNode(_settings(tmp_path, port=server.server_address[1]))
+    server = RecordingServer(respond=lambda _request: (503, b"")).start()
+    port = server.port
+    node = LocalNode(_settings(tmp_path, port=port))
     forked = threading.Event()
     try:
         node.start(not_before=forked)
         time.sleep(1.0)
-        assert asked == []
+        assert server.requests == []
         forked.set()
         deadline = time.monotonic() + 10
-        while not asked:
+        while not server.requests:
             assert time.monotonic() < deadline, "no health request once the fork was done"
             time.sleep(0.05)
-        assert asked[0] == "/api/v1/health"
+        assert server.requests[0].path == "/api/v1/health"
     finally:
         node.stop()
-        server.shutdown()
-        server.server_close()
+        server.stop()
     # Stopped before the fork, it ends at once.
-    waiting = LocalNode(_settings(tmp_path / "second", port=server.server_address[1]))
+    waiting = LocalNode(_settings(tmp_path / "second", port=port))
     waiting.start(not_before=threading.Event())
     started = time.monotonic()
     waiting.stop()
