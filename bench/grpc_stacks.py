@@ -53,6 +53,7 @@ from bench.serving import (  # noqa: E402 (the repository on the path first)
     Server,
     bodies,
     check_grpc,
+    ensure_venv,
     free_port,
     grpc_body,
     h2load_load,
@@ -117,22 +118,19 @@ server.wait_for_termination()
 
 def ensure_pygrpc_native(venv: Path) -> Path:
     """A venv holding pygrpc-native that also sees this environment's packages (a .pth file)."""
-    python = venv / "bin" / "python"
-    probe = [str(python), "-c", "import pygrpc_native, grpc, onnxruntime, granian"]
-    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
-        return python
-    print(f"creating {venv} with pygrpc-native=={PYGRPC_NATIVE_VERSION} ...", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    purelib = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    (Path(purelib) / "modelforge-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    install = ["-m", "pip", "install", "-q", "--no-deps", f"pygrpc-native=={PYGRPC_NATIVE_VERSION}"]
-    subprocess.run([str(python), *install], check=True)
-    return python
+
+    def see_this_environment(python: Path) -> None:
+        purelib = subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        (Path(purelib) / "modelforge-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+
+    packages = ["--no-deps", f"pygrpc-native=={PYGRPC_NATIVE_VERSION}"]
+    imports = "pygrpc_native, grpc, onnxruntime, granian"
+    return ensure_venv(venv, imports, packages, prepare=see_this_environment)
 
 
 def model_server(

@@ -315,17 +315,27 @@ def modelforge(scratch: Path, model: Path, *extra: str) -> tuple[Server, int]:
     return server, grpc_port
 
 
-def ensure_kserve(venv: Path) -> Path:
+def ensure_venv(
+    venv: Path, imports: str, packages: list[str], *, prepare: Callable[[Path], None] | None = None
+) -> Path:
+    """The python of `venv`, created with `packages` unless it can already import `imports`
+    (comma-separated); `prepare(python)` runs between the venv's creation and the install."""
     python = venv / "bin" / "python"
-    probe = [str(python), "-c", "import kserve, onnxruntime"]
+    probe = [str(python), "-c", f"import {imports}"]
     if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
         return python
-    print(f"creating {venv} with kserve=={KSERVE_VERSION} (once; a few minutes) ...", flush=True)
+    print(f"creating {venv} with {' '.join(packages)} (once) ...", flush=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    # The same onnxruntime and numpy as the project's worker, so only the server differs.
-    packages = [f"kserve=={KSERVE_VERSION}", "onnxruntime==1.32.0", "numpy==2.4.6"]
+    if prepare is not None:
+        prepare(python)
     subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], check=True)
     return python
+
+
+def ensure_kserve(venv: Path) -> Path:
+    # The same onnxruntime and numpy as the project's worker, so only the server differs.
+    packages = [f"kserve=={KSERVE_VERSION}", "onnxruntime==1.32.0", "numpy==2.4.6"]
+    return ensure_venv(venv, "kserve, onnxruntime", packages)
 
 
 def kserve(scratch: Path, model: Path, python: Path) -> Server:
