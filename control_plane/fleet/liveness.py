@@ -59,7 +59,10 @@ class UnflushedHeartbeats(Protocol):
     the heartbeat writer (which records transitions through `nodes`, a reader of liveness), so
     it knows the buffer only by this."""
 
-    def peek(self, node_id: str) -> PendingHeartbeat | None: ...
+    def peek(self, node_id: str) -> PendingHeartbeat | None:
+        """The node's newest heartbeat this process holds: not yet written, being written, or
+        the one it wrote last (a row read before that write does not have it)."""
+        ...
 
 
 class _Availability(Protocol):
@@ -205,7 +208,7 @@ class Liveness:
     thresholds: LivenessThresholds
 
     def last_seen(self, node_id: str, stored: datetime | None) -> datetime | None:
-        """The node's last heartbeat, counting one accepted but not yet flushed."""
+        """The node's last heartbeat: the newer of the stored one and the buffer's."""
         pending = self.buffer.peek(node_id)
         if pending is not None and (stored is None or pending.at > stored):
             return pending.at
