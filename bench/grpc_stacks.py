@@ -57,6 +57,7 @@ from bench.serving import (  # noqa: E402 (the repository on the path first)
     free_port,
     grpc_body,
     h2load_load,
+    modelforge,
     write_models,
 )
 
@@ -133,42 +134,16 @@ def ensure_pygrpc_native(venv: Path) -> Path:
     return ensure_venv(venv, imports, packages, prepare=see_this_environment)
 
 
-def model_server(
-    scratch: Path, model: Path, name: str, python: str, env: dict[str, str] | None = None
-) -> tuple[Server, int]:
-    port, grpc_port = free_port(), free_port()
-    command = [
-        python, "-m", "runtime_worker.onnx_server", "--model", str(model), "--port", str(port),
-        "--grpc-port", str(grpc_port), "--name", MODEL, "--host", "127.0.0.1",
-        "--max-request-bytes", str(LIMIT_MIB << 20),
-    ]  # fmt: skip
-    server = Server(name, command, port, scratch / f"{name}.log", cwd=REPO, env=env)
-    server.wait_ready()
-    return server, grpc_port
-
-
 def big_message(server: Server, grpc_port: int, mib: int) -> str:
     """One ModelInfer of `mib` MiB against the `LIMIT_MIB` limit: the answer and the RSS
     growth of the server's processes."""
     import grpc
 
-    def rss() -> int:
-        total = 0
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-                    if int(stat[2]) == server.process.pid:
-                        total += int(stat[21]) * os.sysconf("SC_PAGE_SIZE")
-                except (OSError, IndexError):
-                    continue
-        return total
-
-    baseline, peak, done = rss(), [0], threading.Event()
+    baseline, peak, done = server.rss_bytes(), [0], threading.Event()
 
     def watch() -> None:
         while not done.is_set():
-            peak[0] = max(peak[0], rss())
+            peak[0] = max(peak[0], server.rss_bytes())
             time.sleep(0.01)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -196,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         small_path, _ = write_models(scratch, (8, 8))
         binary = bodies(scratch, SMALL[0], 1, "small")["binary"]
-        message = grpc_body(scratch, SMALL[0], 1).read_bytes()
+        request = grpc_body(scratch, SMALL[0], 1)
+        message = request.read_bytes()
         framed = scratch / "grpc.framed"
         framed.write_bytes(b"\0" + len(message).to_bytes(4, "big") + message)
         hooks = scratch / "hooks"
@@ -204,11 +180,16 @@ def run(args: argparse.Namespace) -> int:
         (hooks / "sitecustomize.py").write_text(SITECUSTOMIZE)
         (scratch / "sync_server.py").write_text(SYNC_SERVER)
 
-        shipped, shipped_grpc = model_server(scratch, small_path, "grpc.aio", sys.executable)
+        limit = ("--max-request-bytes", str(LIMIT_MIB << 20))
+        shipped, shipped_grpc = modelforge(scratch, small_path, *limit, name="grpc.aio")
         servers.append(shipped)
-        native_env = dict(os.environ, PYTHONPATH=f"{hooks}:{REPO}")
-        native, native_grpc = model_server(
-            scratch, small_path, "pygrpc-native", str(native_python), native_env
+        native, native_grpc = modelforge(
+            scratch,
+            small_path,
+            *limit,
+            name="pygrpc-native",
+            python=str(native_python),
+            env=dict(os.environ, PYTHONPATH=f"{hooks}:{REPO}"),
         )
         servers.append(native)
         sync_port = free_port()
@@ -224,14 +205,14 @@ def run(args: argparse.Namespace) -> int:
         deadline = time.monotonic() + 60
         while True:
             try:
-                check_grpc(sync_port, grpc_body(scratch, SMALL[0], 1))
+                check_grpc(sync_port, request)
                 break
             except Exception:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        check_grpc(shipped_grpc, grpc_body(scratch, SMALL[0], 1))
-        check_grpc(native_grpc, grpc_body(scratch, SMALL[0], 1))
+        check_grpc(shipped_grpc, request)
+        check_grpc(native_grpc, request)
 
         http_headers = [
             f"content-type: {binary.content_type}",

@@ -280,9 +280,10 @@ class Server:
             f"{self.name} not ready in {timeout:.0f} s:\n{self.log.read_text()[-3000:]}"
         )
 
-    def cpu_seconds(self) -> float:
-        """User and system CPU of the process group (Granian's and uvicorn's workers too)."""
-        total, ticks = 0.0, os.sysconf("SC_CLK_TCK")
+    def _group(self) -> list[list[str]]:
+        """/proc/PID/stat of each process of its process group (Granian's and uvicorn's
+        workers too), the fields after the command's name."""
+        found = []
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
@@ -291,8 +292,18 @@ class Server:
             except OSError:
                 continue
             if int(fields[2]) == self.process.pid:  # its process group
-                total += (int(fields[11]) + int(fields[12])) / ticks
-        return total
+                found.append(fields)
+        return found
+
+    def cpu_seconds(self) -> float:
+        """User and system CPU of the process group."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        return sum(int(fields[11]) + int(fields[12]) for fields in self._group()) / ticks
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the process group."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        return sum(int(fields[21]) for fields in self._group()) * page
 
     def stop(self) -> None:
         try:
@@ -303,14 +314,24 @@ class Server:
             self.process.wait()
 
 
-def modelforge(scratch: Path, model: Path, *extra: str) -> tuple[Server, int]:
+def modelforge(
+    scratch: Path,
+    model: Path,
+    *extra: str,
+    name: str = "modelforge",
+    python: str = sys.executable,
+    env: dict[str, str] | None = None,
+) -> tuple[Server, int]:
+    """ModelForge's model server serving `model` (run by `python`, in `env`), ready, and its
+    gRPC port."""
     port, grpc_port = free_port(), free_port()
     command = [
-        sys.executable, "-m", "runtime_worker.onnx_server", "--model", str(model),
+        python, "-m", "runtime_worker.onnx_server", "--model", str(model),
         "--port", str(port), "--grpc-port", str(grpc_port), "--name", MODEL,
         "--host", "127.0.0.1", *extra,
     ]  # fmt: skip
-    server = Server("modelforge", command, port, scratch / f"modelforge-{port}.log", cwd=REPO)
+    log = scratch / f"{name}-{port}.log"
+    server = Server(name, command, port, log, cwd=REPO, env=env)
     server.wait_ready()
     return server, grpc_port
 

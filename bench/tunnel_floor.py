@@ -38,7 +38,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.serving import HEADER, Body, Result, wrk_load  # noqa: E402
+from bench.serving import HEADER, Body, Result, free_port, wrk_load  # noqa: E402
 
 VARIANTS = ("plain", "granian-ws", "loop-ws", "loop-tcp")
 
@@ -174,12 +174,6 @@ uvloop.run(main())
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _wait_port(port: int, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -209,7 +203,7 @@ class Pair:
 
     def __init__(self, variant: str, scratch: Path) -> None:
         self.name = variant
-        self.port, peer_port = _free_port(), _free_port()
+        self.port, peer_port = free_port(), free_port()
         env = {
             **os.environ,
             "FLOOR_VARIANT": variant,
