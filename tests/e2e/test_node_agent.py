@@ -140,8 +140,10 @@ def test_control_plane_outage_backs_off_and_recovers(tmp_path: Path) -> None:
         wait_until(lambda: _node_view(server, node_id)["state"] == "online", 10, "online")
         assert server.stop() == 0
         line = "ConnectError on POST /api/v1/agent/heartbeat (backoff 1s…16s)"
+        # The heartbeats' own 16 s: each loop backs off on its own, and another loop's line may
+        # say 16 s first (a CI run read the heartbeats' waits as [1, 2, 4, 8] then).
         wait_until(
-            lambda: "next attempt in 16s" in node.log(),
+            lambda: f"{line}; next attempt in 16s" in node.log(),
             45,
             "backoff to reach 16 s",
             interval=0.5,
