@@ -11,6 +11,12 @@ CONSOLE_SOURCES := $(wildcard $(CONSOLE)/src/*) $(CONSOLE)/index.html $(CONSOLE)
 
 .PHONY: install run test lint e2e console browser
 
+## The model server's native gRPC front (Rust, native/grpc_front): built offline with Debian's
+## toolchain from Debian's packaged crates (installed if missing), pinned by its Cargo.lock.
+GRPC_FRONT := runtime_worker/serving/bin/modelforge-grpc-front
+GRPC_FRONT_SOURCES := $(wildcard native/grpc_front/src/*.rs) native/grpc_front/Cargo.toml \
+	native/grpc_front/Cargo.lock native/grpc_front/.cargo/config.toml
+
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --require-hashes -r requirements.lock
@@ -25,7 +31,13 @@ $(CONSOLE_BUILD): $(CONSOLE_SOURCES)
 
 console: $(CONSOLE_BUILD)
 
-install: $(STAMP) $(CONSOLE_BUILD)
+$(GRPC_FRONT): $(GRPC_FRONT_SOURCES)
+	./scripts/ensure-rust
+	cd native/grpc_front && RUSTC=/usr/bin/rustc /usr/bin/cargo build -q --release --locked \
+		--target-dir ../../build/grpc_front
+	install -D -m 755 build/grpc_front/release/modelforge-grpc-front $@
+
+install: $(STAMP) $(CONSOLE_BUILD) $(GRPC_FRONT)
 
 ## Run the control plane on its embedded SQLite default (data in ./modelforge-data), with a local
 ## node beside it (a node agent and a runtime worker) unless MODELFORGE_LOCAL_NODE is set: then

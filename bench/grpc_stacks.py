@@ -181,15 +181,18 @@ def run(args: argparse.Namespace) -> int:
         (scratch / "sync_server.py").write_text(SYNC_SERVER)
 
         limit = ("--max-request-bytes", str(LIMIT_MIB << 20))
-        shipped, shipped_grpc = modelforge(scratch, small_path, *limit, name="grpc.aio")
+        shipped, shipped_grpc = modelforge(scratch, small_path, *limit, name="native front")
         servers.append(shipped)
+        grpcio_env = dict(os.environ, MODELFORGE_GRPC_FRONT="grpcio")
+        aio, aio_grpc = modelforge(scratch, small_path, *limit, name="grpc.aio", env=grpcio_env)
+        servers.append(aio)
         native, native_grpc = modelforge(
             scratch,
             small_path,
             *limit,
             name="pygrpc-native",
             python=str(native_python),
-            env=dict(os.environ, PYTHONPATH=f"{hooks}:{REPO}"),
+            env=dict(grpcio_env, PYTHONPATH=f"{hooks}:{REPO}"),
         )
         servers.append(native)
         sync_port = free_port()
@@ -211,8 +214,8 @@ def run(args: argparse.Namespace) -> int:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        check_grpc(shipped_grpc, request)
-        check_grpc(native_grpc, request)
+        for port in (shipped_grpc, aio_grpc, native_grpc):
+            check_grpc(port, request)
 
         http_headers = [
             f"content-type: {binary.content_type}",
@@ -243,7 +246,11 @@ def run(args: argparse.Namespace) -> int:
                 http = load(shipped, http_url.format(shipped.port), False, connections)
                 rows = [
                     ("HTTP binary", http),
-                    ("grpc.aio", load(shipped, grpc_url.format(shipped_grpc), True, connections)),
+                    (
+                        "native front",
+                        load(shipped, grpc_url.format(shipped_grpc), True, connections),
+                    ),
+                    ("grpc.aio", load(aio, grpc_url.format(aio_grpc), True, connections)),
                     ("sync grpcio", load(sync, grpc_url.format(sync_port), True, connections)),
                     (
                         "pygrpc-native",
@@ -260,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
                     )
         mib = args.big_message_mib
         print(f"\na {mib} MiB ModelInfer against the {LIMIT_MIB} MiB limit:")
-        print(f"  grpc.aio:      {big_message(shipped, shipped_grpc, mib)}")
+        print(f"  native front:  {big_message(shipped, shipped_grpc, mib)}")
+        print(f"  grpc.aio:      {big_message(aio, aio_grpc, mib)}")
         print(f"  pygrpc-native: {big_message(native, native_grpc, mib)}")
     finally:
         for server in servers:

@@ -21,10 +21,11 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -102,21 +103,45 @@ class ServedModel(ModelApp):
     def __rsgi_init__(self, loop: asyncio.AbstractEventLoop) -> None:
         settings = self.settings
         if settings.grpc_port is not None:
-            from runtime_worker.serving import grpc_front
-
-            start = grpc_front.start(
-                self.dataplane,
-                settings.host,
-                settings.grpc_port,
-                max_message_bytes=settings.max_request_bytes,
-                budget=self.budget,  # one byte budget for both fronts
-            )
             try:
-                self._grpc = loop.run_until_complete(start)
+                self._grpc = self._start_grpc(loop)
             except Exception as exc:
                 log.error("cannot serve gRPC on port %d: %s", settings.grpc_port, exc)
                 raise SystemExit(2) from None
         self._loading = loop.create_task(self._load())
+
+    def _start_grpc(self, loop: asyncio.AbstractEventLoop) -> Any:
+        """The gRPC front: the native one when its binary is here, else `grpc.aio`'s; both
+        answer with one `GrpcService` on this data plane and byte budget."""
+        from runtime_worker.serving import grpc_front, grpc_native
+
+        settings = self.settings
+        port = settings.grpc_port or 0
+        calls = grpc_front.max_calls(self.budget.limit, settings.max_request_bytes)
+        executable = grpc_native.binary()
+        if executable is None:
+            start = grpc_front.start(
+                self.dataplane,
+                settings.host,
+                port,
+                max_message_bytes=settings.max_request_bytes,
+                budget=self.budget,  # one byte budget for both fronts
+            )
+            return loop.run_until_complete(start)
+        service = grpc_front.GrpcService(self.dataplane, self.budget)
+        relay = grpc_native.Relay(service, settings.max_request_bytes)
+        front = grpc_native.start(
+            executable,
+            settings.host,
+            port,
+            settings.port,
+            max_message_bytes=settings.max_request_bytes,
+            max_calls=calls or grpc_front.MIN_CALLS,
+            grace_seconds=int(GRPC_GRACE_SECONDS),
+            token=relay.token,
+        )
+        self.relay = relay
+        return front
 
     def __rsgi_del__(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._loading is not None and not self._loading.done():
@@ -232,6 +257,13 @@ def parse_settings(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Se
     )
 
 
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO,
@@ -239,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     settings = parse_settings(argv, os.environ)
+    if settings.port == 0:  # Granian's own choice would be known to nobody (the gRPC front)
+        settings = replace(settings, port=_free_port(settings.host))
     os.environ[SETTINGS_VARIABLE] = settings.to_json()
 
     from granian import Granian

@@ -148,8 +148,7 @@ async def start(
     calls = max_calls(budget.limit, max_message_bytes)
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=calls)
     # Registered (not generic) handlers: gRPC's core matches the method, no Python per call.
-    handlers = _Servicer(dataplane, budget).handlers()
-    server.add_registered_method_handlers(SERVICE, handlers)
+    server.add_registered_method_handlers(SERVICE, _handlers(GrpcService(dataplane, budget)))
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(address)
@@ -157,6 +156,23 @@ async def start(
         raise OSError(f"cannot listen for gRPC on {address}") from exc
     await server.start()
     return GrpcFront(server, bound)
+
+
+def _handlers(service: GrpcService) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
+    """grpc.aio's handler of each method: messages as bytes both ways, `service` between."""
+
+    def handler(method: str) -> _Handler:
+        async def answer(message: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+            try:
+                return await service.call(method, message)
+            except ServingError as exc:
+                await _abort(context, exc)
+
+        return answer
+
+    return {
+        method: grpc.unary_unary_rpc_method_handler(handler(method)) for method in service.methods
+    }
 
 
 def max_calls(budget_bytes: int, max_message_bytes: int) -> int | None:
@@ -167,75 +183,75 @@ def max_calls(budget_bytes: int, max_message_bytes: int) -> int | None:
     return max(MIN_CALLS, budget_bytes // max(max_message_bytes, 1))
 
 
-_Handler = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
+_Handler = Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], Awaitable[bytes]]
+
+#: gRPC's status codes by name (grpc.StatusCode's), as numbers on the wire.
+GRPC_CODE_NUMBERS = {code.name: code.value[0] for code in grpc.StatusCode}
 
 
-class _Servicer:
-    def __init__(self, dataplane: DataPlane, budget: Budget) -> None:
-        self.dataplane, self.budget = dataplane, budget
+class GrpcService:
+    """The calls of `inference.GRPCInferenceService` on one data plane, whatever carries them
+    (the `grpc.aio` server here, or the native front through `grpc_native.Relay`): `call`
+    takes a request message's bytes and returns the response message's, or raises the
+    `ServingError` whose gRPC status ends the call."""
 
-    def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
-        def unary(
-            method: _Handler, request: Any, response: Any, raw: bool = False
-        ) -> grpc.RpcMethodHandler[Any, Any]:
-            return grpc.unary_unary_rpc_method_handler(
-                method,
-                request_deserializer=None if raw else request.FromString,
-                response_serializer=response.SerializeToString,
-            )
-
-        return {
-            "ServerLive": unary(self.server_live, pb.ServerLiveRequest, pb.ServerLiveResponse),
-            "ServerReady": unary(self.server_ready, pb.ServerReadyRequest, pb.ServerReadyResponse),
-            "ModelReady": unary(self.model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse),
-            "ServerMetadata": unary(
-                self.server_metadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse
-            ),
-            "ModelMetadata": unary(
-                self.model_metadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse
-            ),
-            # Kept as bytes until the budget holds what parsing it takes.
-            "ModelInfer": unary(
-                self.model_infer, pb.ModelInferRequest, pb.ModelInferResponse, raw=True
-            ),
+    def __init__(self, dataplane: DataPlane, budget: Budget | None = None) -> None:
+        self.dataplane, self.budget = dataplane, budget or _Unbounded()
+        self._methods: dict[str, tuple[Callable[[Any], Awaitable[Any]], Any]] = {
+            "ServerLive": (self.server_live, pb.ServerLiveRequest),
+            "ServerReady": (self.server_ready, pb.ServerReadyRequest),
+            "ModelReady": (self.model_ready, pb.ModelReadyRequest),
+            "ServerMetadata": (self.server_metadata, pb.ServerMetadataRequest),
+            "ModelMetadata": (self.model_metadata, pb.ModelMetadataRequest),
         }
 
-    async def server_live(
-        self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ServerLiveResponse:
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return (*self._methods, "ModelInfer")
+
+    async def call(self, method: str, message: bytes) -> bytes:
+        """Answer one call of `method` (a name in `methods`) with `message`."""
+        try:
+            if method == "ModelInfer":
+                # Kept as bytes until the budget holds what parsing it takes.
+                return (await self.model_infer(message)).SerializeToString()
+            if (entry := self._methods.get(method)) is None:
+                raise ServingError(
+                    501,
+                    f"no method {method[:80]}; this server has {', '.join(self.methods)}",
+                    "UNIMPLEMENTED",
+                )
+            handler, request_type = entry
+            try:
+                request = request_type.FromString(message)
+            except DecodeError:
+                raise ServingError(400, f"the message is not a {request_type.__name__}") from None
+            response = await handler(request)
+            return bytes(response.SerializeToString())
+        except ServingError:
+            raise
+        except Exception as exc:  # a bug: answered, and logged without the request's data
+            log.error("internal error on %s: %s", method, type(exc).__name__)
+            raise ServingError(500, f"internal error ({type(exc).__name__})") from None
+
+    async def server_live(self, request: pb.ServerLiveRequest) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=self.dataplane.live())
 
-    async def server_ready(
-        self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ServerReadyResponse:
+    async def server_ready(self, request: pb.ServerReadyRequest) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self.dataplane.ready())
 
-    async def model_ready(
-        self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ModelReadyResponse:
-        try:
-            ready = self.dataplane.model_ready(request.name, request.version or None)
-        except ServingError as exc:
-            await _abort(context, exc)
+    async def model_ready(self, request: pb.ModelReadyRequest) -> pb.ModelReadyResponse:
+        ready = self.dataplane.model_ready(request.name, request.version or None)
         return pb.ModelReadyResponse(ready=ready)
 
-    async def server_metadata(
-        self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ServerMetadataResponse:
+    async def server_metadata(self, request: pb.ServerMetadataRequest) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(**self.dataplane.server_metadata())
 
-    async def model_metadata(
-        self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ModelMetadataResponse:
-        try:
-            metadata = self.dataplane.model_metadata(request.name, request.version or None)
-        except ServingError as exc:
-            await _abort(context, exc)
+    async def model_metadata(self, request: pb.ModelMetadataRequest) -> pb.ModelMetadataResponse:
+        metadata = self.dataplane.model_metadata(request.name, request.version or None)
         return pb.ModelMetadataResponse(**metadata)
 
-    async def model_infer(
-        self, message: bytes, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ModelInferResponse:
+    async def model_infer(self, message: bytes) -> pb.ModelInferResponse:
         cost, dataplane = 0, self.dataplane
         try:
             # The model's tensors bound how many a message may carry (a 503 while it loads).
@@ -265,11 +281,6 @@ class _Servicer:
                 request.model_name, request.model_version or None, decoded
             )
             return _encode(request, decoded, arrays)
-        except ServingError as exc:
-            await _abort(context, exc)
-        except Exception as exc:  # a bug: answered, and logged without the request's data
-            log.error("internal error on ModelInfer: %s", type(exc).__name__)
-            await _abort(context, ServingError(500, f"internal error ({type(exc).__name__})"))
         finally:
             self.budget.release(cost)
 

@@ -45,6 +45,10 @@ BUDGET_WAIT_SECONDS = 30.0
 #: A body larger than this may hold only three quarters of the budget (see `_infer`).
 SMALL_BODY = 1024 * 1024
 
+#: The route of calls relayed by the native gRPC front (`grpc_native.Relay`), followed by the
+#: method's name; it answers only requests with the front's token.
+RELAY_PREFIX = "/_modelforge/grpc/"
+
 _JSON = [("content-type", "application/json")]
 _CLOSE = [("content-type", "application/json"), ("connection", "close")]
 
@@ -109,6 +113,8 @@ class ModelApp:
     def __init__(self, dataplane: DataPlane, limits: Limits) -> None:
         self.dataplane, self.limits = dataplane, limits
         self.budget = ByteBudget(limits.max_inflight_bytes)
+        #: The native gRPC front's relay, when it runs (`grpc_native.Relay`).
+        self.relay: Any = None
         self.name = dataplane.model.name
         self._infer_paths = {
             f"/v2/models/{self.name}/infer": None,
@@ -124,6 +130,15 @@ class ModelApp:
         try:
             if method == "POST" and path in self._infer_paths:  # the hot path
                 await self._infer(scope, protocol, self.name, self._infer_paths[path])
+                return
+            relay = self.relay
+            if (
+                relay is not None
+                and method == "POST"
+                and path.startswith(RELAY_PREFIX)
+                and relay.admits(scope.headers)
+            ):
+                await relay.answer(path[len(RELAY_PREFIX) :], scope.headers, protocol)
                 return
             status, body, content_type = self._route(method, path)
         except ServingError as exc:

@@ -21,12 +21,13 @@ import uvloop
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from runtime_worker.serving import grpc_front
+from runtime_worker.serving import grpc_front, grpc_native
 from runtime_worker.serving.dataplane import DataPlane
 from runtime_worker.serving.http import ByteBudget
 from runtime_worker.serving.model import InstancePlan, OnnxModel
 from runtime_worker.serving.policy import BatchingPolicy
 from tests.onnx_models import mlp, relu_matmul
+from tests.runtime_worker.served import free_port, start_server, stop_server
 
 T = TypeVar("T")
 WEIGHTS = np.arange(12, dtype=np.float32).reshape(3, 4) - 5.0
@@ -77,8 +78,20 @@ def _serve(loop: Loop, dataplane: DataPlane, **options: Any) -> grpc_front.GrpcF
     return loop.run(started())
 
 
-@pytest.fixture(scope="module")
-def address(loop: Loop, model_path: Path) -> Iterator[str]:
+@pytest.fixture(scope="module", params=["grpc.aio", "native"])
+def address(request: pytest.FixtureRequest, loop: Loop, model_path: Path) -> Iterator[str]:
+    """A gRPC front on the same model and limits: `grpc.aio`'s in this process, or the native
+    front of a model server process (its default), which relays each call to the same
+    `GrpcService` over loopback HTTP."""
+    if request.param == "native":
+        assert grpc_native.binary() is not None, "the native gRPC front is not built: make install"
+        port = free_port()
+        flags = ["--grpc-port", str(port), "--max-request-bytes", str(LIMIT)]
+        flags += ["--max-inflight-bytes", str(64 * LIMIT), "--instances", "1", "--cpus", "1"]
+        served = start_server(model_path, *flags)
+        yield f"127.0.0.1:{port}"
+        stop_server(served)
+        return
     dataplane = _dataplane(model_path)
     loop.run(_start(dataplane))
     front = _serve(loop, dataplane, budget=ByteBudget(64 * LIMIT))
@@ -480,7 +493,6 @@ def test_messages_of_many_empty_tensors_are_refused_without_memory_growing(
     # before) and of empty requested outputs (24x) are refused at once; the server's memory
     # grows by no more than gRPC's buffers for the message (68 MiB measured; 1.1 GiB before,
     # each message parsed for 9-13 s on the event loop), and it still answers.
-    from tests.runtime_worker.served import free_port, start_server, stop_server
     from tests.runtime_worker.test_serving_hostile import PeakRss
 
     grpc_port = free_port()

@@ -1,0 +1,580 @@
+//! The model server's gRPC front (KServe v2, `inference.GRPCInferenceService`).
+//!
+//! It does the transport: HTTP/2 (prior knowledge, as gRPC clients speak it without TLS), gRPC's
+//! message framing, status and trailers. Every call's message goes unchanged, over a kept-alive
+//! HTTP/1.1 connection on loopback, to the model server that started it
+//! (`runtime_worker.serving.grpc_front`), which parses it, runs it on its data plane and answers
+//! with the response message or the gRPC status to send. So what a call means is decided in one
+//! place for both fronts; this process only moves bytes, outside Python's interpreter lock.
+//!
+//!     modelforge-grpc-front --listen HOST:PORT --backend 127.0.0.1:PORT
+//!         --max-message-bytes N --max-calls N --grace-seconds S
+//!
+//! Its standard input carries the backend's token (one line) and then stays open: at its end
+//! (the model server stopping, or gone) the front stops taking calls, lets those running finish
+//! for up to the grace period and exits. Once listening it prints `listening PORT` on standard
+//! output. A message over `--max-message-bytes` is refused (RESOURCE_EXHAUSTED) from its length
+//! prefix, before it is read; a call past `--max-calls` at once is refused at once. It never
+//! logs request data.
+
+use std::collections::HashMap;
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use h2::server::SendResponse;
+use h2::RecvStream;
+use http::{HeaderMap, HeaderValue, Request, Response};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Semaphore};
+
+const SERVICE: &str = "/inference.GRPCInferenceService/";
+const METHODS: [&str; 6] = [
+    "ServerLive",
+    "ServerReady",
+    "ModelReady",
+    "ServerMetadata",
+    "ModelMetadata",
+    "ModelInfer",
+];
+/// The backend's route for a call of `METHODS[i]`, and the header carrying its token.
+const BACKEND_PREFIX: &str = "/_modelforge/grpc/";
+const TOKEN_HEADER: &str = "x-modelforge-front";
+/// The compressions of messages the model server inflates (named as in grpc-encoding), and
+/// the header that tells it a relayed message's.
+const COMPRESSIONS: [&str; 2] = ["gzip", "deflate"];
+const ENCODING_HEADER: &str = "x-grpc-encoding";
+/// The most a backend answer's head may be (status line and headers).
+const MAX_HEAD: usize = 16 * 1024;
+/// How long a refused call waits for the client to end its side (see `refuse_unread`).
+const REFUSED_WAIT: Duration = Duration::from_secs(5);
+/// Kept-alive backend connections left idle at most.
+const MAX_IDLE: usize = 64;
+
+// gRPC status codes (https://grpc.github.io/grpc/core/md_doc_statuscodes.html).
+const INVALID_ARGUMENT: u32 = 3;
+const RESOURCE_EXHAUSTED: u32 = 8;
+const UNIMPLEMENTED: u32 = 12;
+const INTERNAL: u32 = 13;
+const UNAVAILABLE: u32 = 14;
+
+struct Settings {
+    listen: String,
+    backend: SocketAddr,
+    max_message_bytes: usize,
+    max_calls: usize,
+    grace: Duration,
+}
+
+fn usage(problem: &str) -> ! {
+    eprintln!(
+        "modelforge-grpc-front: {problem}\nusage: modelforge-grpc-front --listen HOST:PORT \
+         --backend 127.0.0.1:PORT --max-message-bytes N --max-calls N --grace-seconds S"
+    );
+    std::process::exit(2)
+}
+
+fn settings() -> Settings {
+    let mut values: HashMap<String, String> = HashMap::new();
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        match args.next() {
+            Some(value) if flag.starts_with("--") => {
+                values.insert(flag[2..].to_owned(), value);
+            }
+            _ => usage(&format!("{flag} needs a value")),
+        }
+    }
+    let mut take = |name: &str| -> String {
+        values
+            .remove(name)
+            .unwrap_or_else(|| usage(&format!("--{name} is required")))
+    };
+    let number = |name: &str, text: String| -> usize {
+        match text.parse::<usize>() {
+            Ok(value) if value > 0 => value,
+            _ => usage(&format!("--{name} must be a positive integer")),
+        }
+    };
+    let listen = take("listen");
+    let backend = take("backend")
+        .parse()
+        .unwrap_or_else(|_| usage("--backend must be an IP address and port"));
+    let max_message_bytes = number("max-message-bytes", take("max-message-bytes"));
+    let max_calls = number("max-calls", take("max-calls"));
+    let grace = Duration::from_secs(number("grace-seconds", take("grace-seconds")) as u64);
+    if let Some(flag) = values.keys().next() {
+        usage(&format!("unknown flag --{flag}"));
+    }
+    Settings {
+        listen,
+        backend,
+        max_message_bytes,
+        max_calls,
+        grace,
+    }
+}
+
+/// A gRPC status to end a call with.
+struct Status {
+    code: u32,
+    message: String,
+}
+
+impl Status {
+    fn new(code: u32, message: impl Into<String>) -> Status {
+        Status {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// Kept-alive HTTP/1.1 connections to the model server.
+struct Backend {
+    address: SocketAddr,
+    token: String,
+    idle: Mutex<Vec<BufReader<TcpStream>>>,
+}
+
+impl Backend {
+    /// Relay one call's message; the response message, or the status the model server set.
+    async fn call(
+        &self,
+        method: &str,
+        message: &[u8],
+        encoding: Option<&str>,
+    ) -> Result<Bytes, Status> {
+        // A kept-alive connection the server has closed fails before any answer: then once
+        // more on a fresh one (nothing of the call was taken).
+        let reused = self.idle.lock().unwrap().pop();
+        if let Some(connection) = reused {
+            match self.exchange(connection, method, message, encoding).await {
+                Err(Failure::Closed) => {}
+                Err(Failure::Broken(status)) => return Err(status),
+                Ok(answer) => return answer,
+            }
+        }
+        let connection = match TcpStream::connect(self.address).await {
+            Ok(stream) => {
+                let _ = stream.set_nodelay(true);
+                BufReader::with_capacity(64 * 1024, stream)
+            }
+            Err(_) => {
+                return Err(Status::new(
+                    UNAVAILABLE,
+                    "the model server is not reachable",
+                ))
+            }
+        };
+        match self.exchange(connection, method, message, encoding).await {
+            Ok(answer) => answer,
+            Err(Failure::Broken(status)) => Err(status),
+            Err(Failure::Closed) => Err(Status::new(
+                UNAVAILABLE,
+                "the model server closed the connection",
+            )),
+        }
+    }
+
+    async fn exchange(
+        &self,
+        mut connection: BufReader<TcpStream>,
+        method: &str,
+        message: &[u8],
+        encoding: Option<&str>,
+    ) -> Result<Result<Bytes, Status>, Failure> {
+        let compression = match encoding {
+            Some(name) => format!("{ENCODING_HEADER}: {name}\r\n"),
+            None => String::new(),
+        };
+        let head = format!(
+            "POST {BACKEND_PREFIX}{method} HTTP/1.1\r\nhost: grpc-front\r\n{TOKEN_HEADER}: {}\r\n\
+             {compression}content-type: application/x-protobuf\r\ncontent-length: {}\r\n\r\n",
+            self.token,
+            message.len()
+        );
+        // One write for a small call (no second packet to wait for), two for a large one.
+        let written = if message.len() <= 64 * 1024 {
+            let mut request = Vec::with_capacity(head.len() + message.len());
+            request.extend_from_slice(head.as_bytes());
+            request.extend_from_slice(message);
+            connection.get_mut().write_all(&request).await
+        } else {
+            match connection.get_mut().write_all(head.as_bytes()).await {
+                Ok(()) => connection.get_mut().write_all(message).await,
+                Err(error) => Err(error),
+            }
+        };
+        if written.is_err() {
+            return Err(Failure::Closed);
+        }
+        let answer = read_answer(&mut connection).await?;
+        if answer.keep_alive {
+            let mut idle = self.idle.lock().unwrap();
+            if idle.len() < MAX_IDLE {
+                idle.push(connection);
+            }
+        }
+        if answer.status == 200 {
+            return Ok(Ok(answer.body));
+        }
+        let text = String::from_utf8_lossy(&answer.body).into_owned();
+        Ok(Err(Status::new(answer.grpc_code.unwrap_or(INTERNAL), text)))
+    }
+}
+
+enum Failure {
+    /// The connection ended before the first byte of an answer.
+    Closed,
+    Broken(Status),
+}
+
+struct Answer {
+    status: u16,
+    grpc_code: Option<u32>,
+    keep_alive: bool,
+    body: Bytes,
+}
+
+async fn read_answer(connection: &mut BufReader<TcpStream>) -> Result<Answer, Failure> {
+    let broken = |what: &str| {
+        Failure::Broken(Status::new(
+            INTERNAL,
+            format!("the model server's answer {what}"),
+        ))
+    };
+    let mut head = Vec::with_capacity(256);
+    loop {
+        let before = head.len();
+        match connection.read_until(b'\n', &mut head).await {
+            Ok(0) if head.is_empty() => return Err(Failure::Closed),
+            Ok(0) => return Err(broken("ended early")),
+            Ok(_) => {}
+            Err(_) if head.is_empty() => return Err(Failure::Closed),
+            Err(_) => return Err(broken("ended early")),
+        }
+        if head.len() > MAX_HEAD {
+            return Err(broken("has too long a head"));
+        }
+        if head.len() - before <= 2 && before > 0 {
+            break; // the empty line ending the head
+        }
+    }
+    let text = std::str::from_utf8(&head).map_err(|_| broken("is not text"))?;
+    let mut lines = text.split("\r\n");
+    let status_line = lines.next().unwrap_or("");
+    let status = status_line
+        .split(' ')
+        .nth(1)
+        .and_then(|code| code.parse::<u16>().ok())
+        .ok_or_else(|| broken("has no status"))?;
+    let (mut length, mut grpc_code, mut keep_alive) = (None, None, true);
+    for line in lines {
+        if let Some((name, value)) = line.split_once(':') {
+            let value = value.trim();
+            match name.trim().to_ascii_lowercase().as_str() {
+                "content-length" => length = value.parse::<usize>().ok(),
+                "x-grpc-code" => grpc_code = value.parse::<u32>().ok(),
+                "connection" => keep_alive = !value.eq_ignore_ascii_case("close"),
+                "transfer-encoding" => return Err(broken("is not of a known length")),
+                _ => {}
+            }
+        }
+    }
+    let length = length.ok_or_else(|| broken("has no content-length"))?;
+    let mut body = vec![0u8; length];
+    connection
+        .read_exact(&mut body)
+        .await
+        .map_err(|_| broken("ended early"))?;
+    Ok(Answer {
+        status,
+        grpc_code,
+        keep_alive,
+        body: Bytes::from(body),
+    })
+}
+
+struct Front {
+    backend: Backend,
+    calls: Arc<Semaphore>,
+    max_calls: usize,
+    max_message_bytes: usize,
+}
+
+/// Read a unary call's one message: its length checked from its prefix before it is read.
+/// A compressed one (its prefix's flag) is taken only with an `encoding` the model server
+/// inflates (`COMPRESSIONS`): true then.
+async fn read_message(
+    body: &mut RecvStream,
+    max: usize,
+    encoding: Option<&str>,
+) -> Result<(Vec<u8>, bool), Status> {
+    let mut compressed = false;
+    let mut prefix = BytesMut::with_capacity(5);
+    let mut message: Option<Vec<u8>> = None;
+    let mut expected = 0usize;
+    while let Some(chunk) = body.data().await {
+        let mut chunk = chunk.map_err(|_| Status::new(UNAVAILABLE, "the call was cut off"))?;
+        let _ = body.flow_control().release_capacity(chunk.len());
+        while !chunk.is_empty() {
+            match message.as_mut() {
+                None => {
+                    let take = (5 - prefix.len()).min(chunk.len());
+                    prefix.extend_from_slice(&chunk.split_to(take));
+                    if prefix.len() == 5 {
+                        if prefix[0] != 0 {
+                            match encoding {
+                                Some(name) if COMPRESSIONS.contains(&name) => compressed = true,
+                                _ => {
+                                    return Err(Status::new(
+                                        UNIMPLEMENTED,
+                                        "a compressed message needs grpc-encoding gzip or \
+                                         deflate; send one of those, or no compression",
+                                    ))
+                                }
+                            }
+                        }
+                        expected = u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]])
+                            as usize;
+                        if expected > max {
+                            return Err(Status::new(
+                                RESOURCE_EXHAUSTED,
+                                format!("Received message larger than max ({expected} vs. {max})"),
+                            ));
+                        }
+                        message = Some(Vec::with_capacity(expected));
+                    }
+                }
+                Some(buffer) => {
+                    if buffer.len() + chunk.len() > expected {
+                        return Err(Status::new(
+                            UNIMPLEMENTED,
+                            "a unary call carries one message; this one sent more",
+                        ));
+                    }
+                    buffer.extend_from_slice(&chunk);
+                    chunk.clear();
+                }
+            }
+        }
+    }
+    match message {
+        Some(buffer) if buffer.len() == expected => Ok((buffer, compressed)),
+        _ => Err(Status::new(
+            INVALID_ARGUMENT,
+            "the call ended before its message did",
+        )),
+    }
+}
+
+fn grpc_headers(map: &mut HeaderMap, status: &Status) {
+    map.insert("grpc-status", HeaderValue::from(status.code));
+    if !status.message.is_empty() {
+        // grpc-message is percent-encoded: printable ASCII but '%' as is.
+        let mut encoded = String::with_capacity(status.message.len());
+        for byte in status.message.bytes() {
+            if (0x20..0x7f).contains(&byte) && byte != b'%' {
+                encoded.push(byte as char);
+            } else {
+                encoded.push_str(&format!("%{byte:02X}"));
+            }
+        }
+        if let Ok(value) = HeaderValue::from_str(&encoded) {
+            map.insert("grpc-message", value);
+        }
+    }
+}
+
+fn head() -> Response<()> {
+    let mut response = Response::new(());
+    response
+        .headers_mut()
+        .insert("content-type", HeaderValue::from_static("application/grpc"));
+    response
+}
+
+/// End a call with `status` and no message (gRPC's trailers-only answer).
+fn refuse(mut respond: SendResponse<Bytes>, status: Status) {
+    let mut response = head();
+    grpc_headers(response.headers_mut(), &status);
+    let _ = respond.send_response(response, true);
+}
+
+/// End a call whose message was not read (in full) with `status`, then wait for the client to
+/// end its side, reading nothing more than the window it was given (`REFUSED_WAIT` at most):
+/// ending the stream at once would reset it (CANCEL), which clients report instead of the status.
+async fn refuse_unread(respond: SendResponse<Bytes>, mut body: RecvStream, status: Status) {
+    refuse(respond, status);
+    let drain = async move { while let Some(Ok(_)) = body.data().await {} };
+    let _ = tokio::time::timeout(REFUSED_WAIT, drain).await;
+}
+
+async fn serve_call(
+    front: Arc<Front>,
+    request: Request<RecvStream>,
+    mut respond: SendResponse<Bytes>,
+) {
+    let (parts, mut body) = request.into_parts();
+    let method = match parts.uri.path().strip_prefix(SERVICE) {
+        Some(method) if METHODS.contains(&method) => method.to_owned(),
+        _ => {
+            let path = parts.uri.path().chars().take(120).collect::<String>();
+            let status = Status::new(UNIMPLEMENTED, format!("no method {path}"));
+            return refuse_unread(respond, body, status).await;
+        }
+    };
+    let permit = match front.calls.clone().try_acquire_owned() {
+        Ok(permit) => permit,
+        Err(_) => {
+            let message = format!(
+                "the server is running as many calls as it may ({})",
+                front.max_calls
+            );
+            return refuse_unread(respond, body, Status::new(RESOURCE_EXHAUSTED, message)).await;
+        }
+    };
+    let encoding = parts
+        .headers
+        .get("grpc-encoding")
+        .and_then(|value| value.to_str().ok());
+    let (message, compressed) =
+        match read_message(&mut body, front.max_message_bytes, encoding).await {
+            Ok(read) => read,
+            Err(status) => {
+                drop(permit); // the call is over: what the client still sends is not held
+                return refuse_unread(respond, body, status).await;
+            }
+        };
+    drop(body);
+    let encoding = if compressed { encoding } else { None };
+    let answer = front.backend.call(&method, &message, encoding).await;
+    drop(message);
+    match answer {
+        Ok(reply) => {
+            let mut framed = BytesMut::with_capacity(5 + reply.len());
+            framed.extend_from_slice(&[0]);
+            framed.extend_from_slice(&(reply.len() as u32).to_be_bytes());
+            framed.extend_from_slice(&reply);
+            drop(reply);
+            let mut stream = match respond.send_response(head(), false) {
+                Ok(stream) => stream,
+                Err(_) => return,
+            };
+            if stream.send_data(framed.freeze(), false).is_ok() {
+                let mut trailers = HeaderMap::new();
+                grpc_headers(&mut trailers, &Status::new(0, ""));
+                let _ = stream.send_trailers(trailers);
+            }
+        }
+        Err(status) => refuse(respond, status),
+    }
+    drop(permit);
+}
+
+async fn serve_connection(
+    front: Arc<Front>,
+    socket: TcpStream,
+    mut stopping: watch::Receiver<bool>,
+) {
+    let _ = socket.set_nodelay(true);
+    let handshake = h2::server::Builder::new()
+        .initial_window_size(1 << 20)
+        .initial_connection_window_size(1 << 24)
+        .max_concurrent_streams(front.max_calls.min(u32::MAX as usize) as u32)
+        .max_header_list_size(64 * 1024)
+        .handshake::<_, Bytes>(socket)
+        .await;
+    let mut connection = match handshake {
+        Ok(connection) => connection,
+        Err(_) => return,
+    };
+    let mut draining = *stopping.borrow();
+    if draining {
+        connection.graceful_shutdown();
+    }
+    loop {
+        tokio::select! {
+            next = connection.accept() => match next {
+                Some(Ok((request, respond))) => {
+                    tokio::spawn(serve_call(front.clone(), request, respond));
+                }
+                _ => return,
+            },
+            changed = stopping.changed(), if !draining => {
+                draining = true;
+                if changed.is_ok() {
+                    connection.graceful_shutdown();
+                }
+            }
+        }
+    }
+}
+
+async fn run(settings: Settings, token: String) -> std::io::Result<()> {
+    let listener = TcpListener::bind(&settings.listen).await?;
+    let port = listener.local_addr()?.port();
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "listening {port}")?;
+        out.flush()?;
+    }
+    let front = Arc::new(Front {
+        backend: Backend {
+            address: settings.backend,
+            token,
+            idle: Mutex::new(Vec::new()),
+        },
+        calls: Arc::new(Semaphore::new(settings.max_calls)),
+        max_calls: settings.max_calls,
+        max_message_bytes: settings.max_message_bytes,
+    });
+    let (stop, stopping) = watch::channel(false);
+    // The end of standard input is the model server's word to stop (or its death).
+    let mut parent = tokio::io::stdin();
+    let ended = async move {
+        let mut sink = [0u8; 64];
+        while matches!(parent.read(&mut sink).await, Ok(n) if n > 0) {}
+    };
+    tokio::pin!(ended);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                if let Ok((socket, _)) = accepted {
+                    tokio::spawn(serve_connection(front.clone(), socket, stopping.clone()));
+                }
+            }
+            _ = &mut ended => break,
+        }
+    }
+    drop(listener);
+    let _ = stop.send(true);
+    // Let the calls running finish, for up to the grace period.
+    let all = settings.max_calls.min(u32::MAX as usize) as u32;
+    let _ = tokio::time::timeout(settings.grace, front.calls.acquire_many(all)).await;
+    Ok(())
+}
+
+fn main() {
+    let settings = settings();
+    let mut token = String::new();
+    if std::io::stdin().read_line(&mut token).is_err() || token.trim().is_empty() {
+        usage("standard input must start with the backend's token");
+    }
+    let token = token.trim().to_owned();
+    if !token.bytes().all(|byte| byte.is_ascii_alphanumeric()) {
+        usage("the backend's token must be letters and digits");
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    if let Err(error) = runtime.block_on(run(settings, token)) {
+        eprintln!("modelforge-grpc-front: {error}");
+        std::process::exit(1);
+    }
+}

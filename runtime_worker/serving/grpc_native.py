@@ -1,0 +1,181 @@
+"""The native gRPC front: `modelforge-grpc-front` (Rust, `native/grpc_front/`) does HTTP/2 and
+gRPC's framing outside Python's interpreter lock, and relays each call's message to this server
+over loopback HTTP/1.1, where `Relay` answers it with the same `grpc_front.GrpcService` the
+`grpc.aio` front uses. So what a call means is decided in one place; the native front only
+moves bytes, at a fraction of grpcio's cost per call (docs/performance.md).
+
+The relay's route (`http.RELAY_PREFIX`) answers only requests carrying the token this process
+gave the front on its standard input (never in its arguments or environment); to anyone else it
+does not exist (404). The front's standard input stays open: closing it (`stop`), or this
+process ending, makes the front stop taking calls and exit once those running are done (within
+the grace period).
+
+The front is used when its binary is here (`make install` builds it into `bin/` beside this
+module); `MODELFORGE_GRPC_FRONT=grpcio` chooses the `grpc.aio` front instead, and a path there
+another binary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import secrets
+import subprocess
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime_worker._oip import ServingError
+from runtime_worker.serving.grpc_front import GRPC_CODE_NUMBERS, GrpcService
+
+log = logging.getLogger("modelforge.onnx_server")
+
+CHOICE_VARIABLE = "MODELFORGE_GRPC_FRONT"
+BUILT = Path(__file__).parent / "bin" / "modelforge-grpc-front"
+TOKEN_HEADER = "x-modelforge-front"  # noqa: S105 - the header's name, not a token
+ENCODING_HEADER = "x-grpc-encoding"
+#: zlib's window bits for each grpc-encoding the front passes on (gzip's header, zlib's).
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+#: How long the front may take to bind its port and say so.
+START_SECONDS = 10.0
+
+
+def binary(environ: dict[str, str] | os._Environ[str] = os.environ) -> Path | None:
+    """The native front's binary to run, or None for the `grpc.aio` front: the one
+    `MODELFORGE_GRPC_FRONT` names, else the one `make install` built, if it is there."""
+    choice = environ.get(CHOICE_VARIABLE, "")
+    if choice == "grpcio":
+        return None
+    if choice:
+        return Path(choice)
+    return BUILT if os.access(BUILT, os.X_OK) else None
+
+
+class Relay:
+    """The model server's end of the relay: one call's message in, its answer out. A message
+    the client compressed (gzip or deflate, which the front names in `ENCODING_HEADER`) is
+    inflated here, never past `max_message_bytes` (RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, service: GrpcService, max_message_bytes: int) -> None:
+        self.service, self.max_message_bytes = service, max_message_bytes
+        self.token = secrets.token_hex(16)
+
+    def admits(self, headers: Any) -> bool:
+        """Whether a request comes from this server's own front (its token)."""
+        given = headers.get(TOKEN_HEADER)
+        return given is not None and hmac.compare_digest(given.encode(), self.token.encode())
+
+    async def answer(self, method: str, headers: Any, protocol: Any) -> None:
+        """Answer the relayed call of `method` whose message is the request's body: 200 and the
+        response message, or the error's HTTP status, its gRPC code and its message."""
+        message = await protocol()
+        try:
+            if (encoding := headers.get(ENCODING_HEADER)) is not None:
+                message = _inflate(message, encoding, self.max_message_bytes)
+            reply = await self.service.call(method, message)
+        except ServingError as exc:
+            code = GRPC_CODE_NUMBERS.get(exc.grpc_code, GRPC_CODE_NUMBERS["UNKNOWN"])
+            status = exc.http_status if exc.http_status != 200 else 500
+            headers = [("content-type", "text/plain; charset=utf-8"), ("x-grpc-code", str(code))]
+            protocol.response_bytes(status, headers, exc.message.encode())
+            return
+        protocol.response_bytes(200, [("content-type", "application/x-protobuf")], reply)
+
+
+@dataclass
+class NativeFront:
+    """A started native front: its process and bound port; `stop` ends it."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+
+    async def stop(self, grace: float) -> None:
+        """Refuse new calls, let those running finish for up to `grace` seconds, end."""
+        await asyncio.get_running_loop().run_in_executor(None, self._stop, grace)
+
+    def _stop(self, grace: float) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        try:
+            self.process.wait(grace + 2)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def start(
+    executable: Path,
+    host: str,
+    port: int,
+    backend_port: int,
+    *,
+    max_message_bytes: int,
+    max_calls: int,
+    grace_seconds: int,
+    token: str,
+) -> NativeFront:
+    """Start the front on host:port (0: any free port), relaying to this server's HTTP port.
+    Raises OSError when it cannot run or listen (its reason on the server's standard error)."""
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    command = [
+        str(executable),
+        "--listen", address,
+        "--backend", _loopback(host, backend_port),
+        "--max-message-bytes", str(max_message_bytes),
+        "--max-calls", str(max_calls),
+        "--grace-seconds", str(max(grace_seconds, 1)),
+    ]  # fmt: skip
+    # The binary is this package's own (or the operator's MODELFORGE_GRPC_FRONT); no shell.
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # noqa: S603
+    stdin, stdout = process.stdin, process.stdout
+    if stdin is None or stdout is None:  # pragma: no cover - both are pipes
+        raise OSError("the native front's pipes are missing")
+    try:
+        stdin.write(token.encode() + b"\n")
+        stdin.flush()
+    except BrokenPipeError:
+        pass  # it ended at once: its reason is on standard error, its stdout empty
+    said: list[bytes] = []
+    reader = threading.Thread(target=lambda: said.append(stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(START_SECONDS)
+    words = said[0].split() if said else []
+    if len(words) != 2 or words[0] != b"listening" or not words[1].isdigit():
+        process.kill()
+        process.wait()
+        raise OSError(f"cannot listen for gRPC on {address} (the native front did not start)")
+    return NativeFront(process, int(words[1]))
+
+
+def _inflate(message: bytes, encoding: str, limit: int) -> bytes:
+    """`message` inflated, refused once past `limit` bytes (nothing more is inflated)."""
+    if (wbits := _WBITS.get(encoding)) is None:
+        raise ServingError(501, f"grpc-encoding {encoding[:40]} is not supported", "UNIMPLEMENTED")
+    inflater = zlib.decompressobj(wbits)
+    try:
+        inflated = inflater.decompress(message, limit + 1)
+    except zlib.error:
+        raise ServingError(400, f"the message does not inflate as {encoding}") from None
+    if len(inflated) > limit:
+        raise ServingError(
+            413,
+            f"the message inflates to more than {limit} bytes, the most this server takes "
+            "(--max-request-bytes)",
+            "RESOURCE_EXHAUSTED",
+        )
+    if not inflater.eof:
+        raise ServingError(400, f"the message ends before its {encoding} stream does")
+    return inflated
+
+
+def _loopback(host: str, port: int) -> str:
+    """Where this server's HTTP front is reached from the same host."""
+    if host in ("", "0.0.0.0"):  # noqa: S104 - listening there, reached on loopback
+        return f"127.0.0.1:{port}"
+    if host == "::":
+        return f"[::1]:{port}"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

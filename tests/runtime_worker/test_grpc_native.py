@@ -1,0 +1,214 @@
+"""The native gRPC front (`modelforge-grpc-front`, native/grpc_front) as the model server runs
+it: a real server process, real gRPC clients. What it answers is tested for both fronts in
+test_grpc_front.py; here, what is its own: compressed messages, its limit on calls at once,
+its private relay, its life beside the server's, and the choice of front."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import numpy as np
+import onnxruntime as ort
+import psutil
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.grpc import service_pb2
+
+from runtime_worker.serving import grpc_native
+from runtime_worker.serving.http import RELAY_PREFIX
+from tests.onnx_models import relu_matmul
+from tests.runtime_worker.served import Served, free_port, start_server, stop_server
+
+WEIGHTS = np.arange(12, dtype=np.float32).reshape(3, 4) - 5.0
+LIMIT = 1024 * 1024
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("native") / "relu.onnx"
+    path.write_bytes(relu_matmul(WEIGHTS))
+    return path
+
+
+def _serve(model_path: Path, *flags: str, env: dict[str, str] | None = None) -> tuple[Served, int]:
+    port = free_port()
+    served = start_server(
+        model_path, "--grpc-port", str(port), "--max-request-bytes", str(LIMIT), *flags, env=env
+    )
+    return served, port
+
+
+@pytest.fixture(scope="module")
+def served(model_path: Path) -> Iterator[tuple[Served, int]]:
+    assert grpc_native.binary() is not None, "the native gRPC front is not built: make install"
+    running = _serve(model_path)
+    yield running
+    stop_server(running[0])
+
+
+def _fronts(served: Served) -> list[psutil.Process]:
+    main = psutil.Process(served.process.pid)
+    return [p for p in main.children(recursive=True) if p.name() == "modelforge-grpc-front"]
+
+
+def _request(x: np.ndarray) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name="relu", id="z")
+    request.inputs.add(name="x", datatype="FP32", shape=list(x.shape))
+    request.raw_input_contents.append(x.tobytes())
+    return request
+
+
+def _expected(x: np.ndarray, path: Path) -> np.ndarray:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return np.asarray(session.run(["y"], {"x": x})[0])
+
+
+def test_the_front_is_a_process_of_the_server_and_its_token_travels_on_no_command_line(
+    served: tuple[Served, int],
+) -> None:
+    server, _ = served
+    (front,) = _fronts(server)
+    arguments, environment = " ".join(front.cmdline()), front.environ()
+    assert "--listen" in arguments and "--backend" in arguments
+    # The relay answers only its front: without the token, or with another, there is no route
+    # (and a token is nowhere to be read from the front's arguments or environment).
+    for headers in ({}, {grpc_native.TOKEN_HEADER: "0" * 32}):
+        answer = httpx.post(
+            f"{server.url}{RELAY_PREFIX}ServerLive", headers=headers, content=b"", timeout=10
+        )
+        assert answer.status_code == 404 and "no route" in answer.json()["error"]
+    assert not any(
+        grpc_native.TOKEN_HEADER in value or "token" in name.lower()
+        for name, value in environment.items()
+    )
+    assert "token" not in arguments
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_messages_are_inflated_and_answered(
+    served: tuple[Served, int], model_path: Path, algorithm: str
+) -> None:
+    _, port = served
+    x = np.random.default_rng(3).standard_normal((4, 3)).astype(np.float32)
+    client = triton.InferenceServerClient(url=f"127.0.0.1:{port}")
+    try:
+        inputs = [triton.InferInput("x", list(x.shape), "FP32")]
+        inputs[0].set_data_from_numpy(x)
+        result = client.infer("relu", inputs, compression_algorithm=algorithm)
+        np.testing.assert_array_equal(result.as_numpy("y"), _expected(x, model_path))
+    finally:
+        client.close()
+
+
+def test_a_compressed_message_inflating_past_the_limit_is_resource_exhausted(
+    served: tuple[Served, int],
+) -> None:
+    # 4 MiB of zeros compress to a few KiB: under the 1 MiB limit on the wire, over it inflated.
+    _, port = served
+    request = _request(np.zeros((LIMIT // 3, 3), dtype=np.float32)).SerializeToString()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        infer = channel.unary_unary(INFER)
+        for compression in (grpc.Compression.Gzip, grpc.Compression.Deflate):
+            with pytest.raises(grpc.RpcError) as caught:
+                infer(request, timeout=30, compression=compression)
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "inflates to more than" in (caught.value.details() or "")
+        # The same message under the limit, compressed, is answered.
+        small = _request(np.zeros((2, 3), dtype=np.float32)).SerializeToString()
+        reply = infer(small, timeout=30, compression=grpc.Compression.Gzip)
+        assert service_pb2.ModelInferResponse.FromString(reply).outputs[0].shape == [2, 4]
+
+
+def test_calls_past_the_limit_at_once_are_resource_exhausted_at_once(model_path: Path) -> None:
+    # 16 MiB of budget for 1 MiB messages: 16 calls at once (grpc_front.max_calls). Sixteen
+    # calls that opened and send nothing hold them; a seventeenth, on another connection, is
+    # refused at once; once they send, all are answered.
+    server, port = _serve(model_path, "--max-inflight-bytes", str(16 * LIMIT))
+    release = threading.Event()
+    x = np.ones((1, 3), dtype=np.float32)
+    message = _request(x).SerializeToString()
+
+    def held() -> Iterator[bytes]:
+        release.wait(30)
+        yield message
+
+    answers: list[object] = []
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as holding:
+            infer = holding.stream_unary(INFER)
+            calls = [infer.future(held(), timeout=60) for _ in range(16)]
+            time.sleep(0.5)  # the streams are open at the front
+            # A connection of its own (channels to one address otherwise share one).
+            own = [("grpc.use_local_subchannel_pool", 1)]
+            with grpc.insecure_channel(f"127.0.0.1:{port}", options=own) as other:
+                started = time.monotonic()
+                with pytest.raises(grpc.RpcError) as caught:
+                    other.unary_unary(INFER)(message, timeout=30)
+                assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert time.monotonic() - started < 1.0
+            release.set()
+            answers = [call.result() for call in calls]
+        assert len(answers) == 16 and all(answers)
+    finally:
+        release.set()
+        stop_server(server)
+
+
+def test_the_front_ends_with_the_server_stopped_or_killed(model_path: Path) -> None:
+    server, port = _serve(model_path)
+    (front,) = _fronts(server)
+    returncode, _ = stop_server(server)
+    assert returncode == 0
+    front.wait(10)  # raises psutil.TimeoutExpired if it outlives the server
+
+    server, port = _serve(model_path)
+    (front,) = _fronts(server)
+    main = psutil.Process(server.process.pid)
+    for process in [*main.children(recursive=True), main]:
+        if process.pid != front.pid:
+            process.send_signal(signal.SIGKILL)
+    stop_server(server)  # collects what it left
+    front.wait(10)  # standard input ended with its parent: it stopped by itself
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            channel.unary_unary("/inference.GRPCInferenceService/ServerLive")(b"", timeout=5)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_grpcio_is_the_front_when_chosen(model_path: Path) -> None:
+    env = {grpc_native.CHOICE_VARIABLE: "grpcio"}
+    server, port = _serve(model_path, env=env)
+    try:
+        assert _fronts(server) == []
+        client = triton.InferenceServerClient(url=f"127.0.0.1:{port}")
+        assert client.is_server_ready()
+        client.close()
+    finally:
+        stop_server(server)
+
+
+def test_a_taken_grpc_port_ends_the_server_with_the_reason(model_path: Path) -> None:
+    server, port = _serve(model_path)
+    try:
+        returncode, stderr = _exit_of_a_second_server(model_path, port)
+        assert returncode != 0
+        assert f"cannot serve gRPC on port {port}" in stderr
+        assert "Address already in use" in stderr  # the front's own reason
+    finally:
+        stop_server(server)
+
+
+def _exit_of_a_second_server(model_path: Path, grpc_port: int) -> tuple[int, str]:
+    command = [sys.executable, "-m", "runtime_worker.onnx_server", "--model", str(model_path)]
+    command += ["--port", str(free_port()), "--grpc-port", str(grpc_port), "--name", "relu"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    return result.returncode, result.stderr
