@@ -31,6 +31,7 @@ from typing import Any
 
 from runtime_worker._oip import ServingError
 from runtime_worker.serving.grpc_front import GRPC_CODE_NUMBERS, GrpcService
+from runtime_worker.serving.http import ClientGone, unless_gone
 
 log = logging.getLogger("modelforge.onnx_server")
 
@@ -76,7 +77,9 @@ class Relay:
         try:
             if (encoding := headers.get(ENCODING_HEADER)) is not None:
                 message = _inflate(message, encoding, self.max_message_bytes)
-            reply = await self.service.call(method, message)
+            reply = await unless_gone(self.service.call(method, message), protocol)
+        except ClientGone:
+            return  # the front closed the connection: its client cancelled, or its deadline passed
         except ServingError as exc:
             code = GRPC_CODE_NUMBERS.get(exc.grpc_code, GRPC_CODE_NUMBERS["UNKNOWN"])
             status = exc.http_status if exc.http_status != 200 else 500

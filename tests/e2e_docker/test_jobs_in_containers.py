@@ -267,6 +267,7 @@ def test_python_job_imports_numpy_in_the_runtime_worker_container(
 
 
 def test_onnx_service_serves_from_the_runtime_worker_container(stack: tuple[Stack, str]) -> None:
+    import tritonclient.grpc as triton_grpc
     import tritonclient.http as triton
 
     api, project = stack
@@ -289,8 +290,8 @@ def test_onnx_service_serves_from_the_runtime_worker_container(stack: tuple[Stac
     except AssertionError:
         events = api.get(f"/api/v1/services/{service_id}/events").text
         raise AssertionError(f"{events}\n{_logs(project)}") from None
-    url = api.get(f"/api/v1/services/{service_id}").json()["url"]
-    client = triton.InferenceServerClient(url=url.removeprefix("http://"))
+    view = api.get(f"/api/v1/services/{service_id}").json()
+    client = triton.InferenceServerClient(url=view["url"].removeprefix("http://"))
     x = np.random.default_rng(5).standard_normal((3, 4)).astype(np.float32)
     inputs = [triton.InferInput("x", list(x.shape), "FP32")]
     inputs[0].set_data_from_numpy(x)
@@ -298,7 +299,27 @@ def test_onnx_service_serves_from_the_runtime_worker_container(stack: tuple[Stac
     expected = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})
     np.testing.assert_allclose(y, expected[0], rtol=1e-6)
     np.testing.assert_allclose(y, np.maximum(x @ weights, 0), rtol=1e-5, atol=1e-6)
+    # gRPC at the service's grpc_url, on the native front the image carries.
+    grpc_client = triton_grpc.InferenceServerClient(url=view["grpc_url"])
+    grpc_inputs = [triton_grpc.InferInput("x", list(x.shape), "FP32")]
+    grpc_inputs[0].set_data_from_numpy(x)
+    np.testing.assert_allclose(grpc_client.infer("relu", grpc_inputs).as_numpy("y"), expected[0])
+    grpc_client.close()
+    (worker,) = _project_containers(project, "runtime-worker")
+    programs = docker("exec", worker, "python3", "-c", RUNNING_PROGRAMS).stdout.split()
+    assert "modelforge-grpc-front" in programs, programs
     assert api.delete(f"/api/v1/services/{service_id}").status_code == 200
+
+
+#: The names of the programs running in a container (its /proc), one per line.
+RUNNING_PROGRAMS = """
+import os
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        print(os.path.basename(os.readlink(f"/proc/{pid}/exe")))
+    except OSError:
+        pass
+"""
 
 
 NAP_SOURCE = """\

@@ -24,7 +24,7 @@ from tritonclient.grpc import service_pb2
 
 from runtime_worker.serving import grpc_native
 from runtime_worker.serving.http import RELAY_PREFIX
-from tests.onnx_models import relu_matmul
+from tests.onnx_models import mlp, relu_matmul
 from tests.runtime_worker.served import Served, free_port, start_server, stop_server
 
 WEIGHTS = np.arange(12, dtype=np.float32).reshape(3, 4) - 5.0
@@ -39,12 +39,12 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _serve(model_path: Path, *flags: str, env: dict[str, str] | None = None) -> tuple[Served, int]:
+def _serve(
+    model_path: Path, *flags: str, env: dict[str, str] | None = None, name: str = "relu"
+) -> tuple[Served, int]:
     port = free_port()
-    served = start_server(
-        model_path, "--grpc-port", str(port), "--max-request-bytes", str(LIMIT), *flags, env=env
-    )
-    return served, port
+    flags = ("--grpc-port", str(port), "--max-request-bytes", str(LIMIT), *flags)
+    return start_server(model_path, *flags, env=env, name=name), port
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +160,37 @@ def test_calls_past_the_limit_at_once_are_resource_exhausted_at_once(model_path:
         assert len(answers) == 16 and all(answers)
     finally:
         release.set()
+        stop_server(server)
+
+
+def test_calls_whose_clients_give_up_are_never_run(tmp_path: Path) -> None:
+    # One instance, tens of milliseconds a call: of twenty calls sent at once with a 150 ms
+    # deadline, most are still queued when their clients give up; the front resets their
+    # relayed requests and the model server drops them from the queue instead of running them.
+    path = tmp_path / "slow.onnx"
+    path.write_bytes(mlp((1024, 2048, 2048, 1024)))
+    server, port = _serve(path, "--instances", "1", name="slow")
+    try:
+        request = service_pb2.ModelInferRequest(model_name="slow")
+        request.inputs.add(name="x", datatype="FP32", shape=[192, 1024])  # 768 KiB
+        request.raw_input_contents.append(np.ones((192, 1024), dtype=np.float32).tobytes())
+        message = request.SerializeToString()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            infer = channel.unary_unary(INFER)
+            calls = [infer.future(message, timeout=0.15) for _ in range(20)]
+            codes = [call.exception() and call.code() for call in calls]
+        assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) >= 10, codes
+        time.sleep(2)  # what was queued would have run by now
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        executed = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("nv_inference_exec_count{")
+        )
+        # Those answered, and those that ran in the 150 ms (a few, as each takes tens of ms)
+        # or were running when their clients gave up; without the drop, all twenty.
+        assert executed <= 20 - codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) + 8, executed
+    finally:
         stop_server(server)
 
 

@@ -18,9 +18,12 @@
 //! logs request data.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::io::Write as _;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -405,6 +408,17 @@ fn refuse(mut respond: SendResponse<Bytes>, status: Status) {
     let _ = respond.send_response(response, true);
 }
 
+/// Resolves when the client resets its call's stream.
+struct ResetBy<'a>(&'a mut SendResponse<Bytes>);
+
+impl Future for ResetBy<'_> {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<()> {
+        self.0.poll_reset(context).map(|_| ())
+    }
+}
+
 /// End a call whose message was not read (in full) with `status`, then wait for the client to
 /// end its side, reading nothing more than the window it was given (`REFUSED_WAIT` at most):
 /// ending the stream at once would reset it (CANCEL), which clients report instead of the status.
@@ -452,7 +466,13 @@ async fn serve_call(
         };
     drop(body);
     let encoding = if compressed { encoding } else { None };
-    let answer = front.backend.call(&method, &message, encoding).await;
+    // A client gone before the answer (cancelled, or past its deadline: it resets the stream)
+    // ends the relayed request too: its connection closes, so the model server drops it (from
+    // its queue, or unanswered) as it does any HTTP request whose client went away.
+    let answer = tokio::select! {
+        answer = front.backend.call(&method, &message, encoding) => answer,
+        _ = ResetBy(&mut respond) => return,
+    };
     drop(message);
     match answer {
         Ok(reply) => {
