@@ -18,10 +18,10 @@ instance's thread, each timed as Triton times it (queue, compute input, infer, o
 the event loop itself when its input elements, at what an element has lately cost, come to less
 than the hand-over to a thread costs (a small model's small run), a few in a row at most.
 
-A request whose caller has gone (its await cancelled: a gRPC cancel or deadline, an HTTP
-disconnect) leaves the queue at once in effect: its tensors are dropped, it no longer counts
-toward `max_queue_size`, and it is never run. A failure while dispatching a batch fails that
-batch's requests only; the queue goes on.
+A request whose caller has gone (its await cancelled, or `gone` given to `submit` completed: a
+gRPC cancel or deadline, an HTTP disconnect) leaves the queue at once in effect: its tensors are
+dropped, it no longer counts toward `max_queue_size`, and it is never run. A failure while
+dispatching a batch fails that batch's requests only; the queue goes on.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import functools
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,32 @@ from runtime_worker.serving.model import OnnxModel
 from runtime_worker.serving.policy import BatchingPolicy
 
 log = logging.getLogger("modelforge.onnx_server")
+
+
+class CallerGone(Exception):
+    """The caller went away while its request waited: it left the queue and was never run."""
+
+
+async def _unless_gone(
+    future: asyncio.Future[tuple[list[np.ndarray], RequestTimes]],
+    gone: Callable[[], Awaitable[object]],
+) -> tuple[list[np.ndarray], RequestTimes]:
+    watch = asyncio.ensure_future(gone())
+
+    def leave(_: object) -> None:
+        if not watch.cancelled():
+            future.cancel()  # its done-callback takes it out of the queue
+
+    watch.add_done_callback(leave)
+    try:
+        return await future
+    except asyncio.CancelledError:
+        if watch.done() and not watch.cancelled():
+            raise CallerGone from None
+        raise
+    finally:
+        watch.remove_done_callback(leave)
+        watch.cancel()
 
 
 @dataclass(eq=False)  # compared by identity: the feeds are arrays
@@ -86,10 +113,15 @@ class Scheduler:
         self._ns_per_element = model.warm_up_ns / max(1, model.warm_up_elements)
 
     async def submit(
-        self, feeds: dict[str, np.ndarray], names: list[str]
+        self,
+        feeds: dict[str, np.ndarray],
+        names: list[str],
+        gone: Callable[[], Awaitable[object]] | None = None,
     ) -> tuple[list[np.ndarray], RequestTimes]:
         """The request's outputs (those named, in that order) and its timings; a
-        `ServingError` when the queue is full, the batch too large or the model fails."""
+        `ServingError` when the queue is full, the batch too large or the model fails.
+        `gone()`, awaited only while the request waits (not when it runs at once), completes
+        when its caller has gone: the request then leaves the queue (`CallerGone`)."""
         rows, key = 1, None
         if self.batching:
             rows = _rows(feeds)
@@ -117,7 +149,9 @@ class Scheduler:
         self._live += 1
         self.metrics.pending(1)
         self._schedule()
-        return await future
+        if gone is None or future.done():
+            return await future
+        return await _unless_gone(future, gone)
 
     @property
     def queued(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -127,16 +128,21 @@ class DataPlane:
         self.metrics.failed()
 
     async def infer(
-        self, name: str, version: str | None, request: InferRequest
+        self,
+        name: str,
+        version: str | None,
+        request: InferRequest,
+        gone: Callable[[], Awaitable[object]] | None = None,
     ) -> list[np.ndarray]:
-        """The outputs `request.outputs` names, in that order; a `ServingError` otherwise."""
+        """The outputs `request.outputs` names, in that order; a `ServingError` otherwise, or
+        `CallerGone` once `gone()` completes while the request waits (`Scheduler.submit`)."""
         self.check_model(name, version)
         scheduler = self._check_ready()
         started = time.perf_counter_ns()
         try:
             _check_feeds(request.feeds, self.model.inputs)
             names = [output for output, _ in request.outputs]
-            arrays, times = await scheduler.submit(request.feeds, names)
+            arrays, times = await scheduler.submit(request.feeds, names, gone)
         except BaseException:
             self.metrics.failed()
             raise

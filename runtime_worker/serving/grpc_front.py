@@ -42,6 +42,7 @@ from runtime_worker._oip import (
     shaped,
 )
 from runtime_worker.serving._proto import grpc_predict_v2_pb2 as pb
+from runtime_worker.serving.batcher import CallerGone
 from runtime_worker.serving.dataplane import DataPlane
 
 log = logging.getLogger("modelforge.onnx_server")
@@ -209,12 +210,15 @@ class GrpcService:
     def methods(self) -> tuple[str, ...]:
         return (*self._methods, "ModelInfer")
 
-    async def call(self, method: str, message: bytes) -> bytes:
-        """Answer one call of `method` (a name in `methods`) with `message`."""
+    async def call(
+        self, method: str, message: bytes, gone: Callable[[], Awaitable[object]] | None = None
+    ) -> bytes:
+        """Answer one call of `method` (a name in `methods`) with `message`; `gone`, when the
+        transport has one, as `DataPlane.infer` takes it."""
         try:
             if method == "ModelInfer":
                 # Kept as bytes until the budget holds what parsing it takes.
-                return (await self.model_infer(message)).SerializeToString()
+                return (await self.model_infer(message, gone)).SerializeToString()
             if (entry := self._methods.get(method)) is None:
                 raise ServingError(
                     501,
@@ -228,7 +232,7 @@ class GrpcService:
                 raise ServingError(400, f"the message is not a {request_type.__name__}") from None
             response = await handler(request)
             return bytes(response.SerializeToString())
-        except ServingError:
+        except (ServingError, CallerGone):
             raise
         except Exception as exc:  # a bug: answered, and logged without the request's data
             log.error("internal error on %s: %s", method, type(exc).__name__)
@@ -251,7 +255,9 @@ class GrpcService:
         metadata = self.dataplane.model_metadata(request.name, request.version or None)
         return pb.ModelMetadataResponse(**metadata)
 
-    async def model_infer(self, message: bytes) -> pb.ModelInferResponse:
+    async def model_infer(
+        self, message: bytes, gone: Callable[[], Awaitable[object]] | None = None
+    ) -> pb.ModelInferResponse:
         cost, dataplane = 0, self.dataplane
         try:
             # The model's tensors bound how many a message may carry (a 503 while it loads).
@@ -278,7 +284,7 @@ class GrpcService:
                     self.dataplane.request_failed()
                 raise
             arrays = await self.dataplane.infer(
-                request.model_name, request.model_version or None, decoded
+                request.model_name, request.model_version or None, decoded, gone
             )
             return _encode(request, decoded, arrays)
         finally:

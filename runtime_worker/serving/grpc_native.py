@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from runtime_worker._oip import ServingError
+from runtime_worker.serving.batcher import CallerGone
 from runtime_worker.serving.grpc_front import GRPC_CODE_NUMBERS, GrpcService
-from runtime_worker.serving.http import ClientGone, unless_gone
 
 log = logging.getLogger("modelforge.onnx_server")
 
@@ -77,9 +77,11 @@ class Relay:
         try:
             if (encoding := headers.get(ENCODING_HEADER)) is not None:
                 message = _inflate(message, encoding, self.max_message_bytes)
-            reply = await unless_gone(self.service.call(method, message), protocol)
-        except ClientGone:
-            return  # the front closed the connection: its client cancelled, or its deadline passed
+            # The front closes the connection when its client cancels the call or its deadline
+            # passes: a request still waiting then leaves the queue, and nobody is answered.
+            reply = await self.service.call(method, message, gone=protocol.client_disconnect)
+        except CallerGone:
+            return
         except ServingError as exc:
             code = GRPC_CODE_NUMBERS.get(exc.grpc_code, GRPC_CODE_NUMBERS["UNKNOWN"])
             status = exc.http_status if exc.http_status != 200 else 500
@@ -91,16 +93,34 @@ class Relay:
 
 @dataclass
 class NativeFront:
-    """A started native front: its process and bound port; `stop` ends it."""
+    """A started native front: its process and bound port; `stop` ends it. A front that ends
+    before it is stopped ends the model server too (exit status 1), so that the service is
+    restarted whole rather than left serving HTTP without gRPC."""
 
     process: subprocess.Popen[bytes]
     port: int
+    stopping: bool = False
+
+    def watch(self) -> None:
+        """Watch the front's process on a thread of its own."""
+        threading.Thread(target=self._watch, name="grpc-front-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        returncode = self.process.wait()
+        if not self.stopping:
+            log.error(
+                "the native gRPC front exited (status %d); the model server ends with it, to "
+                "be restarted whole",
+                returncode,
+            )
+            os._exit(1)
 
     async def stop(self, grace: float) -> None:
         """Refuse new calls, let those running finish for up to `grace` seconds, end."""
         await asyncio.get_running_loop().run_in_executor(None, self._stop, grace)
 
     def _stop(self, grace: float) -> None:
+        self.stopping = True
         if self.process.stdin is not None:
             self.process.stdin.close()
         try:
@@ -151,7 +171,9 @@ def start(
         process.kill()
         process.wait()
         raise OSError(f"cannot listen for gRPC on {address} (the native front did not start)")
-    return NativeFront(process, int(words[1]))
+    front = NativeFront(process, int(words[1]))
+    front.watch()
+    return front
 
 
 def _inflate(message: bytes, encoding: str, limit: int) -> bytes:

@@ -26,18 +26,17 @@ import json
 import logging
 import time
 import zlib
-from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import unquote
 
 from runtime_worker._oip import ServingError, decode_infer_request, encode_infer_response
 from runtime_worker._oip import split_request as split_body
 from runtime_worker.serving import metrics
+from runtime_worker.serving.batcher import CallerGone
 from runtime_worker.serving.dataplane import DataPlane
 
 log = logging.getLogger("modelforge.onnx_server")
-T = TypeVar("T")
 
 #: What parsing JSON into Python objects may take, per byte of JSON (a nested list of one-digit
 #: numbers is about 16 bytes of objects per byte).
@@ -100,35 +99,6 @@ class ByteBudget:
         if self._released is not None:  # wake the waiters; each checks again
             self._released.set()
             self._released = None
-
-
-class ClientGone(Exception):
-    """The client went away before its answer: there is nobody to answer."""
-
-
-async def unless_gone(awaitable: Awaitable[T], protocol: Any) -> T:
-    """What `awaitable` gives, unless the client disconnects first: then the running task is
-    cancelled where it waits, so that what it waits for (a queued request: the scheduler drops
-    it, never run) is given up, and `ClientGone` is raised."""
-    task = asyncio.current_task()
-    gone = asyncio.ensure_future(protocol.client_disconnect())
-    armed = [True]
-
-    def cancel(_: object) -> None:
-        if armed[0] and task is not None:
-            task.cancel()
-
-    gone.add_done_callback(cancel)
-    try:
-        return await awaitable
-    except asyncio.CancelledError:
-        if task is not None and gone.done() and not gone.cancelled():
-            task.uncancel()
-            raise ClientGone from None
-        raise
-    finally:
-        armed[0] = False
-        gone.cancel()
 
 
 def _error(status: int, message: str) -> bytes:
@@ -275,8 +245,8 @@ class ModelApp:
             status, answer, reply_headers = await self._answer(
                 body, encoding, header_length, name, version, protocol
             )
-        except ClientGone:
-            return
+        except CallerGone:
+            return  # the client went away while its request waited: nobody to answer
         except ServingError as exc:  # a body longer than declared: never kept
             protocol.response_bytes(exc.http_status, _CLOSE, _error(exc.http_status, exc.message))
             return
@@ -320,7 +290,8 @@ class ModelApp:
                 dataplane.request_failed()
             return exc.http_status, _error(exc.http_status, exc.message), _JSON
         try:
-            arrays = await unless_gone(dataplane.infer(name, version, request), protocol)
+            gone = protocol.client_disconnect  # watched only while the request waits
+            arrays = await dataplane.infer(name, version, request, gone)
             answer, json_size = encode_infer_response(name, request, arrays)
         except ServingError as exc:
             return exc.http_status, _error(exc.http_status, exc.message), _JSON

@@ -215,6 +215,43 @@ def test_the_front_ends_with_the_server_stopped_or_killed(model_path: Path) -> N
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+def test_a_front_that_dies_ends_the_server_to_be_restarted_whole(model_path: Path) -> None:
+    server, _ = _serve(model_path)
+    (front,) = _fronts(server)
+    front.send_signal(signal.SIGKILL)
+    try:
+        server.process.wait(15)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the server went on serving without its gRPC front")
+    returncode, stderr = stop_server(server)
+    assert returncode != 0
+    assert "the native gRPC front exited (status -9)" in stderr
+
+
+def test_sigterm_to_the_server_and_its_front_lets_running_calls_finish(tmp_path: Path) -> None:
+    # As a service is stopped: SIGTERM to every process of the server at once. Calls already
+    # relayed (five queued on one instance, tens of milliseconds each) are answered.
+    path = tmp_path / "slow.onnx"
+    path.write_bytes(mlp((1024, 2048, 2048, 1024)))
+    server, port = _serve(path, "--instances", "1", name="slow")
+    try:
+        request = service_pb2.ModelInferRequest(model_name="slow")
+        request.inputs.add(name="x", datatype="FP32", shape=[192, 1024])
+        request.raw_input_contents.append(np.ones((192, 1024), dtype=np.float32).tobytes())
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            infer = channel.unary_unary(INFER)
+            calls = [infer.future(request.SerializeToString(), timeout=30) for _ in range(5)]
+            time.sleep(0.05)  # relayed, and queued
+            main = psutil.Process(server.process.pid)
+            for process in [main, *main.children(recursive=True)]:
+                process.send_signal(signal.SIGTERM)
+            replies = [service_pb2.ModelInferResponse.FromString(c.result()) for c in calls]
+        assert [reply.outputs[0].shape for reply in replies] == [[192, 1024]] * 5
+        assert server.process.wait(30) == 0
+    finally:
+        stop_server(server)
+
+
 def test_grpcio_is_the_front_when_chosen(model_path: Path) -> None:
     env = {grpc_native.CHOICE_VARIABLE: "grpcio"}
     server, port = _serve(model_path, env=env)

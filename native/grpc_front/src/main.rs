@@ -12,8 +12,8 @@
 //!
 //! Its standard input carries the backend's token (one line) and then stays open: at its end
 //! (the model server stopping, or gone) the front stops taking calls, lets those running finish
-//! for up to the grace period and exits. Once listening it prints `listening PORT` on standard
-//! output. A message over `--max-message-bytes` is refused (RESOURCE_EXHAUSTED) from its length
+//! for up to the grace period and exits; so do SIGTERM and SIGINT. Once listening it prints
+//! `listening PORT` on standard output. A message over `--max-message-bytes` is refused (RESOURCE_EXHAUSTED) from its length
 //! prefix, before it is read; a call past `--max-calls` at once is refused at once. It never
 //! logs request data.
 
@@ -32,6 +32,7 @@ use h2::RecvStream;
 use http::{HeaderMap, HeaderValue, Request, Response};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::{watch, Semaphore};
 
 const SERVICE: &str = "/inference.GRPCInferenceService/";
@@ -554,7 +555,11 @@ async fn run(settings: Settings, token: String) -> std::io::Result<()> {
         max_message_bytes: settings.max_message_bytes,
     });
     let (stop, stopping) = watch::channel(false);
-    // The end of standard input is the model server's word to stop (or its death).
+    // The end of standard input is the model server's word to stop (or its death). SIGTERM
+    // and SIGINT, sent to the server's whole process group when it is stopped, start the same
+    // drain instead of ending the calls running at once.
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
     let mut parent = tokio::io::stdin();
     let ended = async move {
         let mut sink = [0u8; 64];
@@ -569,6 +574,8 @@ async fn run(settings: Settings, token: String) -> std::io::Result<()> {
                 }
             }
             _ = &mut ended => break,
+            _ = terminate.recv() => break,
+            _ = interrupt.recv() => break,
         }
     }
     drop(listener);
