@@ -1,18 +1,20 @@
-"""gRPC stacks under the model server's gRPC front (issue 26's last target): what grpcio costs
-per call, and what a stack that does its HTTP/2 work outside the GIL would give, in one run.
+"""gRPC stacks under the model server's gRPC front (issue 26's last target): the native front
+as shipped against what grpcio costs per call and another stack outside the GIL, in one run.
 
 What is measured
 ----------------
-The small model of bench/serving.py, served three ways, each loaded by nghttp2's ``h2load``
+The small model of bench/serving.py, served four ways, each loaded by nghttp2's ``h2load``
 (HTTP/2 for gRPC, HTTP/1.1 for HTTP) in its own process, at 1 and 8 connections, ``--rounds``
 times alternating:
 
 1. ``python -m runtime_worker.onnx_server`` as shipped: HTTP binary tensors (the baseline every
-   ratio is against) and gRPC ``ModelInfer`` on its ``grpc.aio`` front.
+   ratio is against) and gRPC ``ModelInfer`` on its native front (``native/grpc_front``); and
+   the same server with ``MODELFORGE_GRPC_FRONT=grpcio``, its ``grpc.aio`` front.
 2. A bare sync ``grpc.server`` (4 threads) whose handler only parses the message, runs
    onnxruntime and encodes the answer: no data plane, no checks. It shows grpcio's own floor.
-3. The same model server with its front on ``pygrpc-native`` (``--pygrpc-native-venv``, created
-   when missing with ``pygrpc-native==PYGRPC_NATIVE_VERSION`` beside the project's packages):
+3. The same model server with its ``grpc.aio`` front on ``pygrpc-native``
+   (``--pygrpc-native-venv``, created when missing with ``pygrpc-native==PYGRPC_NATIVE_VERSION``
+   beside the project's packages):
    a ``sitecustomize`` in the server's processes replaces ``grpc.aio.server`` with
    ``pygrpc_native.aio.server`` (dropping ``maximum_concurrent_rpcs``, which it refuses). The
    front's code is unchanged. Then one ``ModelInfer`` of ``--big-message-mib`` MiB against the
