@@ -67,6 +67,20 @@ def _request(x: np.ndarray) -> service_pb2.ModelInferRequest:
     return request
 
 
+def _slow_model(folder: Path) -> Path:
+    """A model whose run takes tens of milliseconds here (`_slow_request`'s 192 rows)."""
+    path = folder / "slow.onnx"
+    path.write_bytes(mlp((1024, 2048, 2048, 1024)))
+    return path
+
+
+def _slow_request() -> bytes:
+    request = service_pb2.ModelInferRequest(model_name="slow")
+    request.inputs.add(name="x", datatype="FP32", shape=[192, 1024])  # 768 KiB, under LIMIT
+    request.raw_input_contents.append(np.ones((192, 1024), dtype=np.float32).tobytes())
+    return request.SerializeToString()
+
+
 def _expected(x: np.ndarray, path: Path) -> np.ndarray:
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     return np.asarray(session.run(["y"], {"x": x})[0])
@@ -167,14 +181,9 @@ def test_calls_whose_clients_give_up_are_never_run(tmp_path: Path) -> None:
     # One instance, tens of milliseconds a call: of twenty calls sent at once with a 150 ms
     # deadline, most are still queued when their clients give up; the front resets their
     # relayed requests and the model server drops them from the queue instead of running them.
-    path = tmp_path / "slow.onnx"
-    path.write_bytes(mlp((1024, 2048, 2048, 1024)))
-    server, port = _serve(path, "--instances", "1", name="slow")
+    server, port = _serve(_slow_model(tmp_path), "--instances", "1", name="slow")
     try:
-        request = service_pb2.ModelInferRequest(model_name="slow")
-        request.inputs.add(name="x", datatype="FP32", shape=[192, 1024])  # 768 KiB
-        request.raw_input_contents.append(np.ones((192, 1024), dtype=np.float32).tobytes())
-        message = request.SerializeToString()
+        message = _slow_request()
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             infer = channel.unary_unary(INFER)
             calls = [infer.future(message, timeout=0.15) for _ in range(20)]
@@ -231,16 +240,11 @@ def test_a_front_that_dies_ends_the_server_to_be_restarted_whole(model_path: Pat
 def test_sigterm_to_the_server_and_its_front_lets_running_calls_finish(tmp_path: Path) -> None:
     # As a service is stopped: SIGTERM to every process of the server at once. Calls already
     # relayed (five queued on one instance, tens of milliseconds each) are answered.
-    path = tmp_path / "slow.onnx"
-    path.write_bytes(mlp((1024, 2048, 2048, 1024)))
-    server, port = _serve(path, "--instances", "1", name="slow")
+    server, port = _serve(_slow_model(tmp_path), "--instances", "1", name="slow")
     try:
-        request = service_pb2.ModelInferRequest(model_name="slow")
-        request.inputs.add(name="x", datatype="FP32", shape=[192, 1024])
-        request.raw_input_contents.append(np.ones((192, 1024), dtype=np.float32).tobytes())
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             infer = channel.unary_unary(INFER)
-            calls = [infer.future(request.SerializeToString(), timeout=30) for _ in range(5)]
+            calls = [infer.future(_slow_request(), timeout=30) for _ in range(5)]
             time.sleep(0.05)  # relayed, and queued
             main = psutil.Process(server.process.pid)
             for process in [main, *main.children(recursive=True)]:
