@@ -4,10 +4,12 @@
 ModelMetadata and ModelInfer, with tensors as `raw_input_contents` / `raw_output_contents` (what
 tritonclient sends) or as typed `contents`.
 
-It only decodes and encodes: messages into `_oip.InferRequest`s for the one `DataPlane` the HTTP
-front also calls, its arrays into raw output contents, and its `ServingError`s into the gRPC
-status each carries (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE for a full queue or a model still
-loading). It runs a `grpc.aio` server on the event loop it is started on (the HTTP front's).
+`GrpcService` only decodes and encodes: messages into `_oip.InferRequest`s for the one
+`DataPlane` the HTTP front also calls, its arrays into raw output contents, and its
+`ServingError`s into the gRPC status each carries (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE for a
+full queue or a model still loading). Two transports carry its calls: the native front
+(`grpc_native`, the model server's default), and `start` here, a `grpc.aio` server on the event
+loop it is started on (the HTTP front's).
 
 Memory is bounded as the HTTP front bounds it: gRPC refuses a message over `max_message_bytes`
 with RESOURCE_EXHAUSTED before it is parsed, and an infer request holds what parsing and decoding

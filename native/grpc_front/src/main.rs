@@ -536,8 +536,19 @@ async fn serve_connection(
     }
 }
 
+/// Listen on `listen`; `0.0.0.0` (every interface) takes IPv6 too where the host has it, on
+/// one dual-stack socket, as gRPC's own servers do.
+async fn bind(listen: &str) -> std::io::Result<TcpListener> {
+    if let Some(port) = listen.strip_prefix("0.0.0.0:") {
+        if let Ok(listener) = TcpListener::bind(format!("[::]:{port}")).await {
+            return Ok(listener);
+        }
+    }
+    TcpListener::bind(listen).await
+}
+
 async fn run(settings: Settings, token: String) -> std::io::Result<()> {
-    let listener = TcpListener::bind(&settings.listen).await?;
+    let listener = bind(&settings.listen).await?;
     let port = listener.local_addr()?.port();
     {
         let mut out = std::io::stdout().lock();
