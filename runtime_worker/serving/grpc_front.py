@@ -152,7 +152,7 @@ async def start(
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=calls)
     # Registered (not generic) handlers: gRPC's core matches the method, no Python per call.
     server.add_registered_method_handlers(SERVICE, _handlers(GrpcService(dataplane, budget)))
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    address = host_port(host, port)
     try:
         bound = server.add_insecure_port(address)
     except RuntimeError as exc:  # grpc says only that it failed to bind
@@ -176,6 +176,11 @@ def _handlers(service: GrpcService) -> dict[str, grpc.RpcMethodHandler[Any, Any]
     return {
         method: grpc.unary_unary_rpc_method_handler(handler(method)) for method in service.methods
     }
+
+
+def host_port(host: str, port: int) -> str:
+    """host:port as gRPC and the native front take it (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def max_calls(budget_bytes: int, max_message_bytes: int) -> int | None:

@@ -24,14 +24,14 @@ import os
 import secrets
 import subprocess
 import threading
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from runtime_worker._oip import ServingError
 from runtime_worker.serving.batcher import CallerGone
-from runtime_worker.serving.grpc_front import GRPC_CODE_NUMBERS, GrpcService
+from runtime_worker.serving.grpc_front import GRPC_CODE_NUMBERS, GrpcService, host_port
+from runtime_worker.serving.http import WBITS, inflate
 
 log = logging.getLogger("modelforge.onnx_server")
 
@@ -39,8 +39,6 @@ CHOICE_VARIABLE = "MODELFORGE_GRPC_FRONT"
 BUILT = Path(__file__).parent / "bin" / "modelforge-grpc-front"
 TOKEN_HEADER = "x-modelforge-front"  # noqa: S105 - the header's name, not a token
 ENCODING_HEADER = "x-grpc-encoding"
-#: zlib's window bits for each grpc-encoding the front passes on (gzip's header, zlib's).
-_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 #: How long the front may take to bind its port and say so.
 START_SECONDS = 10.0
 
@@ -64,11 +62,12 @@ class Relay:
     def __init__(self, service: GrpcService, max_message_bytes: int) -> None:
         self.service, self.max_message_bytes = service, max_message_bytes
         self.token = secrets.token_hex(16)
+        self._token = self.token.encode()
 
     def admits(self, headers: Any) -> bool:
         """Whether a request comes from this server's own front (its token)."""
         given = headers.get(TOKEN_HEADER)
-        return given is not None and hmac.compare_digest(given.encode(), self.token.encode())
+        return given is not None and hmac.compare_digest(given.encode(), self._token)
 
     async def answer(self, method: str, headers: Any, protocol: Any) -> None:
         """Answer the relayed call of `method` whose message is the request's body: 200 and the
@@ -76,7 +75,10 @@ class Relay:
         message = await protocol()
         try:
             if (encoding := headers.get(ENCODING_HEADER)) is not None:
-                message = _inflate(message, encoding, self.max_message_bytes)
+                if encoding not in WBITS:
+                    problem = f"grpc-encoding {encoding[:40]} is not supported"
+                    raise ServingError(501, problem, "UNIMPLEMENTED")
+                message = inflate(message, encoding, self.max_message_bytes, "message")
             # The front closes the connection when its client cancels the call or its deadline
             # passes: a request still waiting then leaves the queue, and nobody is answered.
             reply = await self.service.call(method, message, gone=protocol.client_disconnect)
@@ -143,7 +145,7 @@ def start(
 ) -> NativeFront:
     """Start the front on host:port (0: any free port), relaying to this server's HTTP port.
     Raises OSError when it cannot run or listen (its reason on the server's standard error)."""
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    address = host_port(host, port)
     command = [
         str(executable),
         "--listen", address,
@@ -176,31 +178,8 @@ def start(
     return front
 
 
-def _inflate(message: bytes, encoding: str, limit: int) -> bytes:
-    """`message` inflated, refused once past `limit` bytes (nothing more is inflated)."""
-    if (wbits := _WBITS.get(encoding)) is None:
-        raise ServingError(501, f"grpc-encoding {encoding[:40]} is not supported", "UNIMPLEMENTED")
-    inflater = zlib.decompressobj(wbits)
-    try:
-        inflated = inflater.decompress(message, limit + 1)
-    except zlib.error:
-        raise ServingError(400, f"the message does not inflate as {encoding}") from None
-    if len(inflated) > limit:
-        raise ServingError(
-            413,
-            f"the message inflates to more than {limit} bytes, the most this server takes "
-            "(--max-request-bytes)",
-            "RESOURCE_EXHAUSTED",
-        )
-    if not inflater.eof:
-        raise ServingError(400, f"the message ends before its {encoding} stream does")
-    return inflated
-
-
 def _loopback(host: str, port: int) -> str:
     """Where this server's HTTP front is reached from the same host."""
     if host in ("", "0.0.0.0"):  # noqa: S104 - listening there, reached on loopback
         return f"127.0.0.1:{port}"
-    if host == "::":
-        return f"[::1]:{port}"
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return host_port("::1" if host == "::" else host, port)

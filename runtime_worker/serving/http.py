@@ -101,6 +101,30 @@ class ByteBudget:
             self._released = None
 
 
+#: zlib's window bits for each compression this server inflates (gzip's header, zlib's).
+WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def inflate(data: bytes, encoding: str, limit: int, what: str) -> bytes:
+    """`data` (a request's `what`: body, message) inflated as `encoding` (a key of `WBITS`),
+    never past `limit` bytes: 413 past it (nothing more is inflated), 400 when it does not
+    inflate or ends before its stream does."""
+    inflater = zlib.decompressobj(WBITS[encoding])
+    try:
+        inflated = inflater.decompress(data, limit + 1)
+    except zlib.error:
+        raise ServingError(400, f"the {what} does not inflate as {encoding}") from None
+    if len(inflated) > limit:
+        raise ServingError(
+            413,
+            f"the {what} inflates to more than {limit} bytes, the most this server takes "
+            "(--max-request-bytes)",
+        )
+    if not inflater.eof:
+        raise ServingError(400, f"the {what} ends before its {encoding} stream does")
+    return inflated
+
+
 def _error(status: int, message: str) -> bytes:
     return json.dumps({"error": message}, separators=(",", ":")).encode()
 
@@ -277,7 +301,7 @@ class ModelApp:
         dataplane = self.dataplane
         try:
             if encoding != "identity":
-                body = self._inflated(body, encoding)
+                body = inflate(body, encoding, self.limits.max_request_bytes, "body")
                 size = len(body) if header_length is None else (_declared(header_length) or 0)
                 if size > self.limits.max_json_bytes:
                     raise ServingError(413, self._json_too_large(size))
@@ -312,17 +336,6 @@ class ModelApp:
             f"{self.limits.max_json_bytes} (--max-json-bytes): send tensors as binary data "
             "(the binary tensor data extension, tritonclient's default)"
         )
-
-    def _inflated(self, body: bytes, encoding: str) -> bytes:
-        limit = self.limits.max_request_bytes
-        inflater = zlib.decompressobj(31 if encoding == "gzip" else 15)
-        try:
-            body = inflater.decompress(body, limit + 1)
-        except zlib.error as exc:
-            raise ServingError(400, f"the {encoding} body cannot be decoded: {exc}") from None
-        if len(body) > limit:
-            raise ServingError(413, f"the decoded body is over the limit of {limit} bytes")
-        return body
 
 
 async def _read_body(protocol: Any, declared: int) -> bytes | None:
