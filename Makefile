@@ -37,7 +37,18 @@ $(GRPC_FRONT): $(GRPC_FRONT_SOURCES)
 		--target-dir ../../build/grpc_front
 	install -D -m 755 build/grpc_front/release/modelforge-grpc-front $@
 
-install: $(STAMP) $(CONSOLE_BUILD) $(GRPC_FRONT)
+## The agent's end of the gateway's tunnel (Rust, native/tunnel_relay), built the same way.
+TUNNEL_RELAY := node_agent/bin/modelforge-tunnel-relay
+TUNNEL_RELAY_SOURCES := $(wildcard native/tunnel_relay/src/*.rs) native/tunnel_relay/Cargo.toml \
+	native/tunnel_relay/Cargo.lock native/tunnel_relay/.cargo/config.toml
+
+$(TUNNEL_RELAY): $(TUNNEL_RELAY_SOURCES)
+	./scripts/ensure-rust
+	cd native/tunnel_relay && RUSTC=/usr/bin/rustc /usr/bin/cargo build -q --release --locked \
+		--target-dir ../../build/tunnel_relay
+	install -D -m 755 build/tunnel_relay/release/modelforge-tunnel-relay $@
+
+install: $(STAMP) $(CONSOLE_BUILD) $(GRPC_FRONT) $(TUNNEL_RELAY)
 
 ## Run the control plane on its embedded SQLite default (data in ./modelforge-data), with a local
 ## node beside it (a node agent and a runtime worker) unless MODELFORGE_LOCAL_NODE is set: then
@@ -57,6 +68,8 @@ test: lint
 	./scripts/ensure-haproxy
 	./scripts/ensure-wrk
 	./scripts/ensure-slurm
+	cd native/tunnel_relay && RUSTC=/usr/bin/rustc /usr/bin/cargo test -q --locked \
+		--target-dir ../../build/tunnel_relay
 	$(VENV)/bin/pytest --ignore=tests/e2e_docker --durations=30
 
 ## The heavier end-to-end suite against a real Docker engine (installed and started if needed):

@@ -11,8 +11,9 @@ its loops until stopped, each on its own thread and schedule:
 - the work slots and the cancellation watch (node_agent.work), once the node has reported itself;
 - beside them the services this node must run (node_agent.services), synced with the control
   plane every poll interval it gives and kept in line on the runtime worker;
-- the tunnel (node_agent.tunnel), always open while the agent runs: the control plane's
-  gateway reaches this node's replicas through it, on their local ports;
+- the tunnel, always open while the agent runs: the control plane's gateway reaches this
+  node's replicas through it, on their local ports (node_agent.tunnel_native's relay process
+  where it is installed and the control plane is plain HTTP, else node_agent.tunnel);
 - with a maximum idle time (`MODELFORGE_AGENT_MAX_IDLE_SECONDS`), the idle watch: once the
   node has had no job and no service for that long since the slots started (node_agent.idle),
   it logs why and stops the agent, which exits with 0;
@@ -62,6 +63,7 @@ from node_agent.preflight import PreflightResult
 from node_agent.retry import EXIT_CONFIG, AgentStopped, ControlPlaneError, Interrupted
 from node_agent.services import ServiceKeeper
 from node_agent.tunnel import LocalPorts, TunnelClient, tls_context
+from node_agent.tunnel_native import NativeTunnel, native_relay
 from node_agent.work import WorkRunner
 from node_agent.worker_link import WorkerWatch, wait_or_wake
 
@@ -278,17 +280,30 @@ class Agent:
                 activity=self.activity,
             )
             keeper.start()
-            tunnel = TunnelClient(
-                control_plane_url=self.settings.control_plane_url,
-                credential=identity.credential,
-                ports=LocalPorts(keeper.worker_view).port,
-                stop=self.stop,
-                tls=tls_context(
-                    self.settings.control_plane_url,
-                    verify=self.settings.tls_verify,
-                    ca_cert_path=self.settings.ca_cert_path,
-                ),
-            )
+            ports = LocalPorts(keeper.worker_view)
+            relay = native_relay(self.settings.control_plane_url)
+            tunnel: TunnelClient | NativeTunnel
+            if relay is not None:
+                tunnel = NativeTunnel(
+                    binary=relay,
+                    control_plane_url=self.settings.control_plane_url,
+                    credential=identity.credential,
+                    ports=ports.all,
+                    stop=self.stop,
+                )
+            else:
+                tunnel = TunnelClient(
+                    control_plane_url=self.settings.control_plane_url,
+                    credential=identity.credential,
+                    ports=ports.port,
+                    stop=self.stop,
+                    tls=tls_context(
+                        self.settings.control_plane_url,
+                        verify=self.settings.tls_verify,
+                        ca_cert_path=self.settings.ca_cert_path,
+                    ),
+                )
+            log.info("the tunnel's end on this node: %s", type(tunnel).__name__)
             keeper.in_flight = tunnel.in_flight  # a draining replica's drain ends at 0
             tunnel.start()
             if self.max_idle_seconds > 0:

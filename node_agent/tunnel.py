@@ -97,16 +97,26 @@ class LocalPorts:
             if known is not None and fresh:
                 return known
             try:
-                services = self._view().get("services", [])
+                self._read()
             except Exception:  # the worker away: no port; the stream is reset
                 return known
-            self._ports = {
-                str(entry["service_id"]): int(entry["port"])
-                for entry in services
-                if isinstance(entry, dict) and isinstance(entry.get("port"), int)
-            }
-            self._read_at = time.monotonic()
             return self._ports.get(replica_id)
+
+    def all(self) -> dict[str, int]:
+        """Every replica's port, asked of the worker now (the native relay is told them all);
+        the worker's failure is raised."""
+        with self._lock:
+            self._read()
+            return dict(self._ports)
+
+    def _read(self) -> None:
+        services = self._view().get("services", [])
+        self._ports = {
+            str(entry["service_id"]): int(entry["port"])
+            for entry in services
+            if isinstance(entry, dict) and isinstance(entry.get("port"), int)
+        }
+        self._read_at = time.monotonic()
 
 
 class TunnelClient:

@@ -1,0 +1,261 @@
+//! The tunnel's frames (`modelforge_contracts/tunnel.py` is the protocol's definition; this is
+//! the same wire format): `type u8 | stream u32 | payload`, or a BATCH of them on stream 0, each
+//! as `length u32 | frame`.
+
+pub const OPEN: u8 = 1;
+pub const DATA: u8 = 2;
+pub const END: u8 = 3;
+pub const RESPONSE: u8 = 4;
+pub const RESET: u8 = 5;
+pub const WINDOW: u8 = 6;
+pub const BATCH: u8 = 7;
+
+pub const INITIAL_WINDOW: i64 = 256 * 1024;
+pub const MAX_PAYLOAD: usize = 64 * 1024;
+pub const MAX_OPEN: usize = 16 * 1024;
+pub const MAX_BATCH: usize = MAX_OPEN + MAX_PAYLOAD + 64;
+const HEAD: usize = 5;
+const MAX_WINDOW: i64 = (1 << 31) - 1;
+
+/// Reset codes (`ResetCode` there).
+pub const TOO_MANY_STREAMS: &str = "TOO_MANY_STREAMS";
+pub const NO_SUCH_REPLICA: &str = "NO_SUCH_REPLICA";
+pub const UPSTREAM_UNREACHABLE: &str = "UPSTREAM_UNREACHABLE";
+pub const UPSTREAM_FAILED: &str = "UPSTREAM_FAILED";
+pub const FLOW_CONTROL: &str = "FLOW_CONTROL";
+pub const PROTOCOL_ERROR: &str = "PROTOCOL_ERROR";
+
+pub struct Frame {
+    pub kind: u8,
+    pub stream: u32,
+    pub payload: Vec<u8>,
+}
+
+pub fn encode(kind: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEAD + payload.len());
+    out.push(kind);
+    out.extend_from_slice(&stream.to_be_bytes());
+    out.extend_from_slice(payload);
+    out
+}
+
+pub fn window(stream: u32, increment: u32) -> Vec<u8> {
+    encode(WINDOW, stream, &increment.to_be_bytes())
+}
+
+pub fn keepalive() -> Vec<u8> {
+    window(0, 0)
+}
+
+pub fn reset(stream: u32, code: &str, message: &str) -> Vec<u8> {
+    let message: String = message.chars().take(500).collect();
+    let payload = serde_json::json!({"code": code, "message": message}).to_string();
+    encode(RESET, stream, payload.as_bytes())
+}
+
+/// Frames as one WebSocket message: the frame itself when there is one, else a BATCH.
+pub fn batch(frames: &[Vec<u8>]) -> Vec<u8> {
+    if frames.len() == 1 {
+        return frames[0].clone();
+    }
+    let size: usize = frames.iter().map(|frame| frame.len() + 4).sum();
+    let mut out = Vec::with_capacity(HEAD + size);
+    out.push(BATCH);
+    out.extend_from_slice(&0u32.to_be_bytes());
+    for frame in frames {
+        out.extend_from_slice(&(frame.len() as u32).to_be_bytes());
+        out.extend_from_slice(frame);
+    }
+    out
+}
+
+/// The size a frame adds to a BATCH.
+pub fn batched_size(frame: &[u8]) -> usize {
+    frame.len() + 4
+}
+
+pub const BATCH_HEAD: usize = HEAD;
+
+fn decode(message: &[u8]) -> Result<Frame, String> {
+    if message.len() < HEAD {
+        return Err("a frame shorter than its header".into());
+    }
+    let kind = message[0];
+    let stream = u32::from_be_bytes([message[1], message[2], message[3], message[4]]);
+    if !(OPEN..=WINDOW).contains(&kind) {
+        return Err(format!("unknown frame type {}", kind));
+    }
+    let payload = &message[HEAD..];
+    let limit = if kind == OPEN || kind == RESPONSE {
+        MAX_OPEN
+    } else {
+        MAX_PAYLOAD
+    };
+    if payload.len() > limit {
+        return Err(format!("a frame of type {} over {} bytes", kind, limit));
+    }
+    if stream == 0 && kind != WINDOW {
+        return Err("only the keepalive (WINDOW) and BATCH use stream 0".into());
+    }
+    Ok(Frame {
+        kind,
+        stream,
+        payload: payload.to_vec(),
+    })
+}
+
+/// The frames of one WebSocket message, in order; an error for anything malformed (the
+/// tunnel is then closed, as the Python end does).
+pub fn decode_message(message: &[u8]) -> Result<Vec<Frame>, String> {
+    if message.first() != Some(&BATCH) {
+        return Ok(vec![decode(message)?]);
+    }
+    if message.len() > MAX_BATCH + HEAD {
+        return Err(format!("a BATCH over {} bytes", MAX_BATCH));
+    }
+    if message.len() < HEAD || message[1..HEAD] != [0, 0, 0, 0] {
+        return Err("a BATCH is on stream 0".into());
+    }
+    let mut frames = Vec::new();
+    let mut at = HEAD;
+    while at < message.len() {
+        if at + 4 > message.len() {
+            return Err("a BATCH cut inside a frame's length".into());
+        }
+        let length = u32::from_be_bytes([
+            message[at],
+            message[at + 1],
+            message[at + 2],
+            message[at + 3],
+        ]) as usize;
+        at += 4;
+        if at + length > message.len() {
+            return Err("a BATCH cut inside a frame".into());
+        }
+        let inner = &message[at..at + length];
+        if inner.first() == Some(&BATCH) {
+            return Err("a BATCH inside a BATCH".into());
+        }
+        frames.push(decode(inner)?);
+        at += length;
+    }
+    Ok(frames)
+}
+
+pub fn parse_window(payload: &[u8]) -> Result<i64, String> {
+    if payload.len() != 4 {
+        return Err("a WINDOW frame's payload is 4 bytes".into());
+    }
+    Ok(u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]) as i64)
+}
+
+pub fn window_fits(available: i64, increment: i64) -> bool {
+    available + increment <= MAX_WINDOW
+}
+
+/// An OPEN frame's request.
+pub struct OpenRequest {
+    pub replica_id: String,
+    pub method: String,
+    pub path: String,
+    pub query: String,
+    pub headers: Vec<(String, String)>,
+}
+
+pub fn parse_open(payload: &[u8]) -> Result<OpenRequest, String> {
+    let body: serde_json::Value =
+        serde_json::from_slice(payload).map_err(|_| "an OPEN frame's payload is not JSON")?;
+    let field = |name: &str| {
+        body.get(name)
+            .and_then(|value| value.as_str())
+            .map(str::to_owned)
+    };
+    let (replica_id, method, path, query) = match (
+        field("replica_id"),
+        field("method"),
+        field("path"),
+        field("query"),
+    ) {
+        (Some(a), Some(b), Some(c), Some(d)) => (a, b, c, d),
+        _ => return Err("an OPEN frame needs replica_id, method, path and query".into()),
+    };
+    if !path.starts_with('/') {
+        return Err("an OPEN frame's path starts with /".into());
+    }
+    let mut headers = Vec::new();
+    let bad = || "headers are a list of [name, value] pairs of strings".to_string();
+    for pair in body
+        .get("headers")
+        .and_then(|value| value.as_array())
+        .ok_or_else(bad)?
+    {
+        match pair.as_array().map(|items| items.as_slice()) {
+            Some([name, value]) => match (name.as_str(), value.as_str()) {
+                (Some(name), Some(value)) => headers.push((name.to_owned(), value.to_owned())),
+                _ => return Err(bad()),
+            },
+            _ => return Err(bad()),
+        }
+    }
+    Ok(OpenRequest {
+        replica_id,
+        method,
+        path,
+        query,
+        headers,
+    })
+}
+
+/// A RESPONSE frame's payload: the status and the headers (each value as Latin-1 text, as the
+/// Python end decodes header bytes).
+pub fn response_head(status: u16, headers: &http::HeaderMap) -> Vec<u8> {
+    let pairs: Vec<serde_json::Value> = headers
+        .iter()
+        .filter(|(name, _)| !crate::relay::hop_by_hop(name.as_str()))
+        .map(|(name, value)| {
+            let text: String = value.as_bytes().iter().map(|&byte| byte as char).collect();
+            serde_json::json!([name.as_str(), text])
+        })
+        .collect();
+    serde_json::json!({"status": status, "headers": pairs})
+        .to_string()
+        .into_bytes()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_round_trip() {
+        let frames = vec![encode(DATA, 3, b"abc"), encode(END, 3, b"")];
+        let decoded = decode_message(&batch(&frames)).unwrap();
+        assert_eq!(decoded.len(), 2);
+        assert_eq!(
+            (decoded[0].kind, decoded[0].stream, &decoded[0].payload[..]),
+            (DATA, 3, &b"abc"[..])
+        );
+        assert_eq!(decoded[1].kind, END);
+    }
+
+    #[test]
+    fn refuses_what_the_python_end_refuses() {
+        assert!(decode_message(&encode(DATA, 0, b"x")).is_err());
+        assert!(decode_message(&[9, 0, 0, 0, 1]).is_err());
+        assert!(decode_message(&[1, 0]).is_err());
+        let nested = batch(&[
+            batch(&[encode(END, 1, b""), encode(END, 2, b"")]),
+            encode(END, 3, b""),
+        ]);
+        assert!(decode_message(&nested).is_err());
+        assert!(parse_open(
+            br#"{"replica_id":"r","method":"GET","path":"x","query":"","headers":[]}"#
+        )
+        .is_err());
+        let open = parse_open(
+            br#"{"replica_id":"r","method":"GET","path":"/x","query":"a=1","headers":[["a","b"]]}"#,
+        )
+        .unwrap();
+        assert_eq!(open.headers, vec![("a".to_string(), "b".to_string())]);
+    }
+}

@@ -1,0 +1,716 @@
+//! One open tunnel: its reader, its one writer, its keepalive, and a task per stream that
+//! relays the stream's request to the replica's local port over HTTP/1.1 keep-alive (hyper's
+//! pooled client) and its answer back, both bodies under the protocol's windows.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use hyper::body::HttpBody;
+use hyper::client::HttpConnector;
+use hyper::{Body, Client, Request};
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::TcpStream;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::{watch, Notify};
+use tokio::task::JoinHandle;
+
+use crate::frames::{self, Frame};
+use crate::ws::{self, Entropy, WsError};
+
+pub const KEEPALIVE: Duration = Duration::from_secs(10);
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The most one WebSocket message from the control plane may hold (the Python agent's limit).
+const MAX_MESSAGE: usize = 2 * frames::MAX_PAYLOAD;
+const CLOSE_PROTOCOL: u16 = 1002;
+const CLOSE_GOING_AWAY: u16 = 1001;
+
+/// Headers of one hop, never relayed (`HOP_BY_HOP` there).
+pub fn hop_by_hop(name: &str) -> bool {
+    matches!(
+        name,
+        "connection"
+            | "keep-alive"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "proxy-connection"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "host"
+    )
+}
+
+/// What the relay knows and shares across tunnels. The credential lives only in
+/// `authorization`, which nothing prints.
+pub struct Shared {
+    pub connect_host: String,
+    pub connect_port: u16,
+    pub host_header: String,
+    pub path: String,
+    pub authorization: String,
+    pub local_host: String,
+    pub max_streams: usize,
+    pub ports: Mutex<HashMap<String, u16>>,
+    pub ports_changed: Notify,
+    pub in_flight: Mutex<HashMap<String, u32>>,
+    pub in_flight_changed: Notify,
+    /// The most of one request body a stream held at once (received, not yet passed on).
+    pub peak_buffered: AtomicI64,
+    pub out: UnboundedSender<String>,
+    pub client: Client<HttpConnector, Body>,
+}
+
+impl Shared {
+    /// The local port of `replica`: known, or asked of the agent (at most a second's wait).
+    async fn port(&self, replica: &str) -> Option<u16> {
+        if let Some(port) = self.ports.lock().unwrap().get(replica) {
+            return Some(*port);
+        }
+        let changed = self.ports_changed.notified();
+        let _ = self.out.send("{\"want_ports\":true}".to_string());
+        let _ = tokio::time::timeout(Duration::from_secs(1), changed).await;
+        self.ports.lock().unwrap().get(replica).copied()
+    }
+
+    fn count(&self, replica: &str, change: i64) {
+        let mut counts = self.in_flight.lock().unwrap();
+        let left = *counts.get(replica).unwrap_or(&0) as i64 + change;
+        if left > 0 {
+            counts.insert(replica.to_string(), left as u32);
+        } else {
+            counts.remove(replica);
+        }
+        drop(counts);
+        self.in_flight_changed.notify_one();
+    }
+}
+
+pub fn log(level: &str, message: &str) {
+    eprintln!("{} {}", level, message);
+}
+
+enum Out {
+    Frames(Vec<Vec<u8>>),
+    Control(u8, Vec<u8>),
+}
+
+type Writer = UnboundedSender<Out>;
+
+fn send(writer: &Writer, frames: Vec<Vec<u8>>) -> bool {
+    writer.send(Out::Frames(frames)).is_ok()
+}
+
+/// The one writer: frames sent while a message is being written leave together in the next,
+/// as one BATCH of at most `MAX_BATCH` bytes (the control plane pays for each message).
+async fn write_loop(
+    mut io: OwnedWriteHalf,
+    mut queue: UnboundedReceiver<Out>,
+    mut entropy: Entropy,
+) -> Result<(), WsError> {
+    let mut pending: VecDeque<Vec<u8>> = VecDeque::new();
+    let mut control: VecDeque<(u8, Vec<u8>)> = VecDeque::new();
+    loop {
+        if pending.is_empty() && control.is_empty() {
+            match queue.recv().await {
+                Some(Out::Frames(frames)) => pending.extend(frames),
+                Some(Out::Control(opcode, payload)) => control.push_back((opcode, payload)),
+                None => return Ok(()),
+            }
+            // Let the streams made ready in this wake-up add theirs to the message.
+            tokio::task::yield_now().await;
+        }
+        loop {
+            match queue.try_recv() {
+                Ok(Out::Frames(frames)) => pending.extend(frames),
+                Ok(Out::Control(opcode, payload)) => control.push_back((opcode, payload)),
+                Err(_) => break,
+            }
+        }
+        while let Some((opcode, payload)) = control.pop_front() {
+            ws::write_all(&mut io, &ws::encode_frame(opcode, &payload, &mut entropy)?).await?;
+            if opcode == ws::OP_CLOSE {
+                return Ok(());
+            }
+        }
+        if pending.is_empty() {
+            continue;
+        }
+        let mut size = frames::BATCH_HEAD;
+        let mut group = Vec::new();
+        while let Some(frame) = pending.front() {
+            size += frames::batched_size(frame);
+            if !group.is_empty() && size > frames::MAX_BATCH {
+                break;
+            }
+            group.push(pending.pop_front().unwrap());
+        }
+        let message = frames::batch(&group);
+        ws::write_all(
+            &mut io,
+            &ws::encode_frame(ws::OP_BINARY, &message, &mut entropy)?,
+        )
+        .await?;
+    }
+}
+
+/// How much DATA this side may still send on a stream (`SendWindow` there).
+struct SendWindow {
+    available: Mutex<i64>,
+    granted: Notify,
+    closed: AtomicBool,
+}
+
+impl SendWindow {
+    fn new() -> SendWindow {
+        SendWindow {
+            available: Mutex::new(frames::INITIAL_WINDOW),
+            granted: Notify::new(),
+            closed: AtomicBool::new(false),
+        }
+    }
+
+    fn grant(&self, increment: i64) -> bool {
+        let mut available = self.available.lock().unwrap();
+        if !frames::window_fits(*available, increment) {
+            return false;
+        }
+        *available += increment;
+        drop(available);
+        self.granted.notify_one();
+        true
+    }
+
+    fn available(&self) -> i64 {
+        *self.available.lock().unwrap()
+    }
+
+    fn spend(&self, size: usize) {
+        *self.available.lock().unwrap() -= size as i64;
+    }
+
+    /// Up to `wanted` bytes, at least 1, once there are some; 0 once the stream is over.
+    async fn take(&self, wanted: usize) -> usize {
+        loop {
+            if self.closed.load(Ordering::Acquire) {
+                return 0;
+            }
+            {
+                let mut available = self.available.lock().unwrap();
+                if *available > 0 {
+                    let taken = (wanted as i64).min(*available);
+                    *available -= taken;
+                    return taken as usize;
+                }
+            }
+            self.granted.notified().await;
+        }
+    }
+
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.granted.notify_one();
+    }
+}
+
+/// A stream as the reader sees it.
+struct Entry {
+    body: UnboundedSender<Option<Bytes>>,
+    /// What the control plane may still send (the reader takes, the body's reader grants).
+    remaining: Arc<AtomicI64>,
+    /// Received and not yet passed on to the replica.
+    buffered: Arc<AtomicI64>,
+    window: Arc<SendWindow>,
+    task: JoinHandle<()>,
+}
+
+type Streams = Arc<Mutex<HashMap<u32, Entry>>>;
+
+fn end_stream(streams: &Streams, id: u32) {
+    if let Some(entry) = streams.lock().unwrap().remove(&id) {
+        entry.window.close();
+        entry.task.abort();
+    }
+}
+
+/// Run one tunnel until it closes, the agent stops (`stop`), or the protocol breaks. Ok(true)
+/// when it was open at some point.
+pub async fn session(
+    shared: &Arc<Shared>,
+    stop: &mut watch::Receiver<bool>,
+    opened: &mut u64,
+) -> Result<bool, WsError> {
+    let address = (shared.connect_host.as_str(), shared.connect_port);
+    let mut socket = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address)).await
+    {
+        Ok(result) => result?,
+        Err(_) => return Err(WsError::Io("TimeoutError".into())),
+    };
+    socket.set_nodelay(true)?;
+    let mut entropy = Entropy::open()?;
+    let upgrade = ws::handshake(
+        &mut socket,
+        &shared.host_header,
+        &shared.path,
+        &shared.authorization,
+        &mut entropy,
+    );
+    let already = match tokio::time::timeout(CONNECT_TIMEOUT, upgrade).await {
+        Ok(result) => result?,
+        Err(_) => return Err(WsError::Io("TimeoutError".into())),
+    };
+    *opened += 1;
+    log("info", "tunnel open");
+    let _ = shared
+        .out
+        .send(format!("{{\"connected\":true,\"connections\":{}}}", opened));
+    let (read_half, write_half) = socket.into_split();
+    let (writer, queue) = unbounded_channel::<Out>();
+    let write_task = tokio::spawn(write_loop(write_half, queue, entropy));
+    let streams: Streams = Arc::new(Mutex::new(HashMap::new()));
+    let beat_writer = writer.clone();
+    let beat = tokio::spawn(async move {
+        loop {
+            if !send(&beat_writer, vec![frames::keepalive()]) {
+                return;
+            }
+            let _ = beat_writer.send(Out::Control(ws::OP_PING, Vec::new()));
+            tokio::time::sleep(KEEPALIVE).await;
+        }
+    });
+    let mut reader = ws::Reader::new(read_half, already, MAX_MESSAGE);
+    let mut partial = None;
+    let outcome = loop {
+        let message = tokio::select! {
+            message = tokio::time::timeout(IDLE_TIMEOUT, reader.message(&mut partial)) => message,
+            _ = stop.changed() => {
+                let mut payload = CLOSE_GOING_AWAY.to_be_bytes().to_vec();
+                payload.extend_from_slice(b"the agent is stopping");
+                let _ = writer.send(Out::Control(ws::OP_CLOSE, payload));
+                break Ok(());
+            }
+        };
+        let message = match message {
+            Ok(Ok(message)) => message,
+            Ok(Err(error)) => break Err(error),
+            Err(_) => {
+                break Err(WsError::Io(
+                    "no word from the control plane for 30 s".into(),
+                ))
+            }
+        };
+        match message.opcode {
+            ws::OP_BINARY => match frames::decode_message(&message.payload) {
+                Ok(decoded) => {
+                    for frame in decoded {
+                        dispatch(shared, &writer, &streams, frame);
+                    }
+                }
+                Err(reason) => break Err(WsError::Protocol(reason)),
+            },
+            ws::OP_TEXT => break Err(WsError::Protocol("a text message on the tunnel".into())),
+            ws::OP_PING => {
+                let _ = writer.send(Out::Control(ws::OP_PONG, message.payload));
+            }
+            ws::OP_PONG => {}
+            _ => {
+                // Close: answered with the same code, then the tunnel is over.
+                let code = message
+                    .payload
+                    .get(..2)
+                    .map(|raw| raw.to_vec())
+                    .unwrap_or_default();
+                let _ = writer.send(Out::Control(ws::OP_CLOSE, code));
+                break Ok(());
+            }
+        }
+    };
+    if let Err(WsError::Protocol(reason)) = &outcome {
+        log(
+            "warning",
+            &format!(
+                "the control plane broke the tunnel's protocol ({}); reconnecting",
+                reason
+            ),
+        );
+        let mut payload = CLOSE_PROTOCOL.to_be_bytes().to_vec();
+        payload.extend_from_slice(b"protocol error");
+        let _ = writer.send(Out::Control(ws::OP_CLOSE, payload));
+    }
+    beat.abort();
+    for (_, entry) in streams.lock().unwrap().drain() {
+        entry.window.close();
+        entry.task.abort();
+    }
+    drop(writer);
+    let _ = tokio::time::timeout(Duration::from_secs(1), write_task).await;
+    let _ = shared.out.send("{\"connected\":false}".to_string());
+    match outcome {
+        Ok(()) | Err(WsError::Io(_)) => Ok(true),
+        Err(error) => Err(error),
+    }
+}
+
+fn dispatch(shared: &Arc<Shared>, writer: &Writer, streams: &Streams, frame: Frame) {
+    let id = frame.stream;
+    if frame.kind == frames::WINDOW && id == 0 {
+        return; // the control plane's keepalive, if it sends one
+    }
+    if frame.kind == frames::OPEN {
+        open(shared, writer, streams, id, &frame.payload);
+        return;
+    }
+    let map = streams.lock().unwrap();
+    let entry = match map.get(&id) {
+        Some(entry) => entry,
+        None => return, // a stream already over: its frames in flight are dropped
+    };
+    let failure = match frame.kind {
+        frames::DATA => {
+            let size = frame.payload.len() as i64;
+            if entry.remaining.fetch_sub(size, Ordering::AcqRel) < size {
+                Some((
+                    frames::FLOW_CONTROL,
+                    "DATA past the stream's window".to_string(),
+                ))
+            } else {
+                let held = entry.buffered.fetch_add(size, Ordering::AcqRel) + size;
+                shared.peak_buffered.fetch_max(held, Ordering::AcqRel);
+                let _ = entry.body.send(Some(Bytes::from(frame.payload)));
+                None
+            }
+        }
+        frames::END => {
+            let _ = entry.body.send(None);
+            None
+        }
+        frames::WINDOW => match frames::parse_window(&frame.payload) {
+            Ok(increment) if entry.window.grant(increment) => None,
+            Ok(_) => Some((frames::FLOW_CONTROL, "a WINDOW past 2**31 - 1".to_string())),
+            Err(reason) => Some((frames::PROTOCOL_ERROR, reason)),
+        },
+        frames::RESET => {
+            drop(map);
+            end_stream(streams, id);
+            return;
+        }
+        other => Some((
+            frames::PROTOCOL_ERROR,
+            format!("frame type {} from the control plane", other),
+        )),
+    };
+    drop(map);
+    if let Some((code, message)) = failure {
+        end_stream(streams, id);
+        send(writer, vec![frames::reset(id, code, &message)]);
+    }
+}
+
+fn open(shared: &Arc<Shared>, writer: &Writer, streams: &Streams, id: u32, payload: &[u8]) {
+    let mut map = streams.lock().unwrap();
+    if map.contains_key(&id) {
+        send(
+            writer,
+            vec![frames::reset(
+                id,
+                frames::PROTOCOL_ERROR,
+                "an OPEN for a stream that is open",
+            )],
+        );
+        return;
+    }
+    if map.len() >= shared.max_streams {
+        let message = format!("{} streams open", shared.max_streams);
+        send(
+            writer,
+            vec![frames::reset(id, frames::TOO_MANY_STREAMS, &message)],
+        );
+        return;
+    }
+    let request = match frames::parse_open(payload) {
+        Ok(request) => request,
+        Err(reason) => {
+            send(
+                writer,
+                vec![frames::reset(id, frames::PROTOCOL_ERROR, &reason)],
+            );
+            return;
+        }
+    };
+    let (body, body_queue) = unbounded_channel();
+    let remaining = Arc::new(AtomicI64::new(frames::INITIAL_WINDOW));
+    let buffered = Arc::new(AtomicI64::new(0));
+    let window = Arc::new(SendWindow::new());
+    let stream = Stream {
+        shared: shared.clone(),
+        writer: writer.clone(),
+        streams: streams.clone(),
+        id,
+        remaining: remaining.clone(),
+        buffered: buffered.clone(),
+        window: window.clone(),
+    };
+    // Inserted under the lock the task's own removal takes, so it cannot end unseen first.
+    let task = tokio::spawn(stream.run(request, body_queue));
+    map.insert(
+        id,
+        Entry {
+            body,
+            remaining,
+            buffered,
+            window,
+            task,
+        },
+    );
+}
+
+struct Stream {
+    shared: Arc<Shared>,
+    writer: Writer,
+    streams: Streams,
+    id: u32,
+    remaining: Arc<AtomicI64>,
+    buffered: Arc<AtomicI64>,
+    window: Arc<SendWindow>,
+}
+
+/// Counts the request in flight, and forgets the stream, however its task ends (aborted too).
+struct InFlight {
+    shared: Arc<Shared>,
+    streams: Streams,
+    replica: String,
+    id: u32,
+    pump: Option<JoinHandle<()>>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let Some(pump) = self.pump.take() {
+            pump.abort();
+        }
+        self.streams.lock().unwrap().remove(&self.id);
+        self.shared.count(&self.replica, -1);
+    }
+}
+
+impl Stream {
+    fn reset(&self, code: &str, message: &str) {
+        self.streams.lock().unwrap().remove(&self.id);
+        send(&self.writer, vec![frames::reset(self.id, code, message)]);
+    }
+
+    async fn run(
+        self,
+        request: frames::OpenRequest,
+        mut body_queue: UnboundedReceiver<Option<Bytes>>,
+    ) {
+        self.shared.count(&request.replica_id, 1);
+        let mut guard = InFlight {
+            shared: self.shared.clone(),
+            streams: self.streams.clone(),
+            replica: request.replica_id.clone(),
+            id: self.id,
+            pump: None,
+        };
+        let port = match self.shared.port(&request.replica_id).await {
+            Some(port) => port,
+            None => {
+                let message = format!("this node runs no replica {}", request.replica_id);
+                return self.reset(frames::NO_SUCH_REPLICA, &message);
+            }
+        };
+        // The body's pieces already here: all of it when its END came with the OPEN.
+        let mut pieces: Vec<Bytes> = Vec::new();
+        let mut ended = false;
+        while let Ok(piece) = body_queue.try_recv() {
+            match piece {
+                Some(piece) => pieces.push(piece),
+                None => {
+                    ended = true;
+                    break;
+                }
+            }
+        }
+        let taken: usize = pieces.iter().map(|piece| piece.len()).sum();
+        self.buffered.fetch_sub(taken as i64, Ordering::AcqRel);
+        let body = if ended {
+            match pieces.len() {
+                0 => Body::empty(),
+                1 => Body::from(pieces.pop().unwrap()),
+                _ => Body::from(pieces.concat()),
+            }
+        } else {
+            let (sender, body) = Body::channel();
+            guard.pump = Some(tokio::spawn(pump(
+                pieces,
+                body_queue,
+                sender,
+                self.writer.clone(),
+                self.id,
+                self.remaining.clone(),
+                self.buffered.clone(),
+            )));
+            body
+        };
+        let query = if request.query.is_empty() {
+            String::new()
+        } else {
+            format!("?{}", request.query)
+        };
+        let uri = format!(
+            "http://{}:{}{}{}",
+            self.shared.local_host, port, request.path, query
+        );
+        let mut builder = Request::builder()
+            .method(request.method.as_bytes())
+            .uri(uri);
+        for (name, value) in &request.headers {
+            if hop_by_hop(&name.to_ascii_lowercase()) {
+                continue;
+            }
+            if value.chars().any(|c| c as u32 > 0xFF) {
+                return self.reset(frames::PROTOCOL_ERROR, "a header value that is not Latin-1");
+            }
+            let raw: Vec<u8> = value.chars().map(|c| c as u8).collect();
+            builder = builder.header(name.as_str(), raw);
+        }
+        let outbound = match builder.body(body) {
+            Ok(outbound) => outbound,
+            Err(_) => {
+                return self.reset(frames::PROTOCOL_ERROR, "a request that is not valid HTTP")
+            }
+        };
+        let response = match self.shared.client.request(outbound).await {
+            Ok(response) => response,
+            Err(error) => {
+                let message = format!(
+                    "the replica's port {} did not answer ({})",
+                    port,
+                    describe(&error)
+                );
+                return self.reset(frames::UPSTREAM_UNREACHABLE, &message);
+            }
+        };
+        let (parts, mut answer) = response.into_parts();
+        let head = frames::encode(
+            frames::RESPONSE,
+            self.id,
+            &frames::response_head(parts.status.as_u16(), &parts.headers),
+        );
+        let declared = answer.size_hint().exact();
+        let fits = |size: u64| {
+            size as usize <= frames::MAX_PAYLOAD && (size as i64) <= self.window.available()
+        };
+        if declared.map(fits).unwrap_or(false) {
+            // Small and declared: read whole, then RESPONSE, DATA and END as one message.
+            let data = match hyper::body::to_bytes(answer).await {
+                Ok(data) => data,
+                Err(error) => {
+                    let message = format!("the replica broke off ({})", describe(&error));
+                    return self.reset(frames::UPSTREAM_FAILED, &message);
+                }
+            };
+            let mut out = vec![head];
+            if !data.is_empty() {
+                self.window.spend(data.len());
+                out.push(frames::encode(frames::DATA, self.id, &data));
+            }
+            out.push(frames::encode(frames::END, self.id, b""));
+            send(&self.writer, out);
+        } else {
+            send(&self.writer, vec![head]);
+            while let Some(piece) = answer.data().await {
+                let piece = match piece {
+                    Ok(piece) => piece,
+                    Err(error) => {
+                        let message = format!("the replica broke off ({})", describe(&error));
+                        return self.reset(frames::UPSTREAM_FAILED, &message);
+                    }
+                };
+                let mut at = 0;
+                while at < piece.len() {
+                    let taken = self
+                        .window
+                        .take((piece.len() - at).min(frames::MAX_PAYLOAD))
+                        .await;
+                    if taken == 0 {
+                        return; // reset: the stream is over
+                    }
+                    send(
+                        &self.writer,
+                        vec![frames::encode(
+                            frames::DATA,
+                            self.id,
+                            &piece[at..at + taken],
+                        )],
+                    );
+                    at += taken;
+                }
+            }
+            send(
+                &self.writer,
+                vec![frames::encode(frames::END, self.id, b"")],
+            );
+        }
+        drop(guard);
+    }
+}
+
+/// A streamed request body: each piece to the replica as it comes, the window granted back as
+/// the pieces are taken (half the initial window at a time, as the Python end does).
+async fn pump(
+    first: Vec<Bytes>,
+    mut queue: UnboundedReceiver<Option<Bytes>>,
+    mut sender: hyper::body::Sender,
+    writer: Writer,
+    id: u32,
+    remaining: Arc<AtomicI64>,
+    buffered: Arc<AtomicI64>,
+) {
+    let mut consumed: i64 = 0;
+    let mut ready: VecDeque<Bytes> = first.into();
+    loop {
+        let piece = match ready.pop_front() {
+            Some(piece) => piece,
+            None => match queue.recv().await {
+                Some(Some(piece)) => {
+                    buffered.fetch_sub(piece.len() as i64, Ordering::AcqRel);
+                    piece
+                }
+                Some(None) => return, // END: dropping the sender ends the body
+                None => {
+                    sender.abort(); // reset: the replica sees the body cut
+                    return;
+                }
+            },
+        };
+        let size = piece.len() as i64;
+        if sender.send_data(piece).await.is_err() {
+            return;
+        }
+        consumed += size;
+        if consumed >= frames::INITIAL_WINDOW / 2 {
+            remaining.fetch_add(consumed, Ordering::AcqRel);
+            send(&writer, vec![frames::window(id, consumed as u32)]);
+            consumed = 0;
+        }
+    }
+}
+
+fn describe(error: &hyper::Error) -> &'static str {
+    if error.is_connect() {
+        "ConnectionRefusedError"
+    } else if error.is_incomplete_message() {
+        "IncompleteReadError"
+    } else if error.is_timeout() {
+        "TimeoutError"
+    } else if error.is_canceled() {
+        "CancelledError"
+    } else {
+        "ConnectionError"
+    }
+}

@@ -1,0 +1,104 @@
+"""What is the native relay's own (`node_agent/tunnel_native.py`, native/tunnel_relay): when the
+agent runs it, that the credential reaches it only on its stdin, that the replicas' ports reach
+it as they change, that a relay that dies is started again, and that the agent stopping ends
+it. What both ends of the tunnel share is tests/control_plane/test_tunnel.py's (run against
+each)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from node_agent.tunnel_native import RELAY, NativeTunnel, native_relay
+from tests.control_plane.test_tunnel import DoorServer, Replica
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[DoorServer]:
+    live = DoorServer(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path}/cp.db")
+    with live:
+        yield live
+
+
+@pytest.fixture
+def replica() -> Iterator[Replica]:
+    started = Replica().start()
+    yield started
+    started.stop()
+
+
+def _wait(check: object, message: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, message
+        time.sleep(0.05)
+
+
+def test_the_relay_is_chosen_where_it_can_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert RELAY.is_file(), "make install builds node_agent/bin/modelforge-tunnel-relay"
+    assert native_relay("http://cp:8000") == RELAY
+    # No TLS in the relay yet: an https:// control plane keeps the Python end.
+    assert native_relay("https://cp:8443") is None
+    monkeypatch.setenv("MODELFORGE_TUNNEL_RELAY", "python")
+    assert native_relay("http://cp:8000") is None
+
+
+def test_the_credential_reaches_the_relay_only_on_its_stdin_and_is_never_logged(
+    server: DoorServer, replica: Replica, caplog: pytest.LogCaptureFixture
+) -> None:
+    enrolled = server.enroll()
+    credential = enrolled["credential"]
+    ports = {"r1": replica.port}
+    stop = threading.Event()
+    tunnel = NativeTunnel(
+        binary=RELAY,
+        control_plane_url=server.url,
+        credential=credential,
+        ports=lambda: dict(ports),
+        stop=stop,
+    )
+    caplog.set_level(logging.DEBUG, logger="modelforge.node_agent.tunnel")
+    tunnel.start()
+    try:
+        _wait(lambda: enrolled["node_id"] in server.stats()["nodes"], "no tunnel")
+        process = tunnel.process
+        assert process is not None
+        for view in ("cmdline", "environ"):
+            assert credential.encode() not in Path(f"/proc/{process.pid}/{view}").read_bytes()
+        assert credential not in repr(tunnel)
+        through = f"{server.url}/_tunnel/{enrolled['node_id']}"
+        assert httpx.get(f"{through}/r1/hello", timeout=30).status_code == 200
+
+        # A replica that starts later is reachable once the agent's view has its port.
+        other = Replica().start()
+        try:
+            assert httpx.get(f"{through}/r2/hello", timeout=30).text == "NO_SUCH_REPLICA"
+            ports["r2"] = other.port
+            answer = httpx.get(f"{through}/r2/hello", timeout=30)
+            assert (answer.status_code, answer.text) == (200, "GET /hello None")
+        finally:
+            other.stop()
+
+        # A relay that dies is started again, and the tunnel opens again.
+        os.kill(process.pid, signal.SIGKILL)
+        _wait(lambda: tunnel.process not in (None, process), "the relay was not restarted")
+        _wait(lambda: tunnel.connections == 2 and tunnel.connected.is_set(), "no second tunnel")
+        assert httpx.get(f"{through}/r1/hello", timeout=30).status_code == 200
+        restarted = tunnel.process
+    finally:
+        stop.set()
+    # The agent stopping ends the relay (its stdin closes) and the tunnel with it.
+    assert restarted is not None
+    assert restarted.wait(10) == 0
+    _wait(lambda: enrolled["node_id"] not in server.stats()["nodes"], "the tunnel stayed open")
+    logged = "\n".join(record.getMessage() for record in caplog.records)
+    assert "tunnel relay: tunnel open" in logged
+    assert credential not in logged
