@@ -13,7 +13,7 @@ its loops until stopped, each on its own thread and schedule:
   plane every poll interval it gives and kept in line on the runtime worker;
 - the tunnel, always open while the agent runs: the control plane's gateway reaches this
   node's replicas through it, on their local ports (node_agent.tunnel_native's relay process
-  where it is installed and the control plane is plain HTTP, else node_agent.tunnel);
+  where it is installed, else node_agent.tunnel);
 - with a maximum idle time (`MODELFORGE_AGENT_MAX_IDLE_SECONDS`), the idle watch: once the
   node has had no job and no service for that long since the slots started (node_agent.idle),
   it logs why and stops the agent, which exits with 0;
@@ -281,7 +281,7 @@ class Agent:
             )
             keeper.start()
             ports = LocalPorts(keeper.worker_view)
-            relay = native_relay(self.settings.control_plane_url)
+            relay = native_relay(self.settings.control_plane_url, self.settings.tunnel_relay)
             tunnel: TunnelClient | NativeTunnel
             if relay is not None:
                 tunnel = NativeTunnel(
@@ -290,6 +290,8 @@ class Agent:
                     credential=identity.credential,
                     ports=ports.all,
                     stop=self.stop,
+                    tls_verify=self.settings.tls_verify,
+                    ca_cert_path=self.settings.ca_cert_path,
                 )
             else:
                 tunnel = TunnelClient(

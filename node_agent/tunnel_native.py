@@ -15,13 +15,16 @@ to the replica's local port itself, so a gateway request crosses no Python on th
 - the agent stopping closes its stdin: the relay closes the tunnel (1001) and exits. A relay
   that exits on its own is started again after a pause (1 s doubling to 16 s).
 
-`native_relay()` chooses: the relay where it is installed and the control plane is plain
-`http://`, unless `MODELFORGE_TUNNEL_RELAY=python`; `TunnelClient` otherwise (the relay has no
-TLS yet, so an `https://` control plane keeps the Python end).
+`native_relay()` chooses: the relay where it is installed, unless
+`MODELFORGE_AGENT_TUNNEL_RELAY=python`, for an `http://` control plane or an `https://` one
+named by a DNS name (the relay's TLS, rustls, trusts what the agent's HTTP client trusts: the
+system's roots and `ca_cert_path`, or nothing checked with `tls_verify` off; it cannot check
+a certificate for an IP address, so such a control plane keeps the Python end).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -47,13 +50,25 @@ _STOP_WAIT = 5.0
 _LEVELS = {"error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO}
 
 
-def native_relay(control_plane_url: str) -> Path | None:
-    """The relay to use for `control_plane_url`, or None for the Python end."""
-    if os.environ.get("MODELFORGE_TUNNEL_RELAY", "native") == "python":
+def native_relay(control_plane_url: str, choice: str = "native") -> Path | None:
+    """The relay to use for `control_plane_url`, or None for the Python end (always with
+    `choice` "python": `MODELFORGE_AGENT_TUNNEL_RELAY`)."""
+    if choice == "python":
         return None
-    if not control_plane_url.startswith("http://"):
+    parts = urlsplit(control_plane_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
         return None
+    if parts.scheme == "https" and _is_ip(parts.hostname):
+        return None  # rustls 0.20 checks certificates by DNS name only
     return RELAY if os.access(RELAY, os.X_OK) else None
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 class NativeTunnel:
@@ -67,25 +82,34 @@ class NativeTunnel:
         credential: str,
         ports: Callable[[], dict[str, int]],
         stop: threading.Event,
+        tls_verify: bool = True,
+        ca_cert_path: Path | None = None,
         max_streams: int = MAX_STREAMS,
         local_host: str = "127.0.0.1",
     ) -> None:
         parts = urlsplit(control_plane_url.rstrip("/"))
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError("the native relay reaches only an http:// control plane")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("the native relay reaches an http:// or https:// control plane")
+        secure = parts.scheme == "https"
         self._binary = binary
+        tls = None
+        if secure:
+            ca = None if ca_cert_path is None else str(ca_cert_path)
+            tls = {"server_name": parts.hostname, "verify": tls_verify, "ca_cert_path": ca}
         self._config = {
             "connect_host": parts.hostname,
-            "connect_port": parts.port or 80,
+            "connect_port": parts.port or (443 if secure else 80),
             "host_header": parts.netloc.rpartition("@")[2],
             "path": parts.path + TUNNEL_PATH,
             "local_host": local_host,
             "max_streams": max_streams,
+            "tls": tls,
         }
         self._credential = credential
         self._ports = ports
         self._stop = stop
-        self._url = f"ws://{self._config['host_header']}{self._config['path']}"
+        scheme = "wss" if secure else "ws"
+        self._url = f"{scheme}://{self._config['host_header']}{self._config['path']}"
         #: Set while a tunnel is open.
         self.connected = threading.Event()
         #: How many tunnels were opened since the start (across the relay's restarts).

@@ -39,6 +39,12 @@ class DoorServer(LiveServer):
 
     def start(self, timeout: float = 30.0) -> DoorServer:
         granian = Path(sys.executable).parent / "granian"
+        tls = []
+        if "MODELFORGE_TLS_CERT" in self.env_overrides:  # served as the control plane serves it
+            tls = [
+                f"--ssl-certificate={self.env_overrides['MODELFORGE_TLS_CERT']}",
+                f"--ssl-keyfile={self.env_overrides['MODELFORGE_TLS_KEY']}",
+            ]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 [
@@ -50,6 +56,7 @@ class DoorServer(LiveServer):
                     "--factory",
                     "--host=127.0.0.1",
                     f"--port={self.port}",
+                    *tls,
                     "tests.control_plane.tunnel_app:create",
                 ],
                 cwd=_ROOT,
@@ -65,7 +72,8 @@ class DoorServer(LiveServer):
         return self
 
     def stats(self) -> dict[str, Any]:
-        return dict(httpx.get(self.url + "/_tunnel_stats", timeout=10).json())
+        stats = httpx.get(self.url + "/_tunnel_stats", timeout=10, verify=self._verify())
+        return dict(stats.json())
 
 
 class _Listening(http.server.ThreadingHTTPServer):

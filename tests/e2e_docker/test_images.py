@@ -394,6 +394,22 @@ def test_node_agent_runs_its_preflight_without_a_shell(
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["ok"] is True
 
+    # The agent's native tunnel relay ships in the image, is the one it chooses for a plain
+    # HTTP control plane, and runs there (its libraries found): with no configuration on its
+    # stdin it says so and exits 2.
+    chosen = subprocess.run(
+        ["chroot", "--userspec=10001:10001", str(rootfs), "python3", "-c",
+         "from node_agent.tunnel_native import native_relay; print(native_relay('http://cp:8000'))"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    relay = chosen.stdout.strip()
+    assert relay.endswith("/node_agent/bin/modelforge-tunnel-relay"), chosen.stderr
+    ran = subprocess.run(
+        ["chroot", "--userspec=10001:10001", str(rootfs), relay],
+        env=env, input="", capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (ran.returncode, ran.stderr) == (2, "error no configuration on stdin\n")
+
 
 @pytest.mark.e2e
 @pytest.mark.timeout(1200)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ import pytest
 
 from node_agent.tunnel_native import RELAY, NativeTunnel, native_relay
 from tests.control_plane.test_tunnel import DoorServer, Replica
+from tests.e2e.tls import make_private_pki
 
 
 @pytest.fixture
@@ -42,13 +44,14 @@ def _wait(check: object, message: str, timeout: float = 20.0) -> None:
         time.sleep(0.05)
 
 
-def test_the_relay_is_chosen_where_it_can_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_relay_is_chosen_where_it_can_serve() -> None:
     assert RELAY.is_file(), "make install builds node_agent/bin/modelforge-tunnel-relay"
     assert native_relay("http://cp:8000") == RELAY
-    # No TLS in the relay yet: an https:// control plane keeps the Python end.
-    assert native_relay("https://cp:8443") is None
-    monkeypatch.setenv("MODELFORGE_TUNNEL_RELAY", "python")
-    assert native_relay("http://cp:8000") is None
+    assert native_relay("https://cp.internal:8443") == RELAY
+    # The relay's TLS checks certificates by DNS name only: an IP address keeps the Python end.
+    assert native_relay("https://10.0.0.5:8443") is None
+    assert native_relay("https://[::1]:8443") is None
+    assert native_relay("http://cp:8000", "python") is None  # MODELFORGE_AGENT_TUNNEL_RELAY
 
 
 def test_the_credential_reaches_the_relay_only_on_its_stdin_and_is_never_logged(
@@ -102,3 +105,75 @@ def test_the_credential_reaches_the_relay_only_on_its_stdin_and_is_never_logged(
     logged = "\n".join(record.getMessage() for record in caplog.records)
     assert "tunnel relay: tunnel open" in logged
     assert credential not in logged
+
+
+def test_over_tls_the_relay_trusts_the_private_ca_only_when_told(
+    tmp_path: Path, replica: Replica, caplog: pytest.LogCaptureFixture
+) -> None:
+    pki = make_private_pki(tmp_path / "pki")
+    live = DoorServer(
+        data_dir=tmp_path / "data",
+        database_url=f"sqlite:///{tmp_path}/cp.db",
+        env_overrides={
+            "MODELFORGE_TLS_CERT": str(pki.server_cert),
+            "MODELFORGE_TLS_KEY": str(pki.server_key),
+        },
+        ca_file=pki.ca_cert,
+    )
+    caplog.set_level(logging.INFO, logger="modelforge.node_agent.tunnel")
+    with live:
+        url = f"https://localhost:{live.port}"  # the certificate's DNS name
+        enrolled = live.enroll()
+
+        def tunnel(**tls: object) -> tuple[NativeTunnel, threading.Event]:
+            stop = threading.Event()
+            started = NativeTunnel(
+                binary=RELAY,
+                control_plane_url=url,
+                credential=enrolled["credential"],
+                ports=lambda: {"r1": replica.port},
+                stop=stop,
+                **tls,  # type: ignore[arg-type]
+            )
+            started.start()
+            return started, stop
+
+        # Not told of the private CA: the system's roots do not vouch for it; no tunnel.
+        untrusting, stop = tunnel()
+        try:
+            _wait(lambda: "certificate" in caplog.text, "no TLS refusal logged")
+            assert not untrusting.connected.is_set()
+            assert enrolled["node_id"] not in live.stats()["nodes"]
+        finally:
+            stop.set()
+
+        trusting, stop = tunnel(ca_cert_path=pki.ca_cert)
+        try:
+            _wait(lambda: enrolled["node_id"] in live.stats()["nodes"], "no tunnel over TLS")
+            through = f"{live.url}/_tunnel/{enrolled['node_id']}/r1/hello"
+            answer = httpx.get(
+                through, timeout=30, verify=ssl.create_default_context(cafile=pki.ca_cert)
+            )
+            assert (answer.status_code, answer.text) == (200, "GET /hello None")
+        finally:
+            stop.set()
+        _wait(lambda: enrolled["node_id"] not in live.stats()["nodes"], "the tunnel stayed")
+
+        # With verification turned off (the agent warns loudly at its start), nothing is checked.
+        unchecking, stop = tunnel(tls_verify=False)
+        try:
+            _wait(lambda: enrolled["node_id"] in live.stats()["nodes"], "no unchecked tunnel")
+            _wait(unchecking.connected.is_set, "the agent does not know it is open")
+        finally:
+            stop.set()
+
+
+def test_the_choice_is_a_setting_and_a_wrong_one_is_refused() -> None:
+    from pydantic import ValidationError
+
+    from node_agent.config import AgentSettings
+
+    chosen = AgentSettings(control_plane_url="http://127.0.0.1:1", tunnel_relay="python")
+    assert chosen.tunnel_relay == "python"
+    with pytest.raises(ValidationError, match="tunnel_relay"):
+        AgentSettings(control_plane_url="http://127.0.0.1:1", tunnel_relay="fast")  # type: ignore[arg-type]

@@ -2,8 +2,9 @@
 //! Python. The agent starts it and talks to it in JSON lines:
 //!
 //! - stdin, first line: `{"connect_host", "connect_port", "host_header", "path", "credential",
-//!   "local_host", "max_streams"}` (the credential only ever travels here: never in arguments,
-//!   the environment, or a log line); then `{"ports": {replica id: port}}` whenever the
+//!   "local_host", "max_streams", "tls"}` (`tls`: null for `http://`, else `{"server_name",
+//!   "verify", "ca_cert_path"}`; the credential only ever travels here: never in arguments, the
+//!   environment, or a log line); then `{"ports": {replica id: port}}` whenever the
 //!   replicas' local ports change. The end of stdin closes the tunnel (1001) and ends the relay.
 //! - stdout: `{"connected": true, "connections": n}` / `{"connected": false}` as the tunnel
 //!   opens and closes, `{"in_flight": {replica id: n}}` as the requests in flight change (a
@@ -16,6 +17,7 @@
 
 mod frames;
 mod relay;
+mod tls;
 mod ws;
 
 use std::collections::HashMap;
@@ -72,6 +74,26 @@ fn main() {
         text("local_host"),
         number("max_streams") as usize,
     );
+    let tls = match config.get("tls") {
+        None | Some(serde_json::Value::Null) => None,
+        Some(settings) => {
+            let server_name = settings
+                .get("server_name")
+                .and_then(|value| value.as_str())
+                .unwrap_or("");
+            let verify = settings
+                .get("verify")
+                .and_then(|value| value.as_bool())
+                .unwrap_or(true);
+            let ca = settings
+                .get("ca_cert_path")
+                .and_then(|value| value.as_str());
+            match tls::configure(server_name, verify, ca) {
+                Ok(tls) => Some(tls),
+                Err(reason) => fail(&format!("TLS: {}", reason)),
+            }
+        }
+    };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -91,6 +113,7 @@ fn main() {
             authorization,
             local_host,
             max_streams,
+            tls,
             ports: Mutex::new(HashMap::new()),
             ports_changed: Notify::new(),
             in_flight: Mutex::new(HashMap::new()),
@@ -156,6 +179,7 @@ async fn connect_forever(shared: &Arc<Shared>, mut stop: watch::Receiver<bool>) 
     let mut jitter = Entropy::open().unwrap_or_else(|_| fail("cannot read /dev/urandom"));
     while !*stop.borrow() {
         match relay::session(shared, &mut stop, &mut opened).await {
+            Ok(_) if *stop.borrow() => break,
             Ok(_) => {
                 log("info", "the tunnel closed; opening it again");
                 failing = false;

@@ -11,14 +11,19 @@ use bytes::Bytes;
 use hyper::body::HttpBody;
 use hyper::client::HttpConnector;
 use hyper::{Body, Client, Request};
-use tokio::net::tcp::OwnedWriteHalf;
+use tokio::io::{AsyncRead, AsyncWrite, WriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{watch, Notify};
 use tokio::task::JoinHandle;
 
 use crate::frames::{self, Frame};
+use crate::tls::Tls;
 use crate::ws::{self, Entropy, WsError};
+
+/// The tunnel's connection: TCP, or TLS over it.
+pub trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
 
 pub const KEEPALIVE: Duration = Duration::from_secs(10);
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -55,6 +60,7 @@ pub struct Shared {
     pub authorization: String,
     pub local_host: String,
     pub max_streams: usize,
+    pub tls: Option<Tls>,
     pub ports: Mutex<HashMap<String, u16>>,
     pub ports_changed: Notify,
     pub in_flight: Mutex<HashMap<String, u32>>,
@@ -108,7 +114,7 @@ fn send(writer: &Writer, frames: Vec<Vec<u8>>) -> bool {
 /// The one writer: frames sent while a message is being written leave together in the next,
 /// as one BATCH of at most `MAX_BATCH` bytes (the control plane pays for each message).
 async fn write_loop(
-    mut io: OwnedWriteHalf,
+    mut io: WriteHalf<Box<dyn Io>>,
     mut queue: UnboundedReceiver<Out>,
     mut entropy: Entropy,
 ) -> Result<(), WsError> {
@@ -245,12 +251,23 @@ pub async fn session(
     opened: &mut u64,
 ) -> Result<bool, WsError> {
     let address = (shared.connect_host.as_str(), shared.connect_port);
-    let mut socket = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address)).await
-    {
+    let socket = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address)).await {
         Ok(result) => result?,
         Err(_) => return Err(WsError::Io("TimeoutError".into())),
     };
     socket.set_nodelay(true)?;
+    let mut socket: Box<dyn Io> = match &shared.tls {
+        None => Box::new(socket),
+        Some(tls) => {
+            let connector = tokio_rustls::TlsConnector::from(tls.config.clone());
+            let secured = connector.connect(tls.server_name.clone(), socket);
+            match tokio::time::timeout(CONNECT_TIMEOUT, secured).await {
+                Ok(Ok(stream)) => Box::new(stream),
+                Ok(Err(error)) => return Err(WsError::Io(format!("TLS: {}", error))),
+                Err(_) => return Err(WsError::Io("TimeoutError".into())),
+            }
+        }
+    };
     let mut entropy = Entropy::open()?;
     let upgrade = ws::handshake(
         &mut socket,
@@ -268,7 +285,7 @@ pub async fn session(
     let _ = shared
         .out
         .send(format!("{{\"connected\":true,\"connections\":{}}}", opened));
-    let (read_half, write_half) = socket.into_split();
+    let (read_half, write_half) = tokio::io::split(socket);
     let (writer, queue) = unbounded_channel::<Out>();
     let write_task = tokio::spawn(write_loop(write_half, queue, entropy));
     let streams: Streams = Arc::new(Mutex::new(HashMap::new()));
