@@ -33,6 +33,7 @@ Run::
 
     python bench/gateway.py                        # about 3 minutes
     python bench/gateway.py --parts compare --duration 10 --rounds 3
+    python bench/gateway.py --parts compare --tunnel-relay python   # the agents' Python end
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ class Stack:
 
 
 @contextmanager
-def started(root: Path, nodes: int, drain: float) -> Iterator[Stack]:
+def started(root: Path, nodes: int, drain: float, relay: str = "native") -> Iterator[Stack]:
     with ExitStack() as stack:
         settings = {**SETTINGS, "MODELFORGE_SERVICE_DRAIN_SECONDS": str(drain)}
         server = stack.enter_context(
@@ -139,7 +140,12 @@ def started(root: Path, nodes: int, drain: float) -> Iterator[Stack]:
         )
         started_nodes = []
         for index in range(nodes):
-            node = Node(root / f"node{index}", server.url, token=server.mint()["token"])
+            node = Node(
+                root / f"node{index}",
+                server.url,
+                token=server.mint()["token"],
+                extra_env={"MODELFORGE_AGENT_TUNNEL_RELAY": relay},
+            )
             stack.enter_context(node)
             node.start_worker().start_agent()
             wait_ready(server, node.node_id(), 60)
@@ -464,7 +470,9 @@ def run(args: argparse.Namespace) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     figures, ran, not_run = Figures(), [], {}
     try:
-        with started(scratch, 2 if "kill" in chosen else 1, args.drain_seconds) as stack:
+        nodes = 2 if "kill" in chosen else 1
+        print(f"the tunnel's end on the nodes: {args.tunnel_relay} (MODELFORGE_AGENT_TUNNEL_RELAY)")
+        with started(scratch, nodes, args.drain_seconds, args.tunnel_relay) as stack:
             register_models(stack)
             compared: str | None = None
             for part in chosen:
@@ -511,6 +519,12 @@ def main() -> int:
     parser.add_argument("--idle-seconds", type=int, default=10, help="autoscale's, for cold")
     parser.add_argument(
         "--drain-seconds", type=float, default=30, help="MODELFORGE_SERVICE_DRAIN_SECONDS"
+    )
+    parser.add_argument(
+        "--tunnel-relay",
+        choices=["native", "python"],
+        default="native",
+        help="the agents' end of the tunnel (MODELFORGE_AGENT_TUNNEL_RELAY)",
     )
     return run(parser.parse_args())
 
