@@ -11,37 +11,16 @@ import os
 import signal
 import ssl
 import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from node_agent.tunnel_native import RELAY, NativeTunnel, native_relay
-from tests.control_plane.test_tunnel import DoorServer, Replica
+
+# The door server, the replica and their fixtures are test_tunnel's.
+from tests.control_plane.test_tunnel import DoorServer, Replica, _wait, replica, server  # noqa: F401
 from tests.e2e.tls import make_private_pki
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[DoorServer]:
-    live = DoorServer(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path}/cp.db")
-    with live:
-        yield live
-
-
-@pytest.fixture
-def replica() -> Iterator[Replica]:
-    started = Replica().start()
-    yield started
-    started.stop()
-
-
-def _wait(check: object, message: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, message
-        time.sleep(0.05)
 
 
 def test_the_relay_is_chosen_where_it_can_serve() -> None:
@@ -55,7 +34,9 @@ def test_the_relay_is_chosen_where_it_can_serve() -> None:
 
 
 def test_the_credential_reaches_the_relay_only_on_its_stdin_and_is_never_logged(
-    server: DoorServer, replica: Replica, caplog: pytest.LogCaptureFixture
+    server: DoorServer,  # noqa: F811 - test_tunnel's fixture
+    replica: Replica,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     enrolled = server.enroll()
     credential = enrolled["credential"]
@@ -108,7 +89,9 @@ def test_the_credential_reaches_the_relay_only_on_its_stdin_and_is_never_logged(
 
 
 def test_over_tls_the_relay_trusts_the_private_ca_only_when_told(
-    tmp_path: Path, replica: Replica, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    replica: Replica,  # noqa: F811 - test_tunnel's fixture
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     pki = make_private_pki(tmp_path / "pki")
     live = DoorServer(
