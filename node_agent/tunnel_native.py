@@ -8,7 +8,7 @@ to the replica's local port itself, so a gateway request crosses no Python on th
 
 - the relay gets its configuration, the credential with it, as the first line of its stdin
   (never in its arguments or environment), then `{"ports": ...}` whenever the replicas' local
-  ports change (asked of the worker's view every half second, and at once when the relay meets
+  ports change (asked of the worker's view every second, and at once when the relay meets
   an unknown replica id);
 - its stdout says when the tunnel opens and closes and how many requests each replica has in
   flight (a draining replica's drain ends at 0); its stderr lines are logged here;
@@ -43,7 +43,7 @@ log = logging.getLogger("modelforge.node_agent.tunnel")
 #: Where `make install` puts the relay (package data: the agent's image carries it).
 RELAY = Path(__file__).resolve().parent / "bin" / "modelforge-tunnel-relay"
 #: How often the replicas' ports are compared with what the relay was last told.
-_PORTS_EVERY = 0.5
+_PORTS_EVERY = 1.0
 _RESTART_FIRST = 1.0
 _RESTART_MAX = 16.0
 _STOP_WAIT = 5.0

@@ -174,6 +174,8 @@ pub struct Message {
 pub struct Reader<R> {
     io: R,
     buffer: Vec<u8>,
+    /// Where each read lands (one allocation for the connection's life).
+    scratch: Vec<u8>,
     max_message: usize,
 }
 
@@ -182,18 +184,18 @@ impl<R: AsyncRead + Unpin> Reader<R> {
         Reader {
             io,
             buffer: already,
+            scratch: vec![0u8; 64 * 1024],
             max_message,
         }
     }
 
     async fn fill(&mut self, wanted: usize) -> Result<(), WsError> {
         while self.buffer.len() < wanted {
-            let mut chunk = vec![0u8; 64 * 1024];
-            let read = self.io.read(&mut chunk).await?;
+            let read = self.io.read(&mut self.scratch).await?;
             if read == 0 {
                 return Err(WsError::Io("closed".into()));
             }
-            self.buffer.extend_from_slice(&chunk[..read]);
+            self.buffer.extend_from_slice(&self.scratch[..read]);
         }
         Ok(())
     }
