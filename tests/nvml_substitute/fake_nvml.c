@@ -802,12 +802,14 @@ nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long ev
 
 #define EVENT_POLL_NS 5000000L /* 5 ms between reads of the control file while waiting */
 
-static long long elapsed_ms(const struct timespec *since)
+/* In nanoseconds: whole milliseconds rounded the nanoseconds' part toward zero, so a wait
+ * could end up to 1 ms before its timeout (a 50 ms wait measured 49.5 ms). */
+static long long elapsed_ns(const struct timespec *since)
 {
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
-    return (long long)(now.tv_sec - since->tv_sec) * 1000LL +
-           (now.tv_nsec - since->tv_nsec) / 1000000L;
+    return (long long)(now.tv_sec - since->tv_sec) * 1000000000LL +
+           (now.tv_nsec - since->tv_nsec);
 }
 
 /* Takes the oldest queued event, or says why there is none; 1 when `data` was filled. */
@@ -857,11 +859,11 @@ static nvmlReturn_t wait_event(nvmlEventSet_t set, nvmlEventData_t *data, unsign
 
         if (take_event(set, data, with_instances, &ret) || ret != NVML_ERROR_TIMEOUT)
             return ret;
-        left = (long long)timeoutms - elapsed_ms(&start);
+        left = (long long)timeoutms * 1000000LL - elapsed_ns(&start);
         if (left <= 0)
             return NVML_ERROR_TIMEOUT;
-        if (left * 1000000LL < pause.tv_nsec)
-            pause.tv_nsec = (long)(left * 1000000LL);
+        if (left < pause.tv_nsec)
+            pause.tv_nsec = (long)left;
         nanosleep(&pause, NULL);
     }
 }
