@@ -2,6 +2,8 @@
 //! the same wire format): `type u8 | stream u32 | payload`, or a BATCH of them on stream 0, each
 //! as `length u32 | frame`.
 
+use std::collections::VecDeque;
+
 pub const OPEN: u8 = 1;
 pub const DATA: u8 = 2;
 pub const END: u8 = 3;
@@ -53,28 +55,30 @@ pub fn reset(stream: u32, code: &str, message: &str) -> Vec<u8> {
     encode(RESET, stream, payload.as_bytes())
 }
 
-/// Frames as one WebSocket message: the frame itself when there is one, else a BATCH.
-pub fn batch(frames: &[Vec<u8>]) -> Vec<u8> {
-    if frames.len() == 1 {
-        return frames[0].clone();
+/// The next WebSocket message from the front of `pending` (not empty): as many frames as fit
+/// one BATCH of at most `MAX_BATCH` bytes (at least one), or the frame itself when only one
+/// goes (`FrameWriter` there).
+pub fn take_batch(pending: &mut VecDeque<Vec<u8>>) -> Vec<u8> {
+    let (mut taken, mut size) = (0, HEAD);
+    for frame in pending.iter() {
+        size += 4 + frame.len();
+        if taken > 0 && size > MAX_BATCH {
+            break;
+        }
+        taken += 1;
     }
-    let size: usize = frames.iter().map(|frame| frame.len() + 4).sum();
-    let mut out = Vec::with_capacity(HEAD + size);
+    if taken == 1 {
+        return pending.pop_front().unwrap_or_default();
+    }
+    let mut out = Vec::with_capacity(size);
     out.push(BATCH);
     out.extend_from_slice(&0u32.to_be_bytes());
-    for frame in frames {
+    for frame in pending.drain(..taken) {
         out.extend_from_slice(&(frame.len() as u32).to_be_bytes());
-        out.extend_from_slice(frame);
+        out.extend_from_slice(&frame);
     }
     out
 }
-
-/// The size a frame adds to a BATCH.
-pub fn batched_size(frame: &[u8]) -> usize {
-    frame.len() + 4
-}
-
-pub const BATCH_HEAD: usize = HEAD;
 
 fn decode(message: &[u8]) -> Result<Frame, String> {
     if message.len() < HEAD {
@@ -228,8 +232,9 @@ mod tests {
 
     #[test]
     fn batch_round_trip() {
-        let frames = vec![encode(DATA, 3, b"abc"), encode(END, 3, b"")];
-        let decoded = decode_message(&batch(&frames)).unwrap();
+        let mut pending = VecDeque::from(vec![encode(DATA, 3, b"abc"), encode(END, 3, b"")]);
+        let decoded = decode_message(&take_batch(&mut pending)).unwrap();
+        assert!(pending.is_empty());
         assert_eq!(decoded.len(), 2);
         assert_eq!(
             (decoded[0].kind, decoded[0].stream, &decoded[0].payload[..]),
@@ -243,11 +248,17 @@ mod tests {
         assert!(decode_message(&encode(DATA, 0, b"x")).is_err());
         assert!(decode_message(&[9, 0, 0, 0, 1]).is_err());
         assert!(decode_message(&[1, 0]).is_err());
-        let nested = batch(&[
-            batch(&[encode(END, 1, b""), encode(END, 2, b"")]),
-            encode(END, 3, b""),
-        ]);
+        let inner = take_batch(&mut VecDeque::from(vec![
+            encode(END, 1, b""),
+            encode(END, 2, b""),
+        ]));
+        let nested = take_batch(&mut VecDeque::from(vec![inner, encode(END, 3, b"")]));
         assert!(decode_message(&nested).is_err());
+        // A batch holds no more than MAX_BATCH bytes: the rest waits for the next message.
+        let full = encode(DATA, 1, &[0; MAX_PAYLOAD]);
+        let mut pending = VecDeque::from(vec![full.clone(), full.clone(), encode(END, 1, b"")]);
+        assert_eq!(take_batch(&mut pending), full);
+        assert_eq!(pending.len(), 2);
         assert!(parse_open(
             br#"{"replica_id":"r","method":"GET","path":"x","query":"","headers":[]}"#
         )

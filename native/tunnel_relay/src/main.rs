@@ -65,15 +65,6 @@ fn main() {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_connect_timeout(Some(Duration::from_secs(5)));
-    let shared_parts = (
-        text("connect_host"),
-        number("connect_port") as u16,
-        text("host_header"),
-        text("path"),
-        format!("Bearer {}", text("credential")),
-        text("local_host"),
-        number("max_streams") as usize,
-    );
     let tls = match config.get("tls") {
         None | Some(serde_json::Value::Null) => None,
         Some(settings) => {
@@ -94,39 +85,37 @@ fn main() {
             }
         }
     };
+    let shared = Arc::new(Shared {
+        connect_host: text("connect_host"),
+        connect_port: number("connect_port") as u16,
+        host_header: text("host_header"),
+        path: text("path"),
+        authorization: format!("Bearer {}", text("credential")),
+        local_host: text("local_host"),
+        max_streams: number("max_streams") as usize,
+        tls,
+        ports: Mutex::new(HashMap::new()),
+        ports_changed: Notify::new(),
+        in_flight: Mutex::new(HashMap::new()),
+        in_flight_changed: Notify::new(),
+        peak_buffered: std::sync::atomic::AtomicI64::new(0),
+        out,
+        client: Client::builder()
+            .pool_idle_timeout(Duration::from_secs(4))
+            .pool_max_idle_per_host(64)
+            .build(connector),
+    });
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap_or_else(|_| fail("cannot start the runtime"));
     runtime.block_on(async move {
-        let client = Client::builder()
-            .pool_idle_timeout(Duration::from_secs(4))
-            .pool_max_idle_per_host(64)
-            .build(connector);
-        let (connect_host, connect_port, host_header, path, authorization, local_host, max_streams) =
-            shared_parts;
-        let shared = Arc::new(Shared {
-            connect_host,
-            connect_port,
-            host_header,
-            path,
-            authorization,
-            local_host,
-            max_streams,
-            tls,
-            ports: Mutex::new(HashMap::new()),
-            ports_changed: Notify::new(),
-            in_flight: Mutex::new(HashMap::new()),
-            in_flight_changed: Notify::new(),
-            peak_buffered: std::sync::atomic::AtomicI64::new(0),
-            out,
-            client,
-        });
         tokio::spawn(async move {
             let mut stdout = tokio::io::stdout();
             while let Some(mut line) = lines.recv().await {
                 line.push('\n');
-                if stdout.write_all(line.as_bytes()).await.is_err() || stdout.flush().await.is_err() {
+                if stdout.write_all(line.as_bytes()).await.is_err() || stdout.flush().await.is_err()
+                {
                     return;
                 }
             }
@@ -146,7 +135,9 @@ fn main() {
                 if let Some(ports) = message.get("ports").and_then(|value| value.as_object()) {
                     let map = ports
                         .iter()
-                        .filter_map(|(id, port)| port.as_u64().map(|port| (id.clone(), port as u16)))
+                        .filter_map(|(id, port)| {
+                            port.as_u64().map(|port| (id.clone(), port as u16))
+                        })
                         .collect();
                     *control.ports.lock().unwrap() = map;
                     control.ports_changed.notify_waiters();
@@ -161,8 +152,11 @@ fn main() {
                 // Changes within a few milliseconds go as one line.
                 tokio::time::sleep(Duration::from_millis(5)).await;
                 let counts = reporter.in_flight.lock().unwrap().clone();
-                let peak = reporter.peak_buffered.load(std::sync::atomic::Ordering::Acquire);
-                let line = serde_json::json!({ "in_flight": counts, "peak_buffered": peak }).to_string();
+                let peak = reporter
+                    .peak_buffered
+                    .load(std::sync::atomic::Ordering::Acquire);
+                let line =
+                    serde_json::json!({ "in_flight": counts, "peak_buffered": peak }).to_string();
                 if reporter.out.send(line).is_err() {
                     return;
                 }
@@ -179,8 +173,8 @@ async fn connect_forever(shared: &Arc<Shared>, mut stop: watch::Receiver<bool>) 
     let mut jitter = Entropy::open().unwrap_or_else(|_| fail("cannot read /dev/urandom"));
     while !*stop.borrow() {
         match relay::session(shared, &mut stop, &mut opened).await {
-            Ok(_) if *stop.borrow() => break,
-            Ok(_) => {
+            Ok(()) if *stop.borrow() => break,
+            Ok(()) => {
                 log("info", "the tunnel closed; opening it again");
                 failing = false;
                 backoff = BACKOFF_FIRST;

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use hyper::body::HttpBody;
 use hyper::client::HttpConnector;
 use hyper::{Body, Client, Request};
-use tokio::io::{AsyncRead, AsyncWrite, WriteHalf};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, WriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{watch, Notify};
@@ -138,7 +138,8 @@ async fn write_loop(
             }
         }
         while let Some((opcode, payload)) = control.pop_front() {
-            ws::write_all(&mut io, &ws::encode_frame(opcode, &payload, &mut entropy)?).await?;
+            io.write_all(&ws::encode_frame(opcode, &payload, &mut entropy)?)
+                .await?;
             if opcode == ws::OP_CLOSE {
                 return Ok(());
             }
@@ -146,21 +147,9 @@ async fn write_loop(
         if pending.is_empty() {
             continue;
         }
-        let mut size = frames::BATCH_HEAD;
-        let mut group = Vec::new();
-        while let Some(frame) = pending.front() {
-            size += frames::batched_size(frame);
-            if !group.is_empty() && size > frames::MAX_BATCH {
-                break;
-            }
-            group.push(pending.pop_front().unwrap());
-        }
-        let message = frames::batch(&group);
-        ws::write_all(
-            &mut io,
-            &ws::encode_frame(ws::OP_BINARY, &message, &mut entropy)?,
-        )
-        .await?;
+        let message = frames::take_batch(&mut pending);
+        io.write_all(&ws::encode_frame(ws::OP_BINARY, &message, &mut entropy)?)
+            .await?;
     }
 }
 
@@ -243,13 +232,13 @@ fn end_stream(streams: &Streams, id: u32) {
     }
 }
 
-/// Run one tunnel until it closes, the agent stops (`stop`), or the protocol breaks. Ok(true)
-/// when it was open at some point.
+/// Run one tunnel until it closes or the agent stops (`stop`): Ok once it was open (however it
+/// ended, unless the control plane broke the protocol); Err when it could not be opened.
 pub async fn session(
     shared: &Arc<Shared>,
     stop: &mut watch::Receiver<bool>,
     opened: &mut u64,
-) -> Result<bool, WsError> {
+) -> Result<(), WsError> {
     let address = (shared.connect_host.as_str(), shared.connect_port);
     let socket = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address)).await {
         Ok(result) => result?,
@@ -367,7 +356,7 @@ pub async fn session(
     let _ = tokio::time::timeout(Duration::from_secs(1), write_task).await;
     let _ = shared.out.send("{\"connected\":false}".to_string());
     match outcome {
-        Ok(()) | Err(WsError::Io(_)) => Ok(true),
+        Ok(()) | Err(WsError::Io(_)) => Ok(()),
         Err(error) => Err(error),
     }
 }
@@ -515,8 +504,8 @@ impl Drop for InFlight {
 }
 
 impl Stream {
+    /// Reset the stream; its task returns at once, and its `InFlight` forgets it.
     fn reset(&self, code: &str, message: &str) {
-        self.streams.lock().unwrap().remove(&self.id);
         send(&self.writer, vec![frames::reset(self.id, code, message)]);
     }
 

@@ -366,11 +366,6 @@ pub fn sha1(data: &[u8]) -> [u8; 20] {
     out
 }
 
-/// Write `data` whole.
-pub async fn write_all<W: AsyncWrite + Unpin>(io: &mut W, data: &[u8]) -> Result<(), WsError> {
-    io.write_all(data).await.map_err(WsError::from)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
