@@ -48,7 +48,20 @@ $(TUNNEL_RELAY): $(TUNNEL_RELAY_SOURCES)
 		--target-dir ../../build/tunnel_relay
 	install -D -m 755 build/tunnel_relay/release/modelforge-tunnel-relay $@
 
-install: $(STAMP) $(CONSOLE_BUILD) $(GRPC_FRONT) $(TUNNEL_RELAY)
+## The control plane's native gateway front (Rust, native/gateway_front; it compiles the relay's
+## frames.rs and ws.rs too), built the same way.
+GATEWAY_FRONT := control_plane/bin/modelforge-gateway-front
+GATEWAY_FRONT_SOURCES := $(wildcard native/gateway_front/src/*.rs) native/gateway_front/Cargo.toml \
+	native/gateway_front/Cargo.lock native/gateway_front/.cargo/config.toml \
+	native/tunnel_relay/src/frames.rs native/tunnel_relay/src/ws.rs
+
+$(GATEWAY_FRONT): $(GATEWAY_FRONT_SOURCES)
+	./scripts/ensure-rust
+	cd native/gateway_front && RUSTC=/usr/bin/rustc /usr/bin/cargo build -q --release --locked \
+		--target-dir ../../build/gateway_front
+	install -D -m 755 build/gateway_front/release/modelforge-gateway-front $@
+
+install: $(STAMP) $(CONSOLE_BUILD) $(GRPC_FRONT) $(TUNNEL_RELAY) $(GATEWAY_FRONT)
 
 ## Run the control plane on its embedded SQLite default (data in ./modelforge-data), with a local
 ## node beside it (a node agent and a runtime worker) unless MODELFORGE_LOCAL_NODE is set: then
@@ -70,6 +83,8 @@ test: lint
 	./scripts/ensure-slurm
 	cd native/tunnel_relay && RUSTC=/usr/bin/rustc /usr/bin/cargo test -q --locked \
 		--target-dir ../../build/tunnel_relay
+	cd native/gateway_front && RUSTC=/usr/bin/rustc /usr/bin/cargo test -q --locked \
+		--target-dir ../../build/gateway_front
 	$(VENV)/bin/pytest --ignore=tests/e2e_docker --durations=30
 
 ## The heavier end-to-end suite against a real Docker engine (installed and started if needed):

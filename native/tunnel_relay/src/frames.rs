@@ -215,7 +215,7 @@ pub fn parse_open(payload: &[u8]) -> Result<OpenRequest, String> {
 pub fn response_head(status: u16, headers: &http::HeaderMap) -> Vec<u8> {
     let pairs: Vec<serde_json::Value> = headers
         .iter()
-        .filter(|(name, _)| !crate::relay::hop_by_hop(name.as_str()))
+        .filter(|(name, _)| !hop_by_hop(name.as_str()))
         .map(|(name, value)| {
             let text: String = value.as_bytes().iter().map(|&byte| byte as char).collect();
             serde_json::json!([name.as_str(), text])
@@ -224,6 +224,23 @@ pub fn response_head(status: u16, headers: &http::HeaderMap) -> Vec<u8> {
     serde_json::json!({"status": status, "headers": pairs})
         .to_string()
         .into_bytes()
+}
+
+/// Headers of one hop, never relayed (`HOP_BY_HOP` there).
+pub fn hop_by_hop(name: &str) -> bool {
+    matches!(
+        name,
+        "connection"
+            | "keep-alive"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "proxy-connection"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "host"
+    )
 }
 
 #[cfg(test)]

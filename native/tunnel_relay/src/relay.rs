@@ -17,7 +17,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{watch, Notify};
 use tokio::task::JoinHandle;
 
-use crate::frames::{self, Frame};
+use crate::frames::{self, hop_by_hop, Frame};
 use crate::tls::Tls;
 use crate::ws::{self, Entropy, WsError};
 
@@ -32,23 +32,6 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_MESSAGE: usize = 2 * frames::MAX_PAYLOAD;
 const CLOSE_PROTOCOL: u16 = 1002;
 const CLOSE_GOING_AWAY: u16 = 1001;
-
-/// Headers of one hop, never relayed (`HOP_BY_HOP` there).
-pub fn hop_by_hop(name: &str) -> bool {
-    matches!(
-        name,
-        "connection"
-            | "keep-alive"
-            | "proxy-authenticate"
-            | "proxy-authorization"
-            | "proxy-connection"
-            | "te"
-            | "trailer"
-            | "transfer-encoding"
-            | "upgrade"
-            | "host"
-    )
-}
 
 /// What the relay knows and shares across tunnels. The credential lives only in
 /// `authorization`, which nothing prints.

@@ -1,7 +1,8 @@
-//! The WebSocket client side the tunnel needs (RFC 6455): the opening handshake with the
-//! node credential, binary messages (masked, as a client must send them), ping, pong and close.
-//! No extension is offered, so none is accepted; a text message is handed up for the tunnel to
-//! refuse.
+//! The WebSocket framing the tunnel needs (RFC 6455). The client role (the agent's relay): the
+//! opening handshake with the node credential, binary messages (masked, as a client must send
+//! them), ping, pong and close. The server role (the control plane's front, which took the
+//! handshake itself): frames sent unmasked, frames read masked (`Reader::server`). No extension
+//! is offered or accepted; a text message is handed up for the tunnel to refuse.
 
 use std::fs::File;
 use std::io::Read;
@@ -164,33 +165,98 @@ pub fn encode_frame(opcode: u8, payload: &[u8], entropy: &mut Entropy) -> std::i
     Ok(out)
 }
 
-/// One whole message (or control frame) from the server.
+/// The head of one frame as a server sends it (final, unmasked) for a payload of `size` bytes,
+/// appended to `out`; the payload follows it.
+#[allow(dead_code)] // the server role: the gateway front's
+pub fn server_head(opcode: u8, size: usize, out: &mut Vec<u8>) {
+    out.push(0x80 | opcode);
+    if size < 126 {
+        out.push(size as u8);
+    } else if size <= 0xFFFF {
+        out.push(126);
+        out.extend_from_slice(&(size as u16).to_be_bytes());
+    } else {
+        out.push(127);
+        out.extend_from_slice(&(size as u64).to_be_bytes());
+    }
+}
+
+/// One frame as a server sends it: final, unmasked.
+#[allow(dead_code)] // the server role: the gateway front's
+pub fn encode_server_frame(opcode: u8, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(payload.len() + 10);
+    server_head(opcode, payload.len(), &mut out);
+    out.extend_from_slice(payload);
+    out
+}
+
+/// `data` XORed with the masking `key` (RFC 6455 section 5.3), a word at a time.
+fn unmask(data: &mut [u8], key: [u8; 4]) {
+    let word = u64::from_ne_bytes([
+        key[0], key[1], key[2], key[3], key[0], key[1], key[2], key[3],
+    ]);
+    let mut words = data.chunks_exact_mut(8);
+    for chunk in &mut words {
+        let mut raw = [0u8; 8];
+        raw.copy_from_slice(chunk);
+        chunk.copy_from_slice(&(u64::from_ne_bytes(raw) ^ word).to_ne_bytes());
+    }
+    // The rest starts at a multiple of 8: the key's phase is 0 again.
+    for (index, byte) in words.into_remainder().iter_mut().enumerate() {
+        *byte ^= key[index & 3];
+    }
+}
+
+/// One whole message (or control frame) from the peer.
 pub struct Message {
     pub opcode: u8,
     pub payload: Vec<u8>,
 }
 
-/// Reads the server's frames into messages, at most `max_message` bytes each.
+/// Reads the peer's frames into messages, at most `max_message` bytes each: a server's
+/// (unmasked: `new`) or a client's (masked, as RFC 6455 requires: `server`).
 pub struct Reader<R> {
     io: R,
     buffer: Vec<u8>,
+    /// Where the unread part of `buffer` starts (what was read is dropped at the next read).
+    start: usize,
     /// Where each read lands (one allocation for the connection's life).
     scratch: Vec<u8>,
     max_message: usize,
+    /// The peer is a client: its frames must be masked (else they must not be).
+    masked: bool,
 }
 
 impl<R: AsyncRead + Unpin> Reader<R> {
+    /// The client role: reads a server's frames (unmasked).
     pub fn new(io: R, already: Vec<u8>, max_message: usize) -> Reader<R> {
         Reader {
             io,
             buffer: already,
+            start: 0,
             scratch: vec![0u8; 64 * 1024],
             max_message,
+            masked: false,
         }
     }
 
+    /// The server role: reads a client's frames (masked; an unmasked one is a protocol error).
+    #[allow(dead_code)] // the server role: the gateway front's
+    pub fn server(io: R, already: Vec<u8>, max_message: usize) -> Reader<R> {
+        Reader {
+            masked: true,
+            ..Reader::new(io, already, max_message)
+        }
+    }
+
+    /// At least `wanted` unread bytes in `buffer`, from `start`.
     async fn fill(&mut self, wanted: usize) -> Result<(), WsError> {
-        while self.buffer.len() < wanted {
+        while self.buffer.len() - self.start < wanted {
+            if self.start > 0 {
+                // Only the start of a frame is left: moved to the front before reading on.
+                self.buffer.drain(..self.start);
+                self.start = 0;
+            }
             let read = self.io.read(&mut self.scratch).await?;
             if read == 0 {
                 return Err(WsError::Io("closed".into()));
@@ -203,26 +269,32 @@ impl<R: AsyncRead + Unpin> Reader<R> {
     /// The next frame: (final, opcode, payload).
     async fn frame(&mut self) -> Result<(bool, u8, Vec<u8>), WsError> {
         self.fill(2).await?;
-        let (first, second) = (self.buffer[0], self.buffer[1]);
+        let (first, second) = (self.buffer[self.start], self.buffer[self.start + 1]);
         if first & 0x70 != 0 {
             return Err(WsError::Protocol("a frame with reserved bits set".into()));
         }
-        if second & 0x80 != 0 {
+        if second & 0x80 != 0 && !self.masked {
             return Err(WsError::Protocol("a masked frame from the server".into()));
+        }
+        if second & 0x80 == 0 && self.masked {
+            return Err(WsError::Protocol(
+                "an unmasked frame from the client".into(),
+            ));
         }
         let (fin, opcode) = (first & 0x80 != 0, first & 0x0F);
         let (size, at) = match second & 0x7F {
             126 => {
                 self.fill(4).await?;
+                let at = self.start + 2;
                 (
-                    u16::from_be_bytes([self.buffer[2], self.buffer[3]]) as usize,
+                    u16::from_be_bytes([self.buffer[at], self.buffer[at + 1]]) as usize,
                     4,
                 )
             }
             127 => {
                 self.fill(10).await?;
                 let mut raw = [0u8; 8];
-                raw.copy_from_slice(&self.buffer[2..10]);
+                raw.copy_from_slice(&self.buffer[self.start + 2..self.start + 10]);
                 let size = u64::from_be_bytes(raw);
                 if size > self.max_message as u64 {
                     return Err(WsError::Protocol("a message over the size limit".into()));
@@ -239,9 +311,20 @@ impl<R: AsyncRead + Unpin> Reader<R> {
                 "a fragmented or long control frame".into(),
             ));
         }
+        let at = if self.masked { at + 4 } else { at };
         self.fill(at + size).await?;
-        let payload = self.buffer[at..at + size].to_vec();
-        self.buffer.drain(..at + size);
+        let begin = self.start + at;
+        let mut payload = self.buffer[begin..begin + size].to_vec();
+        if self.masked {
+            let mut key = [0u8; 4];
+            key.copy_from_slice(&self.buffer[begin - 4..begin]);
+            unmask(&mut payload, key);
+        }
+        self.start = begin + size;
+        if self.start == self.buffer.len() {
+            self.buffer.clear();
+            self.start = 0;
+        }
         Ok((fin, opcode, payload))
     }
 
@@ -377,6 +460,51 @@ mod tests {
             format!("dGhlIHNhbXBsZSBub25jZQ=={}", GUID).as_bytes(),
         ));
         assert_eq!(accept, "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=");
+    }
+
+    #[test]
+    fn unmask_matches_the_bytewise_xor() {
+        let key = [0x12, 0x34, 0x56, 0x78];
+        for size in [0, 1, 7, 8, 9, 13, 64, 100] {
+            let data: Vec<u8> = (0..size).map(|index| index as u8).collect();
+            let mut fast = data.clone();
+            unmask(&mut fast, key);
+            let slow: Vec<u8> = data
+                .iter()
+                .enumerate()
+                .map(|(index, byte)| byte ^ key[index & 3])
+                .collect();
+            assert_eq!(fast, slow);
+        }
+    }
+
+    #[tokio::test]
+    async fn server_role_reads_masked_frames_and_refuses_unmasked_ones() {
+        let mut entropy = Entropy::open().unwrap();
+        let mut wire = Vec::new();
+        wire.extend(encode_frame(OP_BINARY, &[7u8; 300], &mut entropy).unwrap());
+        wire.extend(encode_frame(OP_PING, b"hi", &mut entropy).unwrap());
+        wire.extend(encode_server_frame(OP_BINARY, b"x"));
+        let mut reader = Reader::server(&wire[..], Vec::new(), 1024);
+        let mut partial = None;
+        let first = reader.message(&mut partial).await.unwrap();
+        assert_eq!((first.opcode, first.payload), (OP_BINARY, vec![7u8; 300]));
+        let ping = reader.message(&mut partial).await.unwrap();
+        assert_eq!((ping.opcode, &ping.payload[..]), (OP_PING, &b"hi"[..]));
+        assert!(matches!(
+            reader.message(&mut partial).await,
+            Err(WsError::Protocol(_))
+        ));
+        // The client role reads what the server role writes, and refuses masked frames.
+        let mut wire = encode_server_frame(OP_BINARY, &[1u8; 70000]);
+        wire.extend(encode_frame(OP_BINARY, b"y", &mut entropy).unwrap());
+        let mut reader = Reader::new(&wire[..], Vec::new(), 100_000);
+        let big = reader.message(&mut partial).await.unwrap();
+        assert_eq!(big.payload, vec![1u8; 70000]);
+        assert!(matches!(
+            reader.message(&mut partial).await,
+            Err(WsError::Protocol(_))
+        ));
     }
 
     #[test]

@@ -1,0 +1,585 @@
+//! One gateway request (`/v2...`, `/services/...`), carried to a replica through its node's
+//! tunnel as `control_plane/api/gateway_forward.py` carries it, the control plane deciding:
+//!
+//! - The front asks `request`; the control plane answers it itself (a token refused, a rate
+//!   limit, no replica, the server's metadata...), says `pass` (not the gateway's: the request
+//!   goes to the control plane's server like any other), or grants it: a ticket, the node, the
+//!   OPEN frame's payload, and whether the body is small enough to read first (`whole`: it then
+//!   goes with the OPEN in one message).
+//! - The body is read a piece at a time, each within `body_timeout` (408), counted against
+//!   `body_bytes` (413), and kept up to `retry_bytes` so a second attempt can replay it.
+//! - A transport failure before the response began (no tunnel, the stream reset) asks the
+//!   control plane for another replica (`retry`) while the body can be replayed; past that, 502.
+//! - The response goes to the client as it comes (`relay`), each piece handed to hyper before
+//!   the next is taken from the tunnel, so a slow client slows the replica and never fills
+//!   memory; an answer that arrived whole goes in one piece. A stream that breaks mid-body
+//!   ends the client's response short (the connection dropped); a client that goes resets the
+//!   stream so the replica stops.
+//! - Each ticket's end is reported (`done`) exactly once, whatever path the request took: by
+//!   `Done`'s `Drop`, so even a request whose future hyper dropped (its client gone) reports.
+//!
+//! No header named `x-modelforge-...` crosses from a replica to a client. Nothing of a request
+//! (its headers, a token, its body) is logged.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hyper::body::HttpBody;
+use hyper::header::{self, HeaderName, HeaderValue};
+use hyper::{Body, HeaderMap, Request, Response, StatusCode};
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use crate::control::{self, Control, Lost};
+use crate::fast::{Fast, Plan};
+use crate::frames;
+use crate::hub::{Failed, Stream};
+use crate::{Broken, Front, FrontBody};
+
+/// The prefix of the control plane's own headers: none crosses to a client.
+const INTERNAL_HEADER: &str = "x-modelforge-";
+/// The reset code of a stream the front gives up on.
+const CANCELLED: &str = "CANCELLED";
+
+/// Carry one gateway request (see the module's docstring).
+pub async fn handle(
+    front: &Arc<Front>,
+    request: Request<Body>,
+    peer: SocketAddr,
+) -> Response<FrontBody> {
+    if let Some(plan) = front.fast.plan(&request, &front.config) {
+        return fast_path(front, plan, request).await;
+    }
+    let mut reply = match front.control.ask_request(request_ask(&request, peer)).await {
+        Ok(reply) => reply,
+        Err(Lost) => return crate::restarting(front),
+    };
+    if reply.get("pass").and_then(Value::as_bool) == Some(true) {
+        return crate::proxy(front, request, peer).await;
+    }
+    if reply.get("open").is_none() {
+        return crate::control_answer(reply);
+    }
+    if let Some(auth) = reply.get("auth") {
+        if let Some(authorization) = request.headers().get(header::AUTHORIZATION) {
+            if let Ok(authorization) = authorization.to_str() {
+                front.fast.remember(authorization, auth);
+            }
+        }
+    }
+    let mut done = Done {
+        control: front.control.clone(),
+        ticket: reply
+            .get_mut("ticket")
+            .map(Value::take)
+            .unwrap_or(Value::Null),
+        status: 499,
+        error: "client_gone",
+        fast: None,
+    };
+    let mut body = RequestBody::new(request.into_body(), &front.config);
+    loop {
+        let cause = match attempt(front, &mut reply, &mut body, &mut done).await {
+            Attempt::Answered(response) => return response,
+            Attempt::Started(stream, response) => return start_relay(stream, response, body, done),
+            Attempt::Failed(cause) => cause,
+        };
+        if !body.replayable {
+            done.set(502, "");
+            let message = format!(
+                "no replica could be reached ({}); retry in a few seconds",
+                cause
+            );
+            return crate::error_answer(front, StatusCode::BAD_GATEWAY, &message, false);
+        }
+        let mut ask = String::with_capacity(64 + cause.len());
+        ask.push_str("{\"op\":\"retry\",\"ticket\":");
+        ask.push_str(&done.ticket.to_string());
+        ask.push_str(",\"cause\":");
+        control::push_str(&mut ask, &cause);
+        ask.push('}');
+        reply = match front.control.ask(ask).await {
+            Ok(reply) => reply,
+            Err(Lost) => {
+                done.set(503, "");
+                return crate::restarting(front);
+            }
+        };
+        if reply.get("open").is_none() {
+            let response = crate::control_answer(reply);
+            done.set(response.status().as_u16(), "");
+            return response;
+        }
+    }
+}
+
+/// Carry a request the fast path took (`fast.rs`): a replica chosen here, one other tried
+/// after a transport failure while the body can be replayed, else 502, as the control plane
+/// does; what happened is counted for its next report.
+async fn fast_path(front: &Arc<Front>, plan: Plan, request: Request<Body>) -> Response<FrontBody> {
+    let mut done = Done {
+        control: front.control.clone(),
+        ticket: Value::Null,
+        status: 499,
+        error: "client_gone",
+        fast: Some(FastDone {
+            fast: front.fast.clone(),
+            service: plan.service.clone(),
+            replica: None,
+            started: Instant::now(),
+        }),
+    };
+    let mut body = RequestBody::new(request.into_body(), &front.config);
+    let mut tried: Vec<String> = Vec::new();
+    let mut cause = String::new();
+    while tried.len() < 2 {
+        let choice = match front.fast.choose(&plan, &tried) {
+            Some(choice) => choice,
+            None => break,
+        };
+        tried.push(choice.replica.clone());
+        done.attempting(choice.replica);
+        let mut grant = serde_json::json!({
+            "node": choice.node,
+            "open": String::from_utf8(choice.open).unwrap_or_default(),
+            "whole": plan.whole,
+        });
+        match attempt(front, &mut grant, &mut body, &mut done).await {
+            Attempt::Answered(response) => return response,
+            Attempt::Started(stream, response) => return start_relay(stream, response, body, done),
+            Attempt::Failed(failed) => cause = failed,
+        }
+        front.fast.error(&plan.service, "transport");
+        if !body.replayable {
+            break;
+        }
+        if tried.len() == 1 {
+            front.fast.error(&plan.service, "retried");
+        }
+    }
+    front.fast.error(&plan.service, "unreachable");
+    done.set(502, "");
+    let message = format!(
+        "no replica of service '{}' could be reached ({}); retry in a few seconds",
+        plan.service,
+        if cause.is_empty() {
+            "transport"
+        } else {
+            &cause
+        }
+    );
+    crate::error_answer(front, StatusCode::BAD_GATEWAY, &message, false)
+}
+
+/// The `request` ask: the method, the path as received (still percent-encoded), the raw
+/// query, every header and the client's address.
+fn request_ask(request: &Request<Body>, peer: SocketAddr) -> String {
+    let uri = request.uri();
+    let mut ask = String::with_capacity(256 + 64 * request.headers().len());
+    ask.push_str("{\"op\":\"request\",\"method\":");
+    control::push_str(&mut ask, request.method().as_str());
+    ask.push_str(",\"path\":");
+    control::push_str(&mut ask, uri.path());
+    ask.push_str(",\"query\":");
+    control::push_str(&mut ask, uri.query().unwrap_or(""));
+    ask.push_str(",\"headers\":");
+    crate::push_headers(&mut ask, request.headers());
+    ask.push_str(",\"client\":\"");
+    crate::push_address(&mut ask, peer);
+    ask.push_str("\"}");
+    ask
+}
+
+/// Reports the ticket's end when dropped: exactly once, whichever way the request ended.
+/// Until told otherwise, the client went away (the request's future dropped by hyper).
+struct Done {
+    control: Arc<Control>,
+    ticket: Value,
+    status: u16,
+    error: &'static str,
+    /// A fast-path request's: counted for the report, not told as a ticket.
+    fast: Option<FastDone>,
+}
+
+/// What a fast-path request gives back when it ends.
+struct FastDone {
+    fast: Arc<Fast>,
+    service: String,
+    /// The replica of the attempt under way (its outstanding count taken).
+    replica: Option<String>,
+    started: Instant,
+}
+
+impl Done {
+    /// A fast-path attempt on `replica` begins: the previous one's count is given back.
+    fn attempting(&mut self, replica: String) {
+        if let Some(fast) = &mut self.fast {
+            if let Some(previous) = fast.replica.replace(replica) {
+                fast.fast.released(&previous);
+            }
+        }
+    }
+
+    fn set(&mut self, status: u16, error: &'static str) {
+        self.status = status;
+        self.error = error;
+    }
+}
+
+impl Drop for Done {
+    fn drop(&mut self) {
+        match self.fast.take() {
+            Some(fast) => {
+                if let Some(replica) = &fast.replica {
+                    fast.fast.released(replica);
+                }
+                let seconds = fast.started.elapsed().as_secs_f64();
+                fast.fast
+                    .ended(&fast.service, self.status, seconds, self.error);
+            }
+            None => self
+                .control
+                .tell(control::done_line(&self.ticket, self.status, self.error)),
+        }
+    }
+}
+
+/// Why a read of the client's body failed.
+enum BodyError {
+    /// Past `body_bytes`: 413.
+    TooLarge,
+    /// No piece for `body_timeout`: 408.
+    Timeout,
+    /// The client's connection failed.
+    Gone,
+}
+
+/// The client's body, read once, kept up to `retry_bytes` so that another attempt can send it
+/// again (`gateway_forward.RequestBody`).
+struct RequestBody {
+    body: Body,
+    /// What was read so far, while it is all kept.
+    kept: Vec<Bytes>,
+    size: u64,
+    /// The whole body was read.
+    done: bool,
+    /// Everything read is in `kept`.
+    replayable: bool,
+    limit: u64,
+    retry_bytes: u64,
+    timeout: Duration,
+}
+
+impl RequestBody {
+    fn new(body: Body, config: &crate::Config) -> RequestBody {
+        RequestBody {
+            // A body declared empty (a GET) is done before any read.
+            done: body.is_end_stream(),
+            body,
+            kept: Vec::new(),
+            size: 0,
+            replayable: true,
+            limit: config.body_bytes,
+            retry_bytes: config.retry_bytes,
+            timeout: config.body_timeout,
+        }
+    }
+
+    /// The next piece from the client (never empty); None once the body is complete.
+    /// Cancel-safe: a piece is taken from hyper only when this returns it.
+    async fn next(&mut self) -> Result<Option<Bytes>, BodyError> {
+        while !self.done {
+            let piece = match tokio::time::timeout(self.timeout, self.body.data()).await {
+                Err(_) => return Err(BodyError::Timeout),
+                Ok(None) => {
+                    self.done = true;
+                    return Ok(None);
+                }
+                Ok(Some(Err(_))) => return Err(BodyError::Gone),
+                Ok(Some(Ok(piece))) => piece,
+            };
+            // hyper knows when a declared length is all read: no further read to learn it.
+            self.done = self.body.is_end_stream();
+            if piece.is_empty() {
+                continue;
+            }
+            self.size += piece.len() as u64;
+            if self.size > self.limit {
+                return Err(BodyError::TooLarge);
+            }
+            if self.replayable {
+                if self.size <= self.retry_bytes {
+                    self.kept.push(piece.clone());
+                } else {
+                    self.forget();
+                }
+            }
+            return Ok(Some(piece));
+        }
+        Ok(None)
+    }
+
+    /// Keep nothing more: the body will not be sent again.
+    fn forget(&mut self) {
+        self.replayable = false;
+        self.kept = Vec::new();
+    }
+
+    /// The whole body, read before the stream opens (the grant said it is small enough), to go
+    /// with the OPEN. None when more came than fits one DATA frame: it is then streamed, from
+    /// what was kept.
+    async fn whole(&mut self) -> Result<Option<Vec<u8>>, BodyError> {
+        let cap = (frames::MAX_PAYLOAD as u64).min(self.retry_bytes);
+        while !self.done && self.size <= cap {
+            self.next().await?;
+        }
+        if !self.replayable {
+            // More than declared, past what is kept (as the Python end has it).
+            return Err(BodyError::TooLarge);
+        }
+        if !self.done || self.size > frames::MAX_PAYLOAD as u64 {
+            return Ok(None);
+        }
+        let mut whole = Vec::with_capacity(self.size as usize);
+        for piece in &self.kept {
+            whole.extend_from_slice(piece);
+        }
+        Ok(Some(whole))
+    }
+}
+
+/// One attempt's end.
+enum Attempt {
+    /// The request is over: this goes to the client (a 408/413, a client gone...).
+    Answered(Response<FrontBody>),
+    /// The response began: its head, its body still in the stream.
+    Started(Stream, Response<FrontBody>),
+    /// A transport failure before the response began (its cause): another may be tried.
+    Failed(String),
+}
+
+/// Open the granted stream, send the body, wait for the response to begin.
+async fn attempt(
+    front: &Front,
+    grant: &mut Value,
+    body: &mut RequestBody,
+    done: &mut Done,
+) -> Attempt {
+    let open = match grant.get_mut("open").map(Value::take) {
+        Some(Value::String(open)) => open.into_bytes(),
+        _ => return Attempt::Failed("a grant without its OPEN".into()),
+    };
+    let node = grant.get("node").and_then(Value::as_str).unwrap_or("");
+    let mut whole = None;
+    if grant.get("whole").and_then(Value::as_bool) == Some(true) {
+        match body.whole().await {
+            Ok(bytes) => whole = bytes,
+            Err(error) => return Attempt::Answered(refuse(front, error, done)),
+        }
+    }
+    let whole_sent = whole.is_some();
+    let mut stream = match front.hub.open(node, open, whole).await {
+        Ok(stream) => stream,
+        Err(Failed(cause)) => return Attempt::Failed(cause),
+    };
+    let head = if whole_sent {
+        stream.response().await
+    } else {
+        // What an earlier attempt read goes again first, then the rest as it comes, while
+        // the response is awaited (a replica may answer before the body's end).
+        for index in 0..body.kept.len() {
+            if let Err(reset) = stream.send(body.kept[index].clone()).await {
+                return Attempt::Failed(reset.code);
+            }
+        }
+        loop {
+            if body.done {
+                if let Err(reset) = stream.end().await {
+                    return Attempt::Failed(reset.code);
+                }
+                break stream.response().await;
+            }
+            tokio::select! {
+                biased;
+                head = stream.response() => break head,
+                piece = body.next() => match piece {
+                    Ok(Some(piece)) => {
+                        if let Err(reset) = stream.send(piece).await {
+                            return Attempt::Failed(reset.code);
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(error) => {
+                        stream.reset(CANCELLED, reset_reason(&error));
+                        return Attempt::Answered(refuse(front, error, done));
+                    }
+                },
+            }
+        }
+    };
+    let (status, pairs) = match head {
+        Ok(head) => head,
+        Err(reset) => return Attempt::Failed(reset.code),
+    };
+    let mut response = Response::new(FrontBody::from(Bytes::new()));
+    *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+    response_headers(front, response.headers_mut(), pairs);
+    done.set(response.status().as_u16(), "");
+    Attempt::Started(stream, response)
+}
+
+/// The response's headers: the replica's, but for those of one hop and the control plane's
+/// own, then the security headers.
+fn response_headers(front: &Front, headers: &mut HeaderMap, pairs: Vec<(String, String)>) {
+    headers.reserve(pairs.len() + front.config.security_headers.len());
+    for (name, value) in pairs {
+        let name = match HeaderName::from_bytes(name.as_bytes()) {
+            Ok(name) => name,
+            Err(_) => continue,
+        };
+        if frames::hop_by_hop(name.as_str()) || name.as_str().starts_with(INTERNAL_HEADER) {
+            continue;
+        }
+        let value = if value.is_ascii() {
+            // The text's own buffer becomes the value's: no copy.
+            HeaderValue::from_maybe_shared(Bytes::from(value)).ok()
+        } else {
+            crate::latin1_value(&value)
+        };
+        if let Some(value) = value {
+            headers.append(name, value);
+        }
+    }
+    crate::add_security_headers(front, headers);
+}
+
+/// The answer to a client whose body failed (408, 413), or to none (it has gone); the ticket
+/// ends with it.
+fn refuse(front: &Front, error: BodyError, done: &mut Done) -> Response<FrontBody> {
+    match error {
+        BodyError::TooLarge => {
+            done.set(413, "too_large");
+            crate::error_answer(
+                front,
+                StatusCode::PAYLOAD_TOO_LARGE,
+                &front.config.too_large,
+                true,
+            )
+        }
+        BodyError::Timeout => {
+            done.set(408, "client_timeout");
+            crate::error_answer(
+                front,
+                StatusCode::REQUEST_TIMEOUT,
+                &front.config.body_timeout_message,
+                true,
+            )
+        }
+        BodyError::Gone => {
+            done.set(499, "client_gone");
+            // Nobody reads it: hyper drops the connection.
+            let mut response = Response::new(FrontBody::from(Bytes::new()));
+            *response.status_mut() = StatusCode::BAD_REQUEST;
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            response
+        }
+    }
+}
+
+fn reset_reason(error: &BodyError) -> &'static str {
+    match error {
+        BodyError::TooLarge => "the body is larger than the gateway accepts",
+        BodyError::Timeout => "the client stopped sending its body",
+        BodyError::Gone => "the client went away",
+    }
+}
+
+/// Send the response: whole when it has all arrived (one piece, its length known), else
+/// relayed as it comes by a task of its own.
+fn start_relay(
+    mut stream: Stream,
+    response: Response<FrontBody>,
+    mut body: RequestBody,
+    done: Done,
+) -> Response<FrontBody> {
+    if let Some(whole) = stream.whole_body() {
+        // Answered: the rest of the request (if any) is not wanted; the ticket ends here.
+        drop(stream);
+        drop(done);
+        return response.map(|_| FrontBody::from(whole));
+    }
+    body.forget();
+    let (pieces, receiver) = mpsc::channel(1);
+    tokio::spawn(relay(stream, body, pieces, done));
+    response.map(|_| FrontBody::Tunnel(receiver))
+}
+
+/// Relay the response's body to the client (through `FrontBody::Tunnel`), and the rest of
+/// the request's body to the replica while it is still coming (a replica may stream its
+/// answer while it reads). `Stream`'s calls each take it whole, so both directions share
+/// one loop: a piece of either is moved as it comes.
+async fn relay(
+    mut stream: Stream,
+    mut body: RequestBody,
+    pieces: mpsc::Sender<Result<Bytes, Broken>>,
+    mut done: Done,
+) {
+    let status = done.status;
+    // A body complete already has had its END (with the OPEN, or before the response).
+    let mut pumping = !body.done;
+    loop {
+        if pumping && body.done {
+            pumping = false;
+            let _ = stream.end().await;
+        }
+        tokio::select! {
+            biased;
+            piece = stream.chunk() => match piece {
+                Ok(Some(piece)) => {
+                    if pieces.send(Ok(piece)).await.is_err() {
+                        break;
+                    }
+                }
+                Ok(None) => {
+                    // Dropping `pieces` ends the client's body.
+                    done.set(status, "");
+                    return;
+                }
+                Err(_) => {
+                    let _ = pieces.send(Err(Broken)).await;
+                    done.set(status, "response_broken");
+                    return;
+                }
+            },
+            _ = pieces.closed() => break,
+            piece = body.next(), if pumping => match piece {
+                Ok(Some(piece)) => {
+                    if stream.send(piece).await.is_err() {
+                        // Reset: `chunk` tells how the answer ends.
+                        pumping = false;
+                    }
+                }
+                Ok(None) => {}
+                Err(BodyError::Gone) => break,
+                Err(error) => {
+                    // The request cannot be completed: nor can its answer.
+                    stream.reset(CANCELLED, reset_reason(&error));
+                    let _ = pieces.send(Err(Broken)).await;
+                    let kind = match error {
+                        BodyError::TooLarge => "too_large",
+                        _ => "client_timeout",
+                    };
+                    done.set(status, kind);
+                    return;
+                }
+            },
+        }
+    }
+    // The client went away: the replica stops, the stream's slot is freed.
+    stream.reset(CANCELLED, "the client went away");
+    done.set(499, "client_gone");
+}

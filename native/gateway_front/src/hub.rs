@@ -1,0 +1,1432 @@
+//! The agents' tunnels: the server end of the tunnel protocol (`modelforge_contracts/tunnel.py`
+//! defines it; `control_plane/gateway/tunnels.py` is the Python end this one mirrors, and
+//! `native/tunnel_relay` the agent's end).
+//!
+//! Each tunnel has one reader (the task running `Hub::serve`), which dispatches the agent's
+//! frames to the streams' slots, and one writer task, which takes every frame made ready while
+//! it was writing and sends them together: one BATCH per WebSocket message (at most `MAX_BATCH`
+//! bytes, a request's OPEN, DATA and END never split), several messages per write. Streams sit
+//! in a `HashMap` behind a `std::sync::Mutex` held only between awaits; each stream's slot has
+//! its own small lock and a `Notify` its one reader waits on.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde_json::Value;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::frames;
+use crate::ws::{self, WsError};
+
+/// The most one WebSocket message from an agent may hold: a BATCH is at most `MAX_BATCH`
+/// bytes; what the agents' own limit is (twice `MAX_PAYLOAD`) with some slack.
+const MAX_MESSAGE: usize = 2 * frames::MAX_PAYLOAD + 1024;
+const CLOSE_GOING_AWAY: u16 = 1001;
+const CLOSE_PROTOCOL: u16 = 1002;
+const CLOSE_IDLE: u16 = 4408;
+const CLOSE_REPLACED: u16 = 4409;
+/// Reset codes `frames` does not name (`ResetCode` there).
+const TUNNEL_CLOSED: &str = "TUNNEL_CLOSED";
+const CANCELLED: &str = "CANCELLED";
+/// The cause of `Failed` when no open tunnel to the node is held (the Python exception's name).
+const UNAVAILABLE: &str = "TunnelUnavailable";
+const HEAD: usize = 5;
+/// The writer gathers messages up to about this many bytes into one write.
+const WRITE_CHUNK: usize = 256 * 1024;
+/// How long a closing tunnel waits for the agent's close, and for its last write.
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
+/// A transport failure: no stream could be opened (a short cause, no secrets).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failed(pub String);
+
+/// The stream was reset, or ended abnormally (the tunnel closed: `TUNNEL_CLOSED`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reset {
+    pub code: String,
+    pub message: String,
+}
+
+impl Reset {
+    fn new(code: &str, message: &str) -> Reset {
+        Reset {
+            code: code.to_string(),
+            message: message.to_string(),
+        }
+    }
+}
+
+// -- the writer ---------------------------------------------------------------------------------
+
+/// A frame's payload, as it came: nothing to copy before the write.
+enum Payload {
+    Empty,
+    Owned(Vec<u8>),
+    Shared(Bytes),
+    Word([u8; 4]),
+}
+
+impl Payload {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Payload::Empty => &[],
+            Payload::Owned(data) => data,
+            Payload::Shared(data) => data,
+            Payload::Word(word) => word,
+        }
+    }
+}
+
+/// What the writer is asked to send.
+enum Out {
+    Frame(u8, u32, Payload),
+    /// A stream's OPEN, with its whole body (a DATA unless empty, then END) when given: one
+    /// message.
+    Open(u32, Vec<u8>, Option<Vec<u8>>),
+    /// A WebSocket control frame (ping, pong, close: the writer stops after a close).
+    Control(u8, Vec<u8>),
+    /// The tunnel is over: stop at once.
+    Stop,
+}
+
+/// A frame waiting for the writer; `joined`: it leaves in the same message as the one before.
+struct Pending {
+    kind: u8,
+    stream: u32,
+    payload: Payload,
+    joined: bool,
+}
+
+fn push_frame(out: &mut Vec<u8>, kind: u8, stream: u32, payload: &[u8]) {
+    out.push(kind);
+    out.extend_from_slice(&stream.to_be_bytes());
+    out.extend_from_slice(payload);
+}
+
+/// The next WebSocket message from the front of `pending` (not empty), appended to `out`: as
+/// many frames as one BATCH of at most `MAX_BATCH` bytes holds (at least one group), or the
+/// frame itself when only one goes (`frames::take_batch`, groups kept whole).
+fn append_message(pending: &mut VecDeque<Pending>, out: &mut Vec<u8>) {
+    let (mut taken, mut size) = (0, HEAD);
+    while taken < pending.len() {
+        let mut end = taken + 1;
+        let mut group = 4 + HEAD + pending[taken].payload.as_slice().len();
+        while end < pending.len() && pending[end].joined {
+            group += 4 + HEAD + pending[end].payload.as_slice().len();
+            end += 1;
+        }
+        if taken > 0 && size + group > frames::MAX_BATCH {
+            break;
+        }
+        size += group;
+        taken = end;
+    }
+    if taken == 1 {
+        if let Some(item) = pending.pop_front() {
+            let payload = item.payload.as_slice();
+            ws::server_head(ws::OP_BINARY, HEAD + payload.len(), out);
+            push_frame(out, item.kind, item.stream, payload);
+        }
+        return;
+    }
+    ws::server_head(ws::OP_BINARY, size, out);
+    push_frame(out, frames::BATCH, 0, &[]);
+    for item in pending.drain(..taken) {
+        let payload = item.payload.as_slice();
+        out.extend_from_slice(&((HEAD + payload.len()) as u32).to_be_bytes());
+        push_frame(out, item.kind, item.stream, payload);
+    }
+}
+
+/// Takes one request for the writer; false for `Stop`.
+fn accept(
+    item: Out,
+    pending: &mut VecDeque<Pending>,
+    control: &mut VecDeque<(u8, Vec<u8>)>,
+) -> bool {
+    match item {
+        Out::Frame(kind, stream, payload) => pending.push_back(Pending {
+            kind,
+            stream,
+            payload,
+            joined: false,
+        }),
+        Out::Open(stream, open, body) => {
+            pending.push_back(Pending {
+                kind: frames::OPEN,
+                stream,
+                payload: Payload::Owned(open),
+                joined: false,
+            });
+            if let Some(body) = body {
+                if !body.is_empty() {
+                    pending.push_back(Pending {
+                        kind: frames::DATA,
+                        stream,
+                        payload: Payload::Owned(body),
+                        joined: true,
+                    });
+                }
+                pending.push_back(Pending {
+                    kind: frames::END,
+                    stream,
+                    payload: Payload::Empty,
+                    joined: true,
+                });
+            }
+        }
+        Out::Control(opcode, payload) => control.push_back((opcode, payload)),
+        Out::Stop => return false,
+    }
+    true
+}
+
+/// The tunnel's one writer: frames sent while a write is under way leave together in the
+/// next, as BATCH messages (`FrameWriter` there), written in one go.
+async fn write_loop<W: AsyncWrite + Unpin>(
+    mut io: W,
+    mut queue: UnboundedReceiver<Out>,
+) -> Result<(), WsError> {
+    let mut pending: VecDeque<Pending> = VecDeque::new();
+    let mut control: VecDeque<(u8, Vec<u8>)> = VecDeque::new();
+    // One buffer for the tunnel's life: each write's messages are built in it.
+    let mut out: Vec<u8> = Vec::with_capacity(frames::MAX_BATCH + 16);
+    loop {
+        if pending.is_empty() && control.is_empty() {
+            match queue.recv().await {
+                Some(item) => {
+                    if !accept(item, &mut pending, &mut control) {
+                        return Ok(());
+                    }
+                }
+                None => return Ok(()),
+            }
+            // Let the streams made ready in this wake-up add theirs to the message.
+            tokio::task::yield_now().await;
+        }
+        while let Ok(item) = queue.try_recv() {
+            if !accept(item, &mut pending, &mut control) {
+                return Ok(());
+            }
+        }
+        out.clear();
+        let mut closing = false;
+        while let Some((opcode, payload)) = control.pop_front() {
+            ws::server_head(opcode, payload.len(), &mut out);
+            out.extend_from_slice(&payload);
+            if opcode == ws::OP_CLOSE {
+                closing = true;
+                break;
+            }
+        }
+        while !closing && !pending.is_empty() && out.len() < WRITE_CHUNK {
+            append_message(&mut pending, &mut out);
+        }
+        io.write_all(&out).await?;
+        io.flush().await?;
+        if closing {
+            let _ = io.shutdown().await;
+            return Ok(());
+        }
+    }
+}
+
+fn close_payload(code: u16, reason: &str) -> Vec<u8> {
+    let mut payload = code.to_be_bytes().to_vec();
+    let mut end = reason.len().min(123);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    payload.extend_from_slice(&reason.as_bytes()[..end]);
+    payload
+}
+
+fn reset_payload(code: &str, message: &str) -> Payload {
+    let message: String = message.chars().take(500).collect();
+    let body = serde_json::json!({"code": code, "message": message});
+    Payload::Owned(body.to_string().into_bytes())
+}
+
+// -- the streams' state -------------------------------------------------------------------------
+
+type Head = (u16, Vec<(String, String)>);
+
+/// One stream as both its reader (`Stream`) and the tunnel's reader see it.
+struct Slot {
+    inner: Mutex<Inner>,
+    /// Something changed for the stream's one reader (its answer, its window, its end).
+    wake: Notify,
+}
+
+struct Inner {
+    head: Option<Head>,
+    head_seen: bool,
+    chunks: VecDeque<Bytes>,
+    /// The agent's END has come: the whole answer is in `chunks` (and the send window closed).
+    all_here: bool,
+    whole_taken: bool,
+    reset: Option<Reset>,
+    /// The send window (`SendWindow` there).
+    available: i64,
+    /// The receive window (`ReceiveWindow` there): what the agent may still send, and what
+    /// was consumed since the last grant.
+    remaining: i64,
+    consumed: i64,
+}
+
+impl Slot {
+    fn new(spent: usize) -> Slot {
+        Slot {
+            inner: Mutex::new(Inner {
+                head: None,
+                head_seen: false,
+                chunks: VecDeque::new(),
+                all_here: false,
+                whole_taken: false,
+                reset: None,
+                available: frames::INITIAL_WINDOW - spent as i64,
+                remaining: frames::INITIAL_WINDOW,
+                consumed: 0,
+            }),
+            wake: Notify::new(),
+        }
+    }
+}
+
+// -- the tunnels --------------------------------------------------------------------------------
+
+struct Closing {
+    code: u16,
+    reason: String,
+    why: String,
+}
+
+struct State {
+    streams: HashMap<u32, Arc<Slot>>,
+    next_id: u32,
+    /// No stream may open any more (its streams were failed).
+    closed: bool,
+    /// Asked to close (`Hub::close`, a replacement): the first ask wins.
+    close: Option<Closing>,
+}
+
+impl State {
+    /// Every stream failed with `TUNNEL_CLOSED`; no new one opens.
+    fn close_streams(&mut self, message: &str) {
+        self.closed = true;
+        for (_, slot) in self.streams.drain() {
+            let mut inner = slot.inner.lock().unwrap();
+            if inner.reset.is_none() {
+                inner.reset = Some(Reset::new(TUNNEL_CLOSED, message));
+            }
+            drop(inner);
+            slot.wake.notify_one();
+        }
+    }
+
+    /// A new stream id: counting up from 1 as the Python end does, never 0 nor one in use.
+    fn allocate(&mut self) -> u32 {
+        loop {
+            let id = self.next_id;
+            self.next_id = self.next_id.wrapping_add(1);
+            if id != 0 && !self.streams.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+}
+
+struct Tunnel {
+    node: String,
+    writer: UnboundedSender<Out>,
+    state: Mutex<State>,
+    /// `state.close` was set: the tunnel's reader is to close it.
+    stop: Notify,
+}
+
+impl Tunnel {
+    fn send(&self, kind: u8, stream: u32, payload: Payload) -> bool {
+        self.writer.send(Out::Frame(kind, stream, payload)).is_ok()
+    }
+
+    fn request_close(&self, code: u16, reason: &str, why: &str) {
+        let mut state = self.state.lock().unwrap();
+        if state.close.is_some() {
+            return;
+        }
+        state.close = Some(Closing {
+            code,
+            reason: reason.to_string(),
+            why: why.to_string(),
+        });
+        state.close_streams(reason);
+        drop(state);
+        self.stop.notify_one();
+    }
+
+    fn closed_reset(&self) -> Reset {
+        Reset::new(
+            TUNNEL_CLOSED,
+            &format!("the tunnel of node {} closed", self.node),
+        )
+    }
+
+    /// The frames of one message from the agent, each to its stream (`Tunnel.read` there);
+    /// Err for a malformed message (the tunnel is then closed), checked whole before any frame
+    /// is dispatched.
+    fn dispatch(&self, message: Vec<u8>, spans: &mut Vec<Span>) -> Result<(), String> {
+        split(&message, spans)?;
+        if spans.iter().all(|span| span.stream == 0) {
+            return Ok(()); // keepalives: the idle clock was refreshed
+        }
+        let message = Bytes::from(message);
+        let mut resets: Vec<(u32, &'static str, String)> = Vec::new();
+        let mut state = self.state.lock().unwrap();
+        for span in spans.iter() {
+            if span.stream == 0 {
+                continue; // the keepalive
+            }
+            let slot = match state.streams.get(&span.stream) {
+                Some(slot) => slot,
+                None => continue, // one this side reset or finished: its frames in flight go
+            };
+            let payload = &message[span.start..span.end];
+            let mut inner = slot.inner.lock().unwrap();
+            let mut over = false;
+            let failure = match span.kind {
+                frames::RESPONSE if inner.head_seen => {
+                    Some((frames::PROTOCOL_ERROR, "a second RESPONSE".to_string()))
+                }
+                frames::RESPONSE => match parse_head(payload) {
+                    Ok(head) => {
+                        inner.head = Some(head);
+                        inner.head_seen = true;
+                        None
+                    }
+                    Err(reason) => Some((frames::PROTOCOL_ERROR, reason)),
+                },
+                frames::DATA if !inner.head_seen => {
+                    Some((frames::PROTOCOL_ERROR, "DATA before RESPONSE".to_string()))
+                }
+                frames::DATA => {
+                    let size = payload.len() as i64;
+                    if size > inner.remaining {
+                        Some((
+                            frames::FLOW_CONTROL,
+                            "DATA past the stream's window".to_string(),
+                        ))
+                    } else {
+                        inner.remaining -= size;
+                        inner.chunks.push_back(message.slice(span.start..span.end));
+                        None
+                    }
+                }
+                frames::END if !inner.head_seen => {
+                    Some((frames::PROTOCOL_ERROR, "END before RESPONSE".to_string()))
+                }
+                frames::END => {
+                    inner.all_here = true;
+                    over = true;
+                    None
+                }
+                frames::WINDOW => match frames::parse_window(payload) {
+                    Ok(increment) if frames::window_fits(inner.available, increment) => {
+                        inner.available += increment;
+                        None
+                    }
+                    Ok(_) => Some((
+                        frames::PROTOCOL_ERROR,
+                        "a WINDOW past 2**31 - 1".to_string(),
+                    )),
+                    Err(reason) => Some((frames::PROTOCOL_ERROR, reason)),
+                },
+                frames::RESET => {
+                    if inner.reset.is_none() {
+                        inner.reset = Some(parse_reset(payload));
+                    }
+                    over = true;
+                    None
+                }
+                _ => Some((frames::PROTOCOL_ERROR, "OPEN from an agent".to_string())),
+            };
+            if let Some((code, reason)) = failure {
+                if inner.reset.is_none() {
+                    inner.reset = Some(Reset::new(code, &reason));
+                }
+                resets.push((span.stream, code, reason));
+                over = true;
+            }
+            drop(inner);
+            slot.wake.notify_one();
+            if over {
+                state.streams.remove(&span.stream);
+            }
+        }
+        drop(state);
+        for (stream, code, reason) in resets {
+            self.send(frames::RESET, stream, reset_payload(code, &reason));
+        }
+        Ok(())
+    }
+}
+
+/// One frame of a message: where its payload lies.
+struct Span {
+    kind: u8,
+    stream: u32,
+    start: usize,
+    end: usize,
+}
+
+/// One frame's head (`frames::decode`'s checks, the same refusals).
+fn check(frame: &[u8]) -> Result<(u8, u32), String> {
+    if frame.len() < HEAD {
+        return Err("a frame shorter than its header".into());
+    }
+    let kind = frame[0];
+    let stream = u32::from_be_bytes([frame[1], frame[2], frame[3], frame[4]]);
+    if !(frames::OPEN..=frames::WINDOW).contains(&kind) {
+        return Err(format!("unknown frame type {}", kind));
+    }
+    let limit = if kind == frames::OPEN || kind == frames::RESPONSE {
+        frames::MAX_OPEN
+    } else {
+        frames::MAX_PAYLOAD
+    };
+    if frame.len() - HEAD > limit {
+        return Err(format!("a frame of type {} over {} bytes", kind, limit));
+    }
+    if stream == 0 && kind != frames::WINDOW {
+        return Err("only the keepalive (WINDOW) and BATCH use stream 0".into());
+    }
+    Ok((kind, stream))
+}
+
+/// The frames of one message, in `spans` (`frames::decode_message` without copying a
+/// payload: the same checks, the same refusals).
+fn split(message: &[u8], spans: &mut Vec<Span>) -> Result<(), String> {
+    spans.clear();
+    if message.first() != Some(&frames::BATCH) {
+        let (kind, stream) = check(message)?;
+        spans.push(Span {
+            kind,
+            stream,
+            start: HEAD,
+            end: message.len(),
+        });
+        return Ok(());
+    }
+    if message.len() > frames::MAX_BATCH + HEAD {
+        return Err(format!("a BATCH over {} bytes", frames::MAX_BATCH));
+    }
+    if message.len() < HEAD || message[1..HEAD] != [0, 0, 0, 0] {
+        return Err("a BATCH is on stream 0".into());
+    }
+    let mut at = HEAD;
+    while at < message.len() {
+        if at + 4 > message.len() {
+            return Err("a BATCH cut inside a frame's length".into());
+        }
+        let length = u32::from_be_bytes([
+            message[at],
+            message[at + 1],
+            message[at + 2],
+            message[at + 3],
+        ]) as usize;
+        at += 4;
+        if length > message.len() - at {
+            return Err("a BATCH cut inside a frame".into());
+        }
+        let inner = &message[at..at + length];
+        if inner.first() == Some(&frames::BATCH) {
+            return Err("a BATCH inside a BATCH".into());
+        }
+        let (kind, stream) = check(inner)?;
+        spans.push(Span {
+            kind,
+            stream,
+            start: at + HEAD,
+            end: at + length,
+        });
+        at += length;
+    }
+    Ok(())
+}
+
+/// A RESPONSE frame's payload (`ResponseHead.from_payload` there).
+fn parse_head(payload: &[u8]) -> Result<Head, String> {
+    let body: Value = serde_json::from_slice(payload)
+        .map_err(|_| "a RESPONSE frame's payload is not JSON".to_string())?;
+    let mut body = match body {
+        Value::Object(body) => body,
+        _ => return Err("a RESPONSE frame's payload is a JSON object".into()),
+    };
+    let status = match body.get("status").and_then(Value::as_u64) {
+        Some(status) if (100..=599).contains(&status) => status as u16,
+        _ => return Err("a RESPONSE frame's status is an HTTP status".into()),
+    };
+    let bad = || "headers are a list of [name, value] pairs of strings".to_string();
+    let pairs = match body.remove("headers") {
+        Some(Value::Array(pairs)) => pairs,
+        _ => return Err(bad()),
+    };
+    let mut headers = Vec::with_capacity(pairs.len());
+    for pair in pairs {
+        let mut pair = match pair {
+            Value::Array(pair) if pair.len() == 2 => pair,
+            _ => return Err(bad()),
+        };
+        match (pair.pop(), pair.pop()) {
+            (Some(Value::String(value)), Some(Value::String(name))) => headers.push((name, value)),
+            _ => return Err(bad()),
+        }
+    }
+    Ok((status, headers))
+}
+
+/// A RESET frame's payload (`Reset.from_payload` there).
+fn parse_reset(payload: &[u8]) -> Reset {
+    let text = |value: Option<&Value>, default: &str| match value {
+        None => default.to_string(),
+        Some(Value::String(text)) => text.clone(),
+        Some(other) => other.to_string(),
+    };
+    match serde_json::from_slice::<Value>(payload) {
+        Ok(Value::Object(body)) => Reset {
+            code: text(body.get("code"), frames::PROTOCOL_ERROR),
+            message: text(body.get("message"), ""),
+        },
+        _ => Reset::new(
+            frames::PROTOCOL_ERROR,
+            "a RESET frame without a readable reason",
+        ),
+    }
+}
+
+// -- the hub ------------------------------------------------------------------------------------
+
+/// The tunnels this process holds, by node id.
+pub struct Hub {
+    tunnels: Mutex<HashMap<String, Arc<Tunnel>>>,
+    max_streams: usize,
+    idle_timeout: Duration,
+}
+
+/// How a tunnel's reader stopped.
+enum End {
+    /// The agent's close (its code, echoed).
+    AgentClosed(Vec<u8>),
+    Asked,
+    Idle,
+    Protocol(String),
+    Io(String),
+    WriteFailed(String),
+}
+
+impl Hub {
+    pub fn new(max_streams: usize, idle_timeout: Duration) -> Arc<Hub> {
+        Arc::new(Hub {
+            tunnels: Mutex::new(HashMap::new()),
+            max_streams,
+            idle_timeout,
+        })
+    }
+
+    /// Serve one accepted tunnel for `node` until it ends (the 101 was sent by the caller); a
+    /// tunnel the node had is replaced (closed with 4409). Returns why it ended ("replaced"
+    /// when a newer one replaced it); every stream of it has then failed with `TUNNEL_CLOSED`.
+    pub async fn serve<S>(self: &Arc<Self>, node: String, io: S) -> String
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let (read_half, write_half) = tokio::io::split(io);
+        let (writer, queue) = unbounded_channel();
+        let tunnel = Arc::new(Tunnel {
+            node: node.clone(),
+            writer,
+            state: Mutex::new(State {
+                streams: HashMap::new(),
+                next_id: 1,
+                closed: false,
+                close: None,
+            }),
+            stop: Notify::new(),
+        });
+        let mut write_task = tokio::spawn(write_loop(write_half, queue));
+        let previous = self
+            .tunnels
+            .lock()
+            .unwrap()
+            .insert(node.clone(), tunnel.clone());
+        if let Some(previous) = previous {
+            previous.request_close(
+                CLOSE_REPLACED,
+                "replaced by a newer tunnel of the same node",
+                "replaced",
+            );
+        }
+        let mut reader = ws::Reader::server(read_half, Vec::new(), MAX_MESSAGE);
+        let mut partial = None;
+        let mut spans = Vec::new();
+        let idle = self.idle_timeout;
+        let mut heard = Instant::now();
+        let silence = tokio::time::sleep_until(heard + idle);
+        tokio::pin!(silence);
+        let stopped = tunnel.stop.notified();
+        tokio::pin!(stopped);
+        let mut writer_done = false;
+        let end = loop {
+            tokio::select! {
+                biased;
+                _ = &mut stopped => break End::Asked,
+                written = &mut write_task => {
+                    writer_done = true;
+                    break End::WriteFailed(match written {
+                        Ok(Ok(())) => "the writer stopped".to_string(),
+                        Ok(Err(WsError::Io(kind))) => kind,
+                        Ok(Err(_)) => "a write failed".to_string(),
+                        Err(_) => "the writer failed".to_string(),
+                    });
+                }
+                message = reader.message(&mut partial) => match message {
+                    Ok(message) => match message.opcode {
+                        ws::OP_BINARY => {
+                            heard = Instant::now();
+                            if let Err(reason) = tunnel.dispatch(message.payload, &mut spans) {
+                                break End::Protocol(reason);
+                            }
+                        }
+                        // Not a frame: what the Python end makes of it (an empty message).
+                        ws::OP_TEXT => {
+                            break End::Protocol("a frame shorter than its header".to_string())
+                        }
+                        ws::OP_PING => {
+                            let _ = tunnel.writer.send(Out::Control(ws::OP_PONG, message.payload));
+                        }
+                        ws::OP_PONG => {}
+                        _ => {
+                            let code = message.payload.get(..2).unwrap_or_default().to_vec();
+                            break End::AgentClosed(code);
+                        }
+                    },
+                    Err(WsError::Protocol(reason)) => break End::Protocol(reason),
+                    Err(WsError::Io(reason)) => break End::Io(reason),
+                    Err(WsError::Refused(status)) => break End::Io(format!("status {}", status)),
+                },
+                _ = &mut silence => {
+                    let due = heard + idle;
+                    if Instant::now() >= due {
+                        break End::Idle;
+                    }
+                    silence.as_mut().reset(due);
+                }
+            }
+        };
+        // Every stream fails now, and the node is no longer connected through this tunnel.
+        let asked = {
+            let mut state = tunnel.state.lock().unwrap();
+            let asked = state
+                .close
+                .as_ref()
+                .map(|closing| (closing.code, closing.reason.clone(), closing.why.clone()));
+            state.close_streams(&format!("the tunnel of node {} closed", node));
+            asked
+        };
+        {
+            let mut tunnels = self.tunnels.lock().unwrap();
+            if matches!(tunnels.get(&node), Some(held) if Arc::ptr_eq(held, &tunnel)) {
+                tunnels.remove(&node);
+            }
+        }
+        let (why, close, wait_for_close) = match end {
+            End::AgentClosed(code) => ("the agent closed it".to_string(), Some(code), false),
+            End::Asked => {
+                let (code, reason, why) =
+                    asked.unwrap_or((CLOSE_GOING_AWAY, String::new(), "closed".to_string()));
+                (why, Some(close_payload(code, &reason)), true)
+            }
+            End::Idle => (
+                format!("silent for {} s", idle.as_secs_f64()),
+                Some(close_payload(CLOSE_IDLE, "the tunnel was silent")),
+                true,
+            ),
+            End::Protocol(reason) => (
+                format!("a protocol error ({})", reason),
+                Some(close_payload(CLOSE_PROTOCOL, "protocol error")),
+                false,
+            ),
+            End::Io(reason) if reason == "closed" => {
+                ("the agent closed it".to_string(), None, false)
+            }
+            End::Io(reason) => (format!("its connection failed ({})", reason), None, false),
+            End::WriteFailed(reason) => {
+                (format!("its connection failed ({})", reason), None, false)
+            }
+        };
+        if !writer_done {
+            let last = match close {
+                Some(payload) => Out::Control(ws::OP_CLOSE, payload),
+                None => Out::Stop,
+            };
+            let _ = tunnel.writer.send(last);
+            if wait_for_close {
+                // The agent's close in answer (what else it sends is dropped), or a moment.
+                let answered = async {
+                    while let Ok(message) = reader.message(&mut partial).await {
+                        if message.opcode == ws::OP_CLOSE {
+                            break;
+                        }
+                    }
+                };
+                let _ = tokio::time::timeout(CLOSE_GRACE, answered).await;
+            }
+            if tokio::time::timeout(CLOSE_GRACE, &mut write_task)
+                .await
+                .is_err()
+            {
+                write_task.abort();
+            }
+        }
+        why
+    }
+
+    /// Close the node's tunnel (if held) with a WebSocket close code and reason.
+    pub fn close(&self, node: &str, code: u16, reason: &str) {
+        let tunnel = self.tunnels.lock().unwrap().get(node).cloned();
+        if let Some(tunnel) = tunnel {
+            tunnel.request_close(code, reason, reason);
+        }
+    }
+
+    /// Close every tunnel (e.g. 1001 going away, when the control channel is lost).
+    pub fn close_all(&self, code: u16, reason: &str) {
+        let tunnels: Vec<Arc<Tunnel>> = self.tunnels.lock().unwrap().values().cloned().collect();
+        for tunnel in tunnels {
+            tunnel.request_close(code, reason, reason);
+        }
+    }
+
+    pub fn connected(&self, node: &str) -> bool {
+        let tunnel = self.tunnels.lock().unwrap().get(node).cloned();
+        matches!(tunnel, Some(tunnel) if !tunnel.state.lock().unwrap().closed)
+    }
+
+    /// Open a stream to `node`'s agent with this OPEN payload (`OpenRequest.to_payload()`);
+    /// with `whole_body` (at most `MAX_PAYLOAD` bytes) the OPEN, its DATA (none when empty)
+    /// and END go in one message. `Failed` when no open tunnel to the node is held, or it has
+    /// `max_streams` streams ("TOO_MANY_STREAMS").
+    pub async fn open(
+        &self,
+        node: &str,
+        open_payload: Vec<u8>,
+        whole_body: Option<Vec<u8>>,
+    ) -> Result<Stream, Failed> {
+        if open_payload.len() > frames::MAX_OPEN {
+            return Err(Failed("OPEN_TOO_LARGE".to_string()));
+        }
+        let spent = whole_body.as_ref().map_or(0, Vec::len);
+        if spent > frames::MAX_PAYLOAD {
+            return Err(Failed("BODY_TOO_LARGE".to_string()));
+        }
+        let tunnel = self.tunnels.lock().unwrap().get(node).cloned();
+        let tunnel = match tunnel {
+            Some(tunnel) => tunnel,
+            None => return Err(Failed(UNAVAILABLE.to_string())),
+        };
+        let slot = Arc::new(Slot::new(spent));
+        let id = {
+            let mut state = tunnel.state.lock().unwrap();
+            if state.closed {
+                return Err(Failed(UNAVAILABLE.to_string()));
+            }
+            if state.streams.len() >= self.max_streams {
+                return Err(Failed(frames::TOO_MANY_STREAMS.to_string()));
+            }
+            let id = state.allocate();
+            state.streams.insert(id, slot.clone());
+            id
+        };
+        let sent_end = whole_body.is_some();
+        if tunnel
+            .writer
+            .send(Out::Open(id, open_payload, whole_body))
+            .is_err()
+        {
+            tunnel.state.lock().unwrap().streams.remove(&id);
+            return Err(Failed(UNAVAILABLE.to_string()));
+        }
+        Ok(Stream {
+            tunnel,
+            slot,
+            id,
+            sent_end,
+        })
+    }
+}
+
+/// One request through a tunnel (`Stream` there).
+pub struct Stream {
+    tunnel: Arc<Tunnel>,
+    slot: Arc<Slot>,
+    id: u32,
+    sent_end: bool,
+}
+
+impl Stream {
+    /// Up to `wanted` bytes of the send window, at least 1, once there are some; 0 once the
+    /// answer has ended (the agent reads no more of the request).
+    async fn take(&self, wanted: usize) -> Result<usize, Reset> {
+        loop {
+            {
+                let mut inner = self.slot.inner.lock().unwrap();
+                if let Some(reset) = &inner.reset {
+                    return Err(reset.clone());
+                }
+                if inner.all_here {
+                    return Ok(0);
+                }
+                if inner.available > 0 {
+                    let taken = (wanted as i64).min(inner.available);
+                    inner.available -= taken;
+                    return Ok(taken as usize);
+                }
+            }
+            self.slot.wake.notified().await;
+        }
+    }
+
+    /// A piece of the request body, as DATA frames of at most `MAX_PAYLOAD` bytes, each sent
+    /// once the agent's window allows it. Err once the stream is reset or the tunnel closed;
+    /// Ok without sending (the rest) once the answer has ended.
+    pub async fn send(&mut self, mut data: Bytes) -> Result<(), Reset> {
+        while !data.is_empty() {
+            let taken = self.take(data.len().min(frames::MAX_PAYLOAD)).await?;
+            if taken == 0 {
+                return Ok(());
+            }
+            let piece = data.split_to(taken);
+            if !self
+                .tunnel
+                .send(frames::DATA, self.id, Payload::Shared(piece))
+            {
+                return Err(self.tunnel.closed_reset());
+            }
+        }
+        Ok(())
+    }
+
+    /// The request body is complete (END). Idempotent.
+    pub async fn end(&mut self) -> Result<(), Reset> {
+        {
+            let inner = self.slot.inner.lock().unwrap();
+            if let Some(reset) = &inner.reset {
+                return Err(reset.clone());
+            }
+            if self.sent_end || inner.all_here {
+                return Ok(()); // an answer already over reads no more of the request
+            }
+        }
+        self.sent_end = true;
+        if !self.tunnel.send(frames::END, self.id, Payload::Empty) {
+            return Err(self.tunnel.closed_reset());
+        }
+        Ok(())
+    }
+
+    /// The replica's status and headers (its RESPONSE frame), once they came.
+    pub async fn response(&mut self) -> Result<(u16, Vec<(String, String)>), Reset> {
+        loop {
+            {
+                let mut inner = self.slot.inner.lock().unwrap();
+                if let Some(head) = inner.head.take() {
+                    return Ok(head);
+                }
+                if let Some(reset) = &inner.reset {
+                    return Err(reset.clone());
+                }
+                if inner.head_seen {
+                    return Err(Reset::new(
+                        frames::PROTOCOL_ERROR,
+                        "the response was taken already",
+                    ));
+                }
+            }
+            self.slot.wake.notified().await;
+        }
+    }
+
+    /// The next piece of the answer's body; None at its END. What is consumed is granted
+    /// back to the agent as the Python `ReceiveWindow` does: all of it once half the initial
+    /// window was consumed.
+    pub async fn chunk(&mut self) -> Result<Option<Bytes>, Reset> {
+        loop {
+            {
+                let mut inner = self.slot.inner.lock().unwrap();
+                if let Some(chunk) = inner.chunks.pop_front() {
+                    inner.consumed += chunk.len() as i64;
+                    let mut grant = 0;
+                    if inner.consumed >= frames::INITIAL_WINDOW / 2 {
+                        grant = inner.consumed;
+                        inner.consumed = 0;
+                        inner.remaining += grant;
+                    }
+                    let over = inner.all_here || inner.reset.is_some();
+                    drop(inner);
+                    if grant > 0 && !over {
+                        let word = (grant as u32).to_be_bytes();
+                        self.tunnel
+                            .send(frames::WINDOW, self.id, Payload::Word(word));
+                    }
+                    return Ok(Some(chunk));
+                }
+                if let Some(reset) = &inner.reset {
+                    return Err(reset.clone());
+                }
+                if inner.all_here {
+                    return Ok(None);
+                }
+            }
+            self.slot.wake.notified().await;
+        }
+    }
+
+    /// The whole answer's body when its END has come (taken at once); else None, and nothing
+    /// is taken (read it with `chunk`).
+    pub fn whole_body(&mut self) -> Option<Bytes> {
+        let mut inner = self.slot.inner.lock().unwrap();
+        if inner.reset.is_some() || !inner.all_here || inner.whole_taken {
+            return None;
+        }
+        inner.whole_taken = true;
+        match inner.chunks.len() {
+            0 => Some(Bytes::new()),
+            1 => inner.chunks.pop_front(),
+            _ => {
+                let size = inner.chunks.iter().map(Bytes::len).sum();
+                let mut whole = Vec::with_capacity(size);
+                for chunk in inner.chunks.drain(..) {
+                    whole.extend_from_slice(&chunk);
+                }
+                Some(Bytes::from(whole))
+            }
+        }
+    }
+
+    /// End the stream both ways, and send RESET(code, message) unless it ended already.
+    pub fn reset(&mut self, code: &str, message: &str) {
+        let ended = {
+            let mut inner = self.slot.inner.lock().unwrap();
+            let ended = inner.reset.is_some() || inner.all_here;
+            if inner.reset.is_none() {
+                inner.reset = Some(Reset::new(code, message));
+            }
+            ended
+        };
+        if ended {
+            return;
+        }
+        {
+            let mut state = self.tunnel.state.lock().unwrap();
+            if matches!(state.streams.get(&self.id), Some(slot) if Arc::ptr_eq(slot, &self.slot)) {
+                state.streams.remove(&self.id);
+            }
+        }
+        self.tunnel
+            .send(frames::RESET, self.id, reset_payload(code, message));
+    }
+}
+
+impl Drop for Stream {
+    /// Not ended: the agent is told (RESET CANCELLED), and the stream's place is freed.
+    fn drop(&mut self) {
+        self.reset(CANCELLED, "the request went away");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{DuplexStream, ReadHalf, WriteHalf};
+
+    /// An agent's end of a tunnel, speaking the client role (masked frames).
+    struct Agent {
+        reader: ws::Reader<ReadHalf<DuplexStream>>,
+        writer: WriteHalf<DuplexStream>,
+        entropy: ws::Entropy,
+        partial: Option<(u8, Vec<u8>)>,
+    }
+
+    impl Agent {
+        async fn send_raw(&mut self, opcode: u8, payload: &[u8]) {
+            let frame = ws::encode_frame(opcode, payload, &mut self.entropy).unwrap();
+            self.writer.write_all(&frame).await.unwrap();
+        }
+
+        /// `frames` as one message (a BATCH when more than one).
+        async fn send(&mut self, frames_out: Vec<Vec<u8>>) {
+            let mut pending = VecDeque::from(frames_out);
+            let message = frames::take_batch(&mut pending);
+            assert!(pending.is_empty());
+            self.send_raw(ws::OP_BINARY, &message).await;
+        }
+
+        async fn message(&mut self) -> ws::Message {
+            let next = self.reader.message(&mut self.partial);
+            tokio::time::timeout(Duration::from_secs(5), next)
+                .await
+                .expect("a message in time")
+                .expect("a message")
+        }
+
+        async fn frames(&mut self) -> Vec<frames::Frame> {
+            let message = self.message().await;
+            assert_eq!(message.opcode, ws::OP_BINARY);
+            frames::decode_message(&message.payload).unwrap()
+        }
+    }
+
+    async fn start(
+        max_streams: usize,
+        idle: Duration,
+    ) -> (Arc<Hub>, Agent, tokio::task::JoinHandle<String>) {
+        let (server, client) = tokio::io::duplex(1 << 20);
+        let hub = Hub::new(max_streams, idle);
+        let serving = {
+            let hub = hub.clone();
+            tokio::spawn(async move { hub.serve("n1".to_string(), server).await })
+        };
+        while !hub.connected("n1") {
+            tokio::task::yield_now().await;
+        }
+        let (read_half, write_half) = tokio::io::split(client);
+        let agent = Agent {
+            reader: ws::Reader::new(read_half, Vec::new(), 1 << 20),
+            writer: write_half,
+            entropy: ws::Entropy::open().unwrap(),
+            partial: None,
+        };
+        (hub, agent, serving)
+    }
+
+    fn head(stream: u32) -> Vec<u8> {
+        frames::encode(
+            frames::RESPONSE,
+            stream,
+            br#"{"status": 200, "headers": [["content-type", "text/plain"]]}"#,
+        )
+    }
+
+    const OPEN: &[u8] =
+        br#"{"replica_id":"r1","method":"POST","path":"/v2/x","query":"","headers":[]}"#;
+
+    #[tokio::test]
+    async fn small_request_and_answer_each_go_in_one_message() {
+        let (hub, mut agent, _serving) = start(8, Duration::from_secs(30)).await;
+        let mut stream = hub
+            .open("n1", OPEN.to_vec(), Some(b"hello".to_vec()))
+            .await
+            .unwrap();
+        let message = agent.message().await;
+        assert_eq!(message.payload[0], frames::BATCH);
+        let got = frames::decode_message(&message.payload).unwrap();
+        let kinds: Vec<(u8, u32)> = got.iter().map(|f| (f.kind, f.stream)).collect();
+        assert_eq!(
+            kinds,
+            vec![(frames::OPEN, 1), (frames::DATA, 1), (frames::END, 1)]
+        );
+        assert_eq!(got[0].payload, OPEN);
+        assert_eq!(got[1].payload, b"hello");
+        agent
+            .send(vec![
+                head(1),
+                frames::encode(frames::DATA, 1, b"the answer"),
+                frames::encode(frames::END, 1, b""),
+            ])
+            .await;
+        let (status, headers) = stream.response().await.unwrap();
+        assert_eq!(status, 200);
+        assert_eq!(
+            headers,
+            vec![("content-type".to_string(), "text/plain".to_string())]
+        );
+        assert_eq!(
+            stream.whole_body().unwrap(),
+            Bytes::from_static(b"the answer")
+        );
+        assert_eq!(stream.whole_body(), None);
+        assert_eq!(stream.chunk().await.unwrap(), None);
+        drop(stream); // ended: no RESET goes
+                      // A body-less request: OPEN and END only; the next stream is 2.
+        let _second = hub
+            .open("n1", OPEN.to_vec(), Some(Vec::new()))
+            .await
+            .unwrap();
+        let got = agent.frames().await;
+        let kinds: Vec<(u8, u32)> = got.iter().map(|f| (f.kind, f.stream)).collect();
+        assert_eq!(kinds, vec![(frames::OPEN, 2), (frames::END, 2)]);
+    }
+
+    #[tokio::test]
+    async fn a_large_body_waits_for_window_credit_and_the_answer_grants_some() {
+        let (hub, mut agent, _serving) = start(8, Duration::from_secs(30)).await;
+        let mut stream = hub.open("n1", OPEN.to_vec(), None).await.unwrap();
+        let got = agent.frames().await;
+        assert_eq!((got[0].kind, got[0].stream), (frames::OPEN, 1));
+        let body: Vec<u8> = (0..300 * 1024).map(|index| (index % 251) as u8).collect();
+        let expected = body.clone();
+        let sending = tokio::spawn(async move {
+            stream.send(Bytes::from(body)).await.unwrap();
+            stream.end().await.unwrap();
+            stream
+        });
+        let mut received = Vec::new();
+        while received.len() < frames::INITIAL_WINDOW as usize {
+            for frame in agent.frames().await {
+                assert_eq!((frame.kind, frame.stream), (frames::DATA, 1));
+                assert!(frame.payload.len() <= frames::MAX_PAYLOAD);
+                received.extend_from_slice(&frame.payload);
+            }
+        }
+        assert_eq!(received.len(), frames::INITIAL_WINDOW as usize);
+        // No more without credit.
+        let more = agent.reader.message(&mut agent.partial);
+        assert!(tokio::time::timeout(Duration::from_millis(200), more)
+            .await
+            .is_err());
+        assert!(!sending.is_finished());
+        agent.send(vec![frames::window(1, 64 * 1024)]).await;
+        let mut ended = false;
+        while !ended {
+            for frame in agent.frames().await {
+                match frame.kind {
+                    frames::DATA => received.extend_from_slice(&frame.payload),
+                    frames::END => ended = true,
+                    other => panic!("frame type {}", other),
+                }
+            }
+        }
+        assert_eq!(received, expected);
+        let mut stream = sending.await.unwrap();
+        // The answer: consuming half the initial window grants it back.
+        agent.send(vec![head(1)]).await;
+        let piece = vec![7u8; frames::MAX_PAYLOAD];
+        for _ in 0..3 {
+            agent
+                .send(vec![frames::encode(frames::DATA, 1, &piece)])
+                .await;
+        }
+        assert_eq!(stream.response().await.unwrap().0, 200);
+        assert!(stream.whole_body().is_none());
+        for _ in 0..2 {
+            assert_eq!(
+                stream.chunk().await.unwrap().unwrap().len(),
+                frames::MAX_PAYLOAD
+            );
+        }
+        let got = agent.frames().await;
+        assert_eq!((got[0].kind, got[0].stream), (frames::WINDOW, 1));
+        assert_eq!(
+            frames::parse_window(&got[0].payload).unwrap(),
+            frames::INITIAL_WINDOW / 2
+        );
+        agent.send(vec![frames::encode(frames::END, 1, b"")]).await;
+        assert_eq!(
+            stream.chunk().await.unwrap().unwrap().len(),
+            frames::MAX_PAYLOAD
+        );
+        assert_eq!(stream.chunk().await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn the_tunnel_closing_fails_its_streams() {
+        let (hub, mut agent, serving) = start(8, Duration::from_secs(30)).await;
+        let mut stream = hub.open("n1", OPEN.to_vec(), None).await.unwrap();
+        agent.frames().await;
+        // The agent's close is echoed.
+        agent.send_raw(ws::OP_CLOSE, &1000u16.to_be_bytes()).await;
+        let echoed = agent.message().await;
+        assert_eq!(
+            (echoed.opcode, &echoed.payload[..]),
+            (ws::OP_CLOSE, &1000u16.to_be_bytes()[..])
+        );
+        let reset = stream.response().await.unwrap_err();
+        assert_eq!(reset.code, TUNNEL_CLOSED);
+        assert_eq!(
+            stream
+                .send(Bytes::from_static(b"x"))
+                .await
+                .unwrap_err()
+                .code,
+            TUNNEL_CLOSED
+        );
+        assert_eq!(serving.await.unwrap(), "the agent closed it");
+        assert!(!hub.connected("n1"));
+        assert_eq!(
+            hub.open("n1", OPEN.to_vec(), None).await.err(),
+            Some(Failed(UNAVAILABLE.to_string()))
+        );
+
+        // The connection simply dropped: the same.
+        let (hub, agent, serving) = start(8, Duration::from_secs(30)).await;
+        let mut stream = hub.open("n1", OPEN.to_vec(), None).await.unwrap();
+        drop(agent);
+        assert_eq!(stream.chunk().await.unwrap_err().code, TUNNEL_CLOSED);
+        assert_eq!(serving.await.unwrap(), "the agent closed it");
+        assert!(!hub.connected("n1"));
+    }
+
+    #[tokio::test]
+    async fn max_streams_refuses_one_more_and_a_dropped_stream_frees_its_place() {
+        let (hub, mut agent, _serving) = start(2, Duration::from_secs(30)).await;
+        let first = hub.open("n1", OPEN.to_vec(), None).await.unwrap();
+        let _second = hub.open("n1", OPEN.to_vec(), None).await.unwrap();
+        assert_eq!(
+            hub.open("n1", OPEN.to_vec(), None).await.err(),
+            Some(Failed("TOO_MANY_STREAMS".to_string()))
+        );
+        let mut opened = 0;
+        while opened < 2 {
+            opened += agent.frames().await.len();
+        }
+        drop(first);
+        let got = agent.frames().await;
+        assert_eq!((got[0].kind, got[0].stream), (frames::RESET, 1));
+        let body: Value = serde_json::from_slice(&got[0].payload).unwrap();
+        assert_eq!(body["code"], CANCELLED);
+        let _third = hub.open("n1", OPEN.to_vec(), None).await.unwrap();
+        assert_eq!(agent.frames().await[0].stream, 3);
+    }
+
+    #[tokio::test]
+    async fn an_unmasked_frame_closes_the_tunnel() {
+        let (hub, mut agent, serving) = start(8, Duration::from_secs(30)).await;
+        let mut stream = hub.open("n1", OPEN.to_vec(), None).await.unwrap();
+        agent.frames().await;
+        let frame = ws::encode_server_frame(ws::OP_BINARY, &frames::keepalive());
+        agent.writer.write_all(&frame).await.unwrap();
+        let close = agent.message().await;
+        assert_eq!(close.opcode, ws::OP_CLOSE);
+        assert_eq!(close.payload[..2], CLOSE_PROTOCOL.to_be_bytes());
+        assert!(serving.await.unwrap().starts_with("a protocol error"));
+        assert_eq!(stream.response().await.unwrap_err().code, TUNNEL_CLOSED);
+        assert!(!hub.connected("n1"));
+    }
+
+    #[tokio::test]
+    async fn stream_errors_reset_the_stream_only() {
+        let (hub, mut agent, _serving) = start(8, Duration::from_secs(30)).await;
+        let mut stream = hub.open("n1", OPEN.to_vec(), None).await.unwrap();
+        agent.frames().await;
+        // DATA before RESPONSE: the stream is reset with PROTOCOL_ERROR, the tunnel stays.
+        agent
+            .send(vec![frames::encode(frames::DATA, 1, b"x")])
+            .await;
+        assert_eq!(
+            stream.response().await.unwrap_err().code,
+            frames::PROTOCOL_ERROR
+        );
+        let got = agent.frames().await;
+        assert_eq!((got[0].kind, got[0].stream), (frames::RESET, 1));
+        // The agent's RESET ends a stream with its code; frames for unknown streams go.
+        let mut stream = hub.open("n1", OPEN.to_vec(), None).await.unwrap();
+        agent.frames().await;
+        agent
+            .send(vec![
+                frames::encode(frames::END, 99, b""),
+                frames::keepalive(),
+                frames::reset(2, "NO_SUCH_REPLICA", "no such replica"),
+            ])
+            .await;
+        let reset = stream.response().await.unwrap_err();
+        assert_eq!(reset, Reset::new("NO_SUCH_REPLICA", "no such replica"));
+        drop(stream); // reset already: nothing sent
+        assert!(hub.connected("n1"));
+        // A text message is a protocol error.
+        agent.send_raw(ws::OP_TEXT, b"hello").await;
+        assert_eq!(agent.message().await.opcode, ws::OP_CLOSE);
+    }
+
+    #[tokio::test]
+    async fn ping_pong_replacement_and_idle() {
+        let (hub, mut agent, serving) = start(8, Duration::from_secs(30)).await;
+        agent.send_raw(ws::OP_PING, b"p").await;
+        let pong = agent.message().await;
+        assert_eq!((pong.opcode, &pong.payload[..]), (ws::OP_PONG, &b"p"[..]));
+        // A second tunnel for the node replaces the first (closed with 4409).
+        let (server, _client) = tokio::io::duplex(1 << 16);
+        let second = {
+            let hub = hub.clone();
+            tokio::spawn(async move { hub.serve("n1".to_string(), server).await })
+        };
+        let close = agent.message().await;
+        assert_eq!(close.opcode, ws::OP_CLOSE);
+        assert_eq!(close.payload[..2], CLOSE_REPLACED.to_be_bytes());
+        agent.send_raw(ws::OP_CLOSE, &close.payload[..2]).await;
+        assert_eq!(serving.await.unwrap(), "replaced");
+        assert!(hub.connected("n1"));
+        hub.close("n1", 4401, "the node credential was revoked");
+        assert!(!hub.connected("n1"));
+        assert_eq!(second.await.unwrap(), "the node credential was revoked");
+
+        let (hub, mut agent, serving) = start(8, Duration::from_millis(300)).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        agent.send(vec![frames::keepalive()]).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(hub.connected("n1"));
+        let close = agent.message().await;
+        assert_eq!(close.payload[..2], CLOSE_IDLE.to_be_bytes());
+        assert_eq!(serving.await.unwrap(), "silent for 0.3 s");
+    }
+
+    #[test]
+    fn split_refuses_what_decode_message_refuses() {
+        let mut spans = Vec::new();
+        let inner = frames::take_batch(&mut VecDeque::from(vec![
+            frames::encode(frames::END, 1, b""),
+            frames::encode(frames::END, 2, b""),
+        ]));
+        let cases: Vec<Vec<u8>> = vec![
+            frames::encode(frames::DATA, 0, b"x"),
+            vec![9, 0, 0, 0, 1],
+            vec![1, 0],
+            vec![],
+            frames::take_batch(&mut VecDeque::from(vec![
+                inner,
+                frames::encode(frames::END, 3, b""),
+            ])),
+            frames::encode(frames::DATA, 1, &[0; frames::MAX_PAYLOAD + 1]),
+            frames::encode(frames::RESPONSE, 1, &[0; frames::MAX_OPEN + 1]),
+            vec![frames::BATCH, 0, 0, 0, 1],
+            vec![frames::BATCH, 0, 0, 0, 0, 0, 0, 9],
+            vec![frames::BATCH, 0, 0, 0, 0, 0, 0, 0, 9, 1],
+            frames::take_batch(&mut VecDeque::from(vec![
+                frames::encode(frames::DATA, 1, b"abc"),
+                frames::keepalive(),
+                frames::encode(frames::END, 1, b""),
+            ])),
+            frames::encode(frames::WINDOW, 0, &0u32.to_be_bytes()),
+        ];
+        for case in cases {
+            let ours = split(&case, &mut spans);
+            let theirs = frames::decode_message(&case);
+            assert_eq!(ours.is_ok(), theirs.is_ok(), "{:?}", case);
+            if let Ok(decoded) = theirs {
+                assert_eq!(decoded.len(), spans.len());
+                for (frame, span) in decoded.iter().zip(&spans) {
+                    assert_eq!((frame.kind, frame.stream), (span.kind, span.stream));
+                    assert_eq!(frame.payload, case[span.start..span.end]);
+                }
+            }
+        }
+        assert!(parse_head(br#"{"status": 200.0, "headers": []}"#).is_err());
+        assert!(parse_head(br#"{"status": 99, "headers": []}"#).is_err());
+        assert!(parse_head(br#"{"status": 200, "headers": [["a"]]}"#).is_err());
+        assert!(parse_head(br#"{"status": 200}"#).is_err());
+        assert_eq!(parse_reset(b"nope").code, frames::PROTOCOL_ERROR);
+    }
+}
