@@ -34,6 +34,7 @@ Run::
     python bench/gateway.py                        # about 3 minutes
     python bench/gateway.py --parts compare --duration 10 --rounds 3
     python bench/gateway.py --parts compare --tunnel-relay python   # the agents' Python end
+    python bench/gateway.py --parts compare --gateway-front native  # the native front
 """
 
 from __future__ import annotations
@@ -132,9 +133,15 @@ class Stack:
 
 
 @contextmanager
-def started(root: Path, nodes: int, drain: float, relay: str = "native") -> Iterator[Stack]:
+def started(
+    root: Path, nodes: int, drain: float, relay: str = "native", front: str = "python"
+) -> Iterator[Stack]:
     with ExitStack() as stack:
-        settings = {**SETTINGS, "MODELFORGE_SERVICE_DRAIN_SECONDS": str(drain)}
+        settings = {
+            **SETTINGS,
+            "MODELFORGE_SERVICE_DRAIN_SECONDS": str(drain),
+            "MODELFORGE_GATEWAY_FRONT": front,
+        }
         server = stack.enter_context(
             LiveServer(root / "cp", f"sqlite:///{root / 'cp.db'}", env_overrides=settings)
         )
@@ -472,7 +479,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         nodes = 2 if "kill" in chosen else 1
         print(f"the tunnel's end on the nodes: {args.tunnel_relay} (MODELFORGE_AGENT_TUNNEL_RELAY)")
-        with started(scratch, nodes, args.drain_seconds, args.tunnel_relay) as stack:
+        print(f"the control plane's gateway: {args.gateway_front} (MODELFORGE_GATEWAY_FRONT)")
+        with started(
+            scratch, nodes, args.drain_seconds, args.tunnel_relay, args.gateway_front
+        ) as stack:
             register_models(stack)
             compared: str | None = None
             for part in chosen:
@@ -525,6 +535,12 @@ def main() -> int:
         choices=["native", "python"],
         default="native",
         help="the agents' end of the tunnel (MODELFORGE_AGENT_TUNNEL_RELAY)",
+    )
+    parser.add_argument(
+        "--gateway-front",
+        choices=["native", "python"],
+        default="python",
+        help="the control plane's end: its native front or Python (MODELFORGE_GATEWAY_FRONT)",
     )
     return run(parser.parse_args())
 

@@ -32,6 +32,7 @@ from control_plane.api import (
     audit,
     console,
     docs,
+    gateway_native,
     jobs,
     metrics,
     models,
@@ -151,12 +152,16 @@ def create_front(
         tasks = [*start_loops(ctx), start_service_placement(ctx)] if run_loops else []
         if run_loops:
             ctx.provisioner.start()
+        # The native front's control channel (`api/gateway_native.py`), where it runs.
+        channel = await gateway_native.listen(ctx, front.gateway)
         if set_aside_startup_objects:
             gc.collect()  # garbage from the start is not kept for ever
             gc.freeze()
         try:
             yield
         finally:
+            if channel is not None:
+                channel.close()
             await ctx.hub.close_all()
             await ctx.provisioner.stop()
             await ctx.scheduler.stop()
@@ -193,7 +198,8 @@ def create_front(
     app.include_router(resources.router)
     app.include_router(tunnel.router)
     console.mount_console(app)
-    return compose_front(app, ctx)
+    front = compose_front(app, ctx)
+    return front
 
 
 def _start(ctx: AppContext) -> None:

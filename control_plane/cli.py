@@ -21,6 +21,7 @@ from control_plane.access.admin_token import AdminTokenConfigError, resolve_admi
 from control_plane.db import prepare_data_dir
 from control_plane.local_node import LocalNode, LocalNodeError
 from control_plane.local_node import check as check_local_node
+from control_plane.native_front import FrontUnavailable, NativeFront, why_not
 from control_plane.provisioning.config import ProvisionersError, load_provisioners
 from control_plane.settings import Settings
 from modelforge_contracts.settings_errors import describe_validation_error
@@ -163,6 +164,7 @@ def _serve(settings: Settings, local_node: LocalNode | None) -> None:
     from granian import Granian
     from granian.constants import HTTPModes, Interfaces, Loops
 
+    front = _native_front(settings)
     server = Granian(
         target="control_plane.app:create_served_app",
         factory=True,
@@ -173,8 +175,9 @@ def _serve(settings: Settings, local_node: LocalNode | None) -> None:
         # The agents' tunnels (api/tunnel.py) are WebSockets.
         websockets=True,
         loop=Loops.uvloop,
-        address=settings.host,
-        port=settings.port,
+        # Behind the native front, on a loopback port only it reaches (native_front.py).
+        address=settings.host if front is None else "127.0.0.1",
+        port=settings.port if front is None else front.upstream_port,
         workers=1,
         backpressure=settings.max_concurrent_requests,
         # Granian's worker can hang for ever in its own shutdown under CPU pressure (its runtime
@@ -185,25 +188,52 @@ def _serve(settings: Settings, local_node: LocalNode | None) -> None:
         ssl_key=settings.tls_key,
         log_level=settings.log_level,  # type: ignore[arg-type]
     )
-    if local_node is None:
-        server.serve()
-        return
-    # Its children start once the server answers; they stop when it has stopped (a signal,
-    # Ctrl-C included, ends serve()), or when the start fails. Its thread waits until Granian
-    # has forked its worker from this process: a thread inside an import (httpx imports
-    # httpcore on a client's first use), OpenSSL or a log handler at that instant leaves its
-    # lock held for ever in the worker (the likely cause of a worker that never started, seen
-    # twice on one CI run; not reproduced in 25 starts under load, the window is narrow).
+    # What starts beside the server (the front, the local node) starts once Granian has forked
+    # its worker from this process: a thread inside an import (httpx imports httpcore on a
+    # client's first use), OpenSSL or a log handler at that instant leaves its lock held for
+    # ever in the worker (the likely cause of a worker that never started, seen twice on one CI
+    # run; not reproduced in 25 starts under load, the window is narrow), and the worker holds
+    # no copy of the front's standard input, whose end stops the front. The local node's
+    # children start once the server answers; they stop when it has stopped (a signal, Ctrl-C
+    # included, ends serve()), or when the start fails.
     forked = threading.Event()
     os.register_at_fork(after_in_parent=forked.set)
+    if front is not None:
+        threading.Thread(
+            target=_start_front, args=(front, forked), name="gateway-front", daemon=True
+        ).start()
     try:
-        local_node.start(not_before=forked)
-    except LocalNodeError as exc:
-        _die(EXIT_CONFIG, str(exc))
-    try:
+        if local_node is not None:
+            try:
+                local_node.start(not_before=forked)
+            except LocalNodeError as exc:
+                _die(EXIT_CONFIG, str(exc))
         server.serve()
     finally:
-        local_node.stop()
+        if local_node is not None:
+            local_node.stop()
+        if front is not None:
+            front.stop()
+
+
+def _native_front(settings: Settings) -> NativeFront | None:
+    """The native gateway front for this start (`native_front.py`), or None (the reason logged)."""
+    reason = why_not(settings)
+    if reason is not None:
+        if settings.gateway_front == "native":
+            log.warning("the gateway runs in Python: the native front is not used, as %s", reason)
+        return None
+    try:
+        front = NativeFront(settings)
+    except FrontUnavailable as exc:
+        _die(EXIT_CONFIG, str(exc))
+    front.prepare()
+    return front
+
+
+def _start_front(front: NativeFront, forked: threading.Event) -> None:
+    forked.wait()
+    front.start()
 
 
 def _die(code: int, message: str) -> None:

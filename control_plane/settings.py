@@ -119,6 +119,12 @@ class Settings(BaseSettings):
     #: forward a gateway request for a node whose tunnel this process holds. Unset: this
     #: process still serves the tunnels it holds, but no other replica can reach them.
     gateway_peer_address: str = Field(default="", max_length=300)
+    #: What carries the gateway's requests and holds the agents' tunnels: `native`, the control
+    #: plane's native front (`modelforge-gateway-front`: on this port, with Granian behind it on
+    #: loopback, docs/services.md "The native front"), or `python` (Granian on this port serves
+    #: everything). The native front is not used with TLS or with a peer address (it carries
+    #: neither yet): those keep the Python gateway.
+    gateway_front: Literal["native", "python"] = "python"
 
     @model_validator(mode="after")
     def _check_liveness(self) -> Self:

@@ -30,8 +30,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from urllib.parse import unquote
+from dataclasses import dataclass, field
 
 from control_plane import RELEASE_VERSION
 from control_plane.api.asgi import ASGIApp, Receive, Scope, Send
@@ -56,7 +55,14 @@ from control_plane.clock import Clock
 from control_plane.gateway.auth import GatewayAuth, GatewayDenied
 from control_plane.gateway.balancer import Admission, Balancer, Refused
 from control_plane.gateway.metrics import GatewayMetrics
-from control_plane.gateway.routing import RoutingSnapshot, RoutingTable, ServiceTarget
+from control_plane.gateway.paths import PREFIXES, Target, gateway_target
+from control_plane.gateway.routing import (
+    ReplicaTarget,
+    RoutingSnapshot,
+    RoutingTable,
+    ServiceTarget,
+)
+from control_plane.services.access_tokens import Grant
 from control_plane.services.autoscale import Traffic
 
 log = logging.getLogger(__name__)
@@ -64,8 +70,6 @@ log = logging.getLogger(__name__)
 #: The most header bytes a gateway request may bring (a tunnel's OPEN frame holds 16 KiB, and
 #: the headers' JSON there may be larger still: `Outbound.oversized` judges that).
 MAX_HEADER_BYTES = 12 * 1024
-#: A request whose decoded path starts so may be the gateway's (`gateway_target` decides).
-_PREFIXES = ("/v2", "/services/")
 _JSON = (b"content-type", b"application/json")
 
 
@@ -85,49 +89,29 @@ class GatewayLimits:
 
 
 @dataclass(frozen=True, slots=True)
-class _Target:
-    """What a gateway path asks: `what` is live, ready, server, model, model_ready or proxy."""
+class Answer:
+    """The gateway's own answer: `body` as JSON, `extra` headers, counted under `label`."""
 
-    what: str
-    name: str = ""
-    path: str = ""
+    status: int
+    body: object
+    extra: list[tuple[bytes, bytes]] = field(default_factory=list)
+    label: str = ""
 
 
-def gateway_target(method: str, path: str) -> _Target | None:
-    """Which of the gateway's requests `method path` is, if one. `path` is percent-encoded
-    (`received_path`): each segment is decoded once to be read, and a target's `path` (what the
-    replica gets) keeps the segments as they came."""
-    raw = path.split("/")
-    if len(raw) < 2 or raw[0]:
-        return None
-    words = [unquote(segment) for segment in raw[1:4]]
-    if words[0] == "services":
-        if len(raw) < 4 or not words[1]:
-            return None  # `/services/{id}`: the console's
-        return _Target("proxy", words[1], "/" + "/".join(raw[3:]))
-    if words[0] != "v2":
-        return None
-    if len(raw) == 2 or raw[2:] == [""]:
-        return _Target("server")
-    if words[1:] == ["health", "live"] and len(raw) == 4:
-        return _Target("live")
-    if words[1:] == ["health", "ready"] and len(raw) == 4:
-        return _Target("ready")
-    if words[1] != "models" or len(raw) < 4 or not words[2]:
-        return None
-    name, rest = words[2], raw[4:]
-    if rest and not rest[-1]:
-        rest = rest[:-1]  # one trailing slash
-    versioned = ""
-    if len(rest) >= 2 and unquote(rest[0]) == "versions" and rest[1]:
-        versioned, rest = f"/versions/{rest[1]}", rest[2:]
-    action = unquote(rest[0]) if len(rest) == 1 else None
-    if rest and action not in ("ready", "infer"):
-        return None
-    if action == "ready":
-        return _Target("model_ready", name)
-    # The replica's server answers its model's name; the name part is replaced later.
-    return _Target("model", name, versioned + (f"/{action}" if action else ""))
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request to carry to a replica of `service` (`Gateway.prepare`)."""
+
+    service: ServiceTarget
+    snapshot: RoutingSnapshot
+    outbound: Outbound
+    grant: Grant
+
+
+def _refusal(
+    status: int, message: str, extra: list[tuple[bytes, bytes]] | None = None, label: str = ""
+) -> Answer:
+    return Answer(status, {"error": message}, extra or [], label)
 
 
 class Gateway:
@@ -163,7 +147,7 @@ class Gateway:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         target = None
-        if scope["type"] == "http" and scope["path"].startswith(_PREFIXES):
+        if scope["type"] == "http" and scope["path"].startswith(PREFIXES):
             target = gateway_target(scope["method"], received_path(scope))
         if target is None:
             await self.app(scope, receive, send)
@@ -179,36 +163,55 @@ class Gateway:
             self.metrics.answered(label, status, self.clock.monotonic() - started)
 
     async def _serve(
-        self, target: _Target, scope: Scope, receive: Receive, send: Send
+        self, target: Target, scope: Scope, receive: Receive, send: Send
     ) -> tuple[str, int]:
         """Serve one gateway request; returns the service's label and the status answered."""
+        query = scope.get("query_string", b"").decode("latin-1")
+        prepared = await self.prepare(target, scope["method"], scope["headers"], query)
+        if isinstance(prepared, Answer):
+            return prepared.label, await _answer(
+                send, prepared.status, prepared.body, prepared.extra
+            )
+        service = prepared.service
+        self.traffic.began(service.id)
+        try:
+            return await self._admitted(
+                service, prepared.snapshot, receive, send, prepared.outbound
+            )
+        finally:
+            self.traffic.ended(service.id)
+
+    async def prepare(
+        self, target: Target, method: str, headers: list[tuple[bytes, bytes]], query: str
+    ) -> Answer | Prepared:
+        """What a gateway request gets before any replica: the gateway's own answer (health,
+        metadata, a refusal: counted in the metrics already), or the service and the request
+        to carry to one of its replicas. The Python path (`__call__`) and the native front's
+        (`gateway_native.py`) both start here."""
         what = target.what
         if what == "live":
-            return "", await _answer(send, 200, {"live": True})
+            return Answer(200, {"live": True})
         if what == "server":
-            body = {"name": "modelforge", "version": RELEASE_VERSION, "extensions": []}
-            return "", await _answer(send, 200, body)
+            return Answer(200, {"name": "modelforge", "version": RELEASE_VERSION, "extensions": []})
         try:
             snapshot = await self.table.current()
         except Exception:  # noqa: BLE001 - the database: logged once by the table
             if what == "ready":
-                return "", await _answer(send, 503, {"ready": False})
+                return Answer(503, {"ready": False})
             message = "the gateway cannot read which replicas serve now; retry in a few seconds"
-            return "", await _error(send, 503, message)
+            return _refusal(503, message)
         if what == "ready":
-            return "", await _answer(send, 200, {"ready": True})
-        return await self._serve_service(target, snapshot, scope, receive, send)
+            return Answer(200, {"ready": True})
+        return await self._prepare_service(target, snapshot, method, headers, query)
 
-    async def _serve_service(
+    async def _prepare_service(
         self,
-        target: _Target,
+        target: Target,
         snapshot: RoutingSnapshot,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-    ) -> tuple[str, int]:
-        method = scope["method"]
-        headers = scope["headers"]
+        method: str,
+        headers: list[tuple[bytes, bytes]],
+        query: str,
+    ) -> Answer | Prepared:
         authorization = _header(headers, b"authorization")
         service = snapshot.services.get(target.name)
         # An unknown name is refused exactly as a known one with a missing or wrong token
@@ -216,11 +219,13 @@ class Gateway:
         # answer confirms no name to one without its token.
         label = "" if service is None else service.name
         try:
-            await self.auth.authorize_async(authorization, "" if service is None else service.id)
+            grant = await self.auth.authorize_async(
+                authorization, "" if service is None else service.id
+            )
         except GatewayDenied as denial:
             self.metrics.error(label, denial.cause)
             extra = [(k.lower().encode(), v.encode()) for k, v in denial.headers.items()]
-            return label, await _error(send, denial.status, denial.message, extra)
+            return _refusal(denial.status, denial.message, extra, label)
         if service is None:  # no grant opens no service: refused above
             raise AssertionError("a grant for no service")
         if target.what in ("model", "model_ready") and service.kind != "onnx":
@@ -228,23 +233,23 @@ class Gateway:
                 f"service {service.name!r} runs a command, not a model: reach it at "
                 f"/services/{service.name}/<path>"
             )
-            return label, await _error(send, 404, message)
+            return _refusal(404, message, label=label)
         if target.what == "model_ready":
             ready = bool(self.table.rotation(snapshot, service))
             body = {"name": service.name, "ready": ready}
-            return label, await _answer(send, 200 if ready else 503, body)
+            return Answer(200 if ready else 503, body, label=label)
         if sum(len(name) + len(value) for name, value in headers) > MAX_HEADER_BYTES:
             self.metrics.error(label, "headers_too_large")
             message = f"the request's headers pass {MAX_HEADER_BYTES} bytes; send fewer or shorter"
-            return label, await _error(send, 431, message)
+            return _refusal(431, message, label=label)
         declared = _header(headers, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limits.body_bytes:
             self.metrics.error(label, "too_large")
-            return label, await _error(send, 413, self._too_large(), [(b"connection", b"close")])
+            return _refusal(413, self.too_large(), [(b"connection", b"close")], label)
         if target.what == "model":
             path = f"/v2/models/{encode_segment(service.model_name)}{target.path}"
             if method == "POST" and not target.path.endswith("/infer"):
-                return label, await _error(send, 405, "POST is for .../infer; GET the metadata")
+                return _refusal(405, "POST is for .../infer; GET the metadata", label=label)
         else:
             path = target.path
         forwarded = [
@@ -252,7 +257,6 @@ class Gateway:
             for name, value in headers
             if crossing(name.decode("latin-1").lower())
         ]
-        query = scope.get("query_string", b"").decode("latin-1")
         if declared is not None:
             expected = int(declared) if declared.isdigit() else None
         else:  # no length: no body, unless it comes chunked
@@ -262,12 +266,8 @@ class Gateway:
         oversized = outbound.oversized(max((len(r.id) for r in service.replicas), default=64))
         if oversized is not None:
             self.metrics.error(label, f"{oversized}_too_large")
-            return label, await _error(send, *_OVERSIZED[oversized])
-        self.traffic.began(service.id)
-        try:
-            return await self._admitted(service, snapshot, receive, send, outbound)
-        finally:
-            self.traffic.ended(service.id)
+            return _refusal(*_OVERSIZED[oversized], label=label)
+        return Prepared(service, snapshot, outbound, grant)
 
     async def _admitted(
         self,
@@ -286,7 +286,7 @@ class Gateway:
                 self.metrics.queue.labels(label).dec()
         except Refused as refused:
             self.metrics.error(label, "busy")
-            return label, await _error(send, 503, self._busy(service, full=refused.full))
+            return label, await _error(send, 503, self.busy(service, full=refused.full))
         self.metrics.in_flight.labels(label).inc()
         try:
             return label, await self._forward(service, snapshot, receive, send, outbound)
@@ -320,11 +320,7 @@ class Gateway:
                 # replica left the rotation that long ago gets no new request, which is what
                 # lets a draining one stop once none is in flight (`services/rollout.idle`).
                 await body.whole()
-                snapshot, service = await self._fresh(snapshot, service)
-                rotation = self.table.rotation(snapshot, service)
-                if not rotation and attempt == 0 and service.scales_from_zero:
-                    snapshot, rotation = await self._wait_warm(service)
-                replica = self.balancer.choose(rotation, exclude=frozenset(tried))
+                snapshot, service, replica = await self.choose(snapshot, service, tried)
                 if replica is None or replica.node_id is None:
                     break
                 opener = self.opener()
@@ -362,14 +358,11 @@ class Gateway:
                 return exchange.status
         except ClientTimeout:
             self.metrics.error(label, "client_timeout")
-            message = (
-                f"no part of the request body arrived for {limits.body_timeout:g} s; "
-                "send the body without pausing"
-            )
+            message = body_timeout_message(limits.body_timeout)
             return await _error(send, 408, message, [(b"connection", b"close")])
         except BodyTooLarge:
             self.metrics.error(label, "too_large")
-            return await _error(send, 413, self._too_large(), [(b"connection", b"close")])
+            return await _error(send, 413, self.too_large(), [(b"connection", b"close")])
         except ClientGone:
             self.metrics.error(label, "client_gone")
             return 499
@@ -383,7 +376,18 @@ class Gateway:
             self.metrics.error(label, "unreachable")
             return await _error(send, 502, message)
         self.metrics.error(label, "no_replica")
-        return await _error(send, 503, self._no_replica(service))
+        return await _error(send, 503, self.no_replica(service))
+
+    async def choose(
+        self, snapshot: RoutingSnapshot, service: ServiceTarget, tried: set[str]
+    ) -> tuple[RoutingSnapshot, ServiceTarget, ReplicaTarget | None]:
+        """The replica for the next attempt (none of `tried`), from the table as it is now; a
+        first attempt at a service scaled to zero waits (bounded) for one to start."""
+        snapshot, service = await self._fresh(snapshot, service)
+        rotation = self.table.rotation(snapshot, service)
+        if not rotation and not tried and service.scales_from_zero:
+            snapshot, rotation = await self._wait_warm(service)
+        return snapshot, service, self.balancer.choose(rotation, exclude=frozenset(tried))
 
     async def _fresh(
         self, snapshot: RoutingSnapshot, service: ServiceTarget
@@ -410,13 +414,10 @@ class Gateway:
             if rotation or self.clock.monotonic() >= deadline:
                 return snapshot, rotation
 
-    def _too_large(self) -> str:
-        return (
-            f"the request body is larger than the gateway accepts ({self.limits.body_bytes} "
-            "bytes); send a smaller one, or an operator raises MODELFORGE_GATEWAY_MAX_BODY_BYTES"
-        )
+    def too_large(self) -> str:
+        return too_large_message(self.limits.body_bytes)
 
-    def _busy(self, service: ServiceTarget, *, full: bool) -> str:
+    def busy(self, service: ServiceTarget, *, full: bool) -> str:
         limits = self.limits
         why = (
             f"{limits.queue} requests already wait"
@@ -428,7 +429,7 @@ class Gateway:
             "(or raise MODELFORGE_GATEWAY_MAX_CONCURRENT_PER_SERVICE)"
         )
 
-    def _no_replica(self, service: ServiceTarget) -> str:
+    def no_replica(self, service: ServiceTarget) -> str:
         if service.scales_from_zero:
             return (
                 f"no replica of service {service.name!r} became ready within "
@@ -439,6 +440,19 @@ class Gateway:
             f"service {service.name!r} has no replica ready ({service.state}); retry once it "
             "is healthy, or see its events (GET /api/v1/services/{id}/events)"
         )
+
+
+def too_large_message(body_bytes: int) -> str:
+    """413's message (the native front's too: `native_front.py` gives it the text)."""
+    return (
+        f"the request body is larger than the gateway accepts ({body_bytes} bytes); send a "
+        "smaller one, or an operator raises MODELFORGE_GATEWAY_MAX_BODY_BYTES"
+    )
+
+
+def body_timeout_message(timeout: float) -> str:
+    """408's message, for a client that stopped sending its body."""
+    return f"no part of the request body arrived for {timeout:g} s; send the body without pausing"
 
 
 #: A request whose OPEN frame would not fit: its status and message, by what is too large.

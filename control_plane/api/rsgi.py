@@ -19,8 +19,10 @@ answer.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import os
 import re
 import sys
 from typing import Any
@@ -42,6 +44,34 @@ _JSON = RSGI_JSON_HEADERS
 #: Seconds a thread holds the GIL while another waits for it, in the served process (Python's
 #: default is 5 ms): see `ASGIOverRSGI.__rsgi_init__`.
 SWITCH_INTERVAL = 0.0005
+#: Where the served process finds the native front's key of this start (`native_front.py`).
+FRONT_KEY_ENV = "MODELFORGE_GATEWAY_FRONT_KEY"
+#: What the native front adds to each request it passes on: the client's address, and the key
+#: that says the address is the front's (anyone else's is ignored; both are always removed).
+CLIENT_HEADER = "x-modelforge-client"
+FRONT_KEY_HEADER = "x-modelforge-front-key"
+
+
+class FrontTrust:
+    """Whether a request came through the native front, whose word on the client's address it
+    then takes: with the front, every request reaches Granian from the front's own socket."""
+
+    key: str | None = None
+
+    @classmethod
+    def load(cls) -> None:
+        cls.key = os.environ.get(FRONT_KEY_ENV) or None
+
+    @classmethod
+    def client(cls, headers: Any, address: str) -> str:
+        """The client's `host:port`: the front's `x-modelforge-client` when its key came."""
+        key = cls.key
+        presented = headers.get(FRONT_KEY_HEADER)
+        if key is None or presented is None or not hmac.compare_digest(presented, key):
+            return address
+        return str(headers.get(CLIENT_HEADER) or address)
+
+
 #: The app's own 500 (`errors.InternalError`), rendered as its routes render it.
 _FAILED = json.dumps(InternalError().to_body(), separators=(",", ":")).encode()
 
@@ -55,6 +85,7 @@ class ASGIOverRSGI:
     request through `serve_asgi`."""
 
     def __init__(self, app: ASGIApp) -> None:
+        FrontTrust.load()
         self.app = app
         self.lifespan = Lifespan(app)
 
@@ -168,8 +199,12 @@ def _asgi_scope(scope: Any, state: dict[str, Any]) -> Scope:
         "path": scope.path,
         "query_string": scope.query_string.encode(),
         "root_path": "",
-        "headers": [(name.encode(), value.encode()) for name, value in scope.headers.items()],
-        "client": _address(scope.client),
+        "headers": [
+            (name.encode(), value.encode())
+            for name, value in scope.headers.items()
+            if name not in (CLIENT_HEADER, FRONT_KEY_HEADER)
+        ],
+        "client": _address(FrontTrust.client(scope.headers, scope.client)),
         "server": _address(scope.server),
         "state": state.copy(),
         # Files (artifact downloads, the console) are sent by Granian from the path, as its ASGI

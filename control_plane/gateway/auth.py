@@ -144,6 +144,13 @@ class GatewayAuth:
             cached = self._remember(digest, grant, read_at)
         return self._admit(cached.grant, service)
 
+    def standing(self, presented: str | None) -> float:
+        """Seconds the remembered answer for this `Authorization` value still stands (0: none):
+        how long another may act on a grant it was given (the native front's fast path), so
+        that a revoked token stops there when it stops here."""
+        cached = self._fresh(sha256_hex(_bearer(presented)))
+        return 0.0 if cached is None else max(0.0, cached.expires - self._clock.monotonic())
+
     def authorize_cached(self, presented: str | None, service: str) -> Grant | None:
         """As `authorize`, from memory only: None when the token must be read first (then call
         `authorize` off the event loop). Never blocks."""

@@ -71,6 +71,9 @@ class Admission:
     def __init__(self, *, limit: int, queue: int, wait: float) -> None:
         self.limit, self.queue, self.wait = limit, queue, wait
         self._gates: dict[str, _ServiceGate] = {}
+        #: Requests of each service carried elsewhere in this process (the native front's fast
+        #: path, as it last reported): they count against `limit` too.
+        self.held: dict[str, int] = {}
 
     def queued(self, service: str) -> int:
         gate = self._gates.get(service)
@@ -83,7 +86,7 @@ class Admission:
     async def enter(self, service: str) -> None:
         """Take a place for one request of `service` (waiting if need be); raises `Refused`."""
         gate = self._gates.setdefault(service, _ServiceGate())
-        if gate.running < self.limit and not gate.waiting:
+        if gate.running + self.held.get(service, 0) < self.limit and not gate.waiting:
             gate.running += 1
             return
         if len(gate.waiting) >= self.queue:

@@ -406,11 +406,13 @@ class TunnelHub:
         *,
         still_active: Callable[[], bool],
         expired: Callable[[], bool] = lambda: False,
+        watch_silence: bool = True,
     ) -> None:
         """Hold an accepted tunnel until it ends; `still_active` says whether the node's
         credential is unrevoked, `expired` whether it has expired since (memory only: both are
         asked twice a second). The agent's attempts to open it again with that credential are
-        refused like its other calls."""
+        refused like its other calls. `watch_silence` False: another end watches its silence
+        (the native front's tunnels, `api/gateway_native.py`, whose frames never come here)."""
         tunnel = Tunnel(node_id, socket, max_streams=self.max_streams)
         previous = self._tunnels.get(node_id)
         self._tunnels[node_id] = tunnel
@@ -435,7 +437,7 @@ class TunnelHub:
                     why = "its credential expired"
                     await tunnel.close(CLOSE_REVOKED, "the node credential expired")
                     break
-                if time.monotonic() - tunnel.heard_at > self.idle_timeout:
+                if watch_silence and time.monotonic() - tunnel.heard_at > self.idle_timeout:
                     why = f"silent for {self.idle_timeout:g} s"
                     await tunnel.close(CLOSE_IDLE, "the tunnel was silent")
                     break

@@ -78,6 +78,19 @@ class Traffic:
             else:
                 self._in_flight.pop(service_id, None)
 
+    def add(self, service_id: str, in_flight: int, *, requested: bool) -> None:
+        """Requests carried elsewhere (the native front's fast path): `in_flight` more (fewer
+        when negative), and a request just now when `requested`."""
+        now = self._clock.now()
+        with self._lock:
+            left = self._in_flight.get(service_id, 0) + in_flight
+            if left > 0:
+                self._in_flight[service_id] = left
+            else:
+                self._in_flight.pop(service_id, None)
+            if requested:
+                self._last[service_id] = now
+
     def loads(self) -> dict[str, Load]:
         with self._lock:
             ids = set(self._in_flight) | set(self._last)

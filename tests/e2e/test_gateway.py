@@ -1,7 +1,9 @@
 """One address for every model (issue 27's acceptance), with real processes: a control plane on
-Granian listening on a bridge's address, and two nodes (an agent and its runtime worker each)
-in network namespaces of their own (tests/e2e/netns.py), so the control plane cannot reach a port
-of either: everything it asks of them goes over their agents' outbound tunnels.
+Granian listening on a bridge's address (every test twice: the gateway in Python, then in the
+native front, `MODELFORGE_GATEWAY_FRONT=native`, with Granian behind it), and two nodes (an
+agent and its runtime worker each) in network namespaces of their own (tests/e2e/netns.py), so
+the control plane cannot reach a port of either: everything it asks of them goes over their
+agents' outbound tunnels.
 
 - No listening port of a node is reachable from the control plane's side.
 - An ONNX service with 2 replicas, one per node, answers `tritonclient.http` at the control
@@ -149,11 +151,14 @@ def _deploy(fleet: Fleet, name: str, body: dict[str, Any], replicas: int, timeou
     fleet.tokens[name] = minted["token"]
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    root = tmp_path_factory.mktemp("gateway")
+@pytest.fixture(scope="module", params=["python", "native"])
+def fleet(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Fleet]:
+    """The fleet, its gateway in the control plane's Python or in its native front."""
+    root = tmp_path_factory.mktemp(f"gateway-{request.param}")
     with Fabric() as fabric:
-        server = fabric.server(root, FAST)
+        server = fabric.server(root, {**FAST, "MODELFORGE_GATEWAY_FRONT": request.param})
         with server:
             nodes = [
                 NamespacedNode(
@@ -280,6 +285,38 @@ def test_a_command_service_answers_at_services_name(fleet: Fleet) -> None:
         posted = client.post("/services/echo/upload", content=body, headers=fleet.bearer("echo"))
         assert posted.status_code == 200, posted.text[:200]
         assert posted.content == b"POST /upload\n" + body
+
+
+def test_every_request_is_counted_and_a_revoked_token_stops_within_its_second(
+    fleet: Fleet,
+) -> None:
+    """Each request lands once in the service's traffic (through the native front's fast path
+    too, reported to the control plane), and a revoked token is refused once the control
+    plane's one-second check of it has run out, whichever end carries it."""
+    service_id = fleet.services["echo"]["service_id"]
+    path = f"/api/v1/services/{service_id}"
+    minted = fleet.call(
+        "POST", f"{path}/access-tokens", json={"name": "counted", "rate_per_second": None}
+    )
+    headers = {"Authorization": f"Bearer {minted['token']}"}
+
+    def answered() -> int:
+        return int(fleet.call("GET", f"{path}/traffic")["requests"].get("200", 0))
+
+    before = answered()
+    with httpx.Client(base_url=fleet.server.url, timeout=30) as client:
+        for index in range(40):
+            got = client.get(f"/services/echo/n{index}", headers=headers)
+            assert got.status_code == 200, got.text
+        wait_until(lambda: answered() - before >= 40, 10, "40 answers counted")
+        time.sleep(0.6)  # a report later: none counted twice
+        assert answered() - before == 40
+        fleet.call("DELETE", f"{path}/access-tokens/{minted['id']}")
+        revoked = time.monotonic()
+        while (status := client.get("/services/echo/x", headers=headers).status_code) == 200:
+            assert time.monotonic() - revoked < 2.5, "the revoked token still opens the service"
+            time.sleep(0.05)
+        assert status == 401
 
 
 # -- hostile input ----------------------------------------------------------------------------

@@ -413,6 +413,37 @@ def test_node_agent_runs_its_preflight_without_a_shell(
 
 @pytest.mark.e2e
 @pytest.mark.timeout(1200)
+def test_the_control_planes_native_front_ships_and_runs_in_its_image(
+    built: tuple[Path, list[BuiltImage]], tmp_path: Path
+) -> None:
+    """The gateway's native front (`MODELFORGE_GATEWAY_FRONT=native`) is in the control plane's
+    image where `native_front` looks for it, and runs there (its libraries found): with no
+    configuration on its stdin it says so and exits 2."""
+    _, images = built
+    rootfs = tmp_path / "rootfs"
+    rootfs.mkdir()
+    for layer in images[0].layers:
+        subprocess.run(["tar", "-xpf", str(layer), "-C", str(rootfs)], check=True)
+    env = dict(item.split("=", 1) for item in json.loads(images[0].config_bytes)["config"]["Env"])
+    found = subprocess.run(
+        ["chroot", "--userspec=10001:10001", str(rootfs), "python3", "-c",
+         "from control_plane.native_front import BINARY; print(BINARY, BINARY.is_file())"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    front, present = found.stdout.split()
+    assert (front.endswith("/control_plane/bin/modelforge-gateway-front"), present) == (
+        True,
+        "True",
+    ), found.stderr
+    ran = subprocess.run(
+        ["chroot", "--userspec=10001:10001", str(rootfs), front],
+        env=env, input="", capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (ran.returncode, ran.stderr) == (2, "error no configuration on stdin\n")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1200)
 def test_every_build_checks_every_elf_file(
     built: tuple[Path, list[BuiltImage]], build_output: list[str]
 ) -> None:

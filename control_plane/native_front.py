@@ -1,0 +1,142 @@
+"""The native gateway front beside Granian (`MODELFORGE_GATEWAY_FRONT=native`, issue 27).
+
+`modelforge-gateway-front` (`native/gateway_front`, Rust, built by `make install` into
+`control_plane/bin/`) listens on the control plane's address. It carries the gateway's requests
+(`/v2/...`, `/services/{name}/...`) to the replicas through the agents' tunnels, which it holds
+itself, and passes every other request, unchanged, to Granian, which then listens on a loopback
+port of its own. The gateway's decisions stay in Python (`api/gateway_native.py`): the front asks
+over a Unix socket in a private directory (mode 0700) that the served process listens on.
+
+The front tells Granian the client's address in `x-modelforge-client`, trusted only beside
+`x-modelforge-front-key`, a random key of this start (`api/rsgi.py`, `FrontTrust`); the served
+process reads the socket's path and the key from its environment, which only this user can
+read, and the front from its standard input. The front ends when its standard input does (this
+process stopping, however it stops).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from control_plane.api.edge import SECURITY_HEADERS
+from control_plane.api.gateway import body_timeout_message, too_large_message
+from control_plane.api.gateway_native import CONTROL_ENV
+from control_plane.api.rsgi import FRONT_KEY_ENV
+from control_plane.settings import Settings
+from modelforge_contracts.tunnel import IDLE_TIMEOUT, MAX_STREAMS, TUNNEL_PATH
+
+log = logging.getLogger("modelforge.control_plane.front")
+
+BINARY = Path(__file__).parent / "bin" / "modelforge-gateway-front"
+
+
+class FrontUnavailable(Exception):
+    """The native front cannot run here (the message says why and what to do)."""
+
+
+def why_not(settings: Settings) -> str | None:
+    """Why the native front is not used with these settings (None: it is)."""
+    if settings.gateway_front != "native":
+        return "MODELFORGE_GATEWAY_FRONT=python"
+    if settings.tls_cert is not None:
+        return "it does not terminate TLS yet (MODELFORGE_TLS_CERT is set)"
+    if settings.gateway_peer_address:
+        return "it does not reach other control-plane replicas yet (a peer address is set)"
+    return None
+
+
+def _loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class NativeFront:
+    """One run of the front: `prepare` before Granian starts, `start`, and `stop` at the end."""
+
+    def __init__(self, settings: Settings) -> None:
+        if not BINARY.is_file():
+            raise FrontUnavailable(
+                f"the native gateway front is not installed ({BINARY}); run `make install`, "
+                "or set MODELFORGE_GATEWAY_FRONT=python"
+            )
+        self.settings = settings
+        self.directory = Path(tempfile.mkdtemp(prefix="modelforge-front-"))  # mode 0700
+        self.control = self.directory / "control.sock"
+        self.upstream_port = _loopback_port()
+        self._key = secrets.token_hex(32)
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def prepare(self) -> None:
+        """Where the served process (forked by Granian later) finds the socket and the key."""
+        os.environ[CONTROL_ENV] = str(self.control)
+        os.environ[FRONT_KEY_ENV] = self._key
+
+    def start(self) -> None:
+        settings = self.settings
+        config = {
+            "listen": f"{settings.host}:{settings.port}",
+            "upstream": f"127.0.0.1:{self.upstream_port}",
+            "control": str(self.control),
+            "front_key": self._key,
+            "tunnel_path": TUNNEL_PATH,
+            "max_streams": MAX_STREAMS,
+            "idle_timeout": IDLE_TIMEOUT,
+            "body_bytes": settings.gateway_max_body_bytes,
+            "retry_bytes": settings.gateway_retry_body_bytes,
+            "body_timeout": settings.gateway_body_timeout_seconds,
+            "security_headers": [[k.decode(), v.decode()] for k, v in SECURITY_HEADERS],
+            "too_large": too_large_message(settings.gateway_max_body_bytes),
+            "body_timeout_message": body_timeout_message(settings.gateway_body_timeout_seconds),
+        }
+        process = subprocess.Popen(  # noqa: S603 - our own binary, no shell
+            [str(BINARY)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            close_fds=True,
+        )
+        assert process.stdin is not None and process.stderr is not None  # noqa: S101 - piped
+        process.stdin.write(json.dumps(config).encode() + b"\n")
+        process.stdin.flush()
+        self._process = process
+        threading.Thread(
+            target=_relay_log, args=(process.stderr,), name="gateway-front-log", daemon=True
+        ).start()
+        log.info(
+            "the native gateway front serves %s:%s (Granian behind it on 127.0.0.1:%s)",
+            settings.host,
+            settings.port,
+            self.upstream_port,
+        )
+
+    def stop(self) -> None:
+        process = self._process
+        if process is not None:
+            assert process.stdin is not None  # noqa: S101 - piped
+            try:
+                process.stdin.close()
+                process.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                process.kill()
+                process.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+_LEVELS = {"error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO}
+
+
+def _relay_log(stream: object) -> None:
+    """The front's stderr lines (`<level> <message>`) as this process's log lines."""
+    for raw in iter(stream.readline, b""):  # type: ignore[attr-defined]
+        level, _, message = raw.decode("utf-8", "replace").rstrip().partition(" ")
+        log.log(_LEVELS.get(level, logging.INFO), "gateway front: %s", message)
