@@ -9,8 +9,9 @@ over a Unix socket in a private directory (mode 0700) that the served process li
 
 The front tells Granian the client's address in `x-modelforge-client`, trusted only beside
 `x-modelforge-front-key`, a random key of this start (`api/rsgi.py`, `FrontTrust`); the served
-process reads the socket's path and the key from its environment, which only this user can
-read, and the front from its standard input. The front ends when its standard input does (this
+process (forked from this one) reads the socket's path and the key from the environment this
+process set for it (in memory: not in `/proc/<pid>/environ`), and the front from its standard
+input. The front ends when its standard input does (this
 process stopping, however it stops).
 """
 
@@ -98,8 +99,11 @@ class NativeFront:
             "too_large": too_large_message(settings.gateway_max_body_bytes),
             "body_timeout_message": body_timeout_message(settings.gateway_body_timeout_seconds),
         }
+        # The key and the socket's path go on its stdin only, not in its environment.
+        env = {k: v for k, v in os.environ.items() if k not in (CONTROL_ENV, FRONT_KEY_ENV)}
         process = subprocess.Popen(  # noqa: S603 - our own binary, no shell
             [str(BINARY)],
+            env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

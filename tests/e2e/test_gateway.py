@@ -303,6 +303,7 @@ def test_every_request_is_counted_and_a_revoked_token_stops_within_its_second(
     def answered() -> int:
         return int(fleet.call("GET", f"{path}/traffic")["requests"].get("200", 0))
 
+    time.sleep(0.6)  # the earlier tests' last requests reported (the front's, 4 times a second)
     before = answered()
     with httpx.Client(base_url=fleet.server.url, timeout=30) as client:
         for index in range(40):
@@ -317,6 +318,26 @@ def test_every_request_is_counted_and_a_revoked_token_stops_within_its_second(
             assert time.monotonic() - revoked < 2.5, "the revoked token still opens the service"
             time.sleep(0.05)
         assert status == 401
+
+
+def test_the_fronts_key_is_in_no_process_argument_or_environment(fleet: Fleet) -> None:
+    """With the native front, the key that makes Granian believe its client addresses reaches
+    the front on its stdin and the served process in memory: no process shows it in its
+    arguments or its environment (`/proc/<pid>/cmdline`, `environ`)."""
+    import psutil
+
+    assert fleet.server.process is not None
+    family = [
+        psutil.Process(fleet.server.process.pid),
+        *psutil.Process(fleet.server.process.pid).children(recursive=True),
+    ]
+    fronts = [process for process in family if process.name() == "modelforge-gateway-front"]
+    native = fleet.server.env().get("MODELFORGE_GATEWAY_FRONT") == "native"
+    assert len(fronts) == (1 if native else 0)
+    for process in family:
+        assert "MODELFORGE_GATEWAY_FRONT_KEY" not in process.environ(), process.cmdline()
+    for front in fronts:
+        assert front.cmdline() == [front.exe()]
 
 
 # -- hostile input ----------------------------------------------------------------------------
