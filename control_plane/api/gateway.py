@@ -279,11 +279,7 @@ class Gateway:
     ) -> tuple[str, int]:
         label = service.name
         try:
-            self.metrics.queue.labels(label).inc()
-            try:
-                await self.admission.enter(label)
-            finally:
-                self.metrics.queue.labels(label).dec()
+            await self.admit(label)
         except Refused as refused:
             self.metrics.error(label, "busy")
             return label, await _error(send, 503, self.busy(service, full=refused.full))
@@ -377,6 +373,15 @@ class Gateway:
             return await _error(send, 502, message)
         self.metrics.error(label, "no_replica")
         return await _error(send, 503, self.no_replica(service))
+
+    async def admit(self, label: str) -> None:
+        """A place among the service's requests (waiting in its queue, counted in the queue's
+        gauge meanwhile); `Refused` when its queue is full or the wait ran out."""
+        self.metrics.queue.labels(label).inc()
+        try:
+            await self.admission.enter(label)
+        finally:
+            self.metrics.queue.labels(label).dec()
 
     async def choose(
         self, snapshot: RoutingSnapshot, service: ServiceTarget, tried: set[str]

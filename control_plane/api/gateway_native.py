@@ -210,11 +210,7 @@ class NativeChannel(asyncio.Protocol):
         label = service.name
         gateway.traffic.began(service.id)
         try:
-            gateway.metrics.queue.labels(label).inc()
-            try:
-                await gateway.admission.enter(label)
-            finally:
-                gateway.metrics.queue.labels(label).dec()
+            await gateway.admit(label)
         except Refused as refused:
             gateway.traffic.ended(service.id)
             gateway.metrics.error(label, "busy")
@@ -303,6 +299,9 @@ class NativeChannel(asyncio.Protocol):
             gateway.balancer.ended(ticket.replica)
         if error in _DONE_ERRORS:
             gateway.metrics.error(label, error)
+        elif error == "transport":  # the front's 502 for a body it could not send again
+            gateway.metrics.error(label, "transport")
+            gateway.metrics.error(label, "unreachable")
         gateway.metrics.in_flight.labels(label).dec()
         gateway.admission.leave(label)
         gateway.traffic.ended(service.id)

@@ -87,7 +87,9 @@ pub async fn handle(
             Attempt::Failed(cause) => cause,
         };
         if !body.replayable {
-            done.set(502, "");
+            // Counted by the control plane as its own path counts it: a transport failure,
+            // then no replica reached.
+            done.set(502, "transport");
             let message = format!(
                 "no replica could be reached ({}); retry in a few seconds",
                 cause

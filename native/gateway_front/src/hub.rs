@@ -35,7 +35,6 @@ const TUNNEL_CLOSED: &str = "TUNNEL_CLOSED";
 const CANCELLED: &str = "CANCELLED";
 /// The cause of `Failed` when no open tunnel to the node is held (the Python exception's name).
 const UNAVAILABLE: &str = "TunnelUnavailable";
-const HEAD: usize = 5;
 /// The writer gathers messages up to about this many bytes into one write.
 const WRITE_CHUNK: usize = 256 * 1024;
 /// How long a closing tunnel waits for the agent's close, and for its last write.
@@ -112,12 +111,12 @@ fn push_frame(out: &mut Vec<u8>, kind: u8, stream: u32, payload: &[u8]) {
 /// many frames as one BATCH of at most `MAX_BATCH` bytes holds (at least one group), or the
 /// frame itself when only one goes (`frames::take_batch`, groups kept whole).
 fn append_message(pending: &mut VecDeque<Pending>, out: &mut Vec<u8>) {
-    let (mut taken, mut size) = (0, HEAD);
+    let (mut taken, mut size) = (0, frames::HEAD);
     while taken < pending.len() {
         let mut end = taken + 1;
-        let mut group = 4 + HEAD + pending[taken].payload.as_slice().len();
+        let mut group = 4 + frames::HEAD + pending[taken].payload.as_slice().len();
         while end < pending.len() && pending[end].joined {
-            group += 4 + HEAD + pending[end].payload.as_slice().len();
+            group += 4 + frames::HEAD + pending[end].payload.as_slice().len();
             end += 1;
         }
         if taken > 0 && size + group > frames::MAX_BATCH {
@@ -129,7 +128,7 @@ fn append_message(pending: &mut VecDeque<Pending>, out: &mut Vec<u8>) {
     if taken == 1 {
         if let Some(item) = pending.pop_front() {
             let payload = item.payload.as_slice();
-            ws::server_head(ws::OP_BINARY, HEAD + payload.len(), out);
+            ws::server_head(ws::OP_BINARY, frames::HEAD + payload.len(), out);
             push_frame(out, item.kind, item.stream, payload);
         }
         return;
@@ -138,7 +137,7 @@ fn append_message(pending: &mut VecDeque<Pending>, out: &mut Vec<u8>) {
     push_frame(out, frames::BATCH, 0, &[]);
     for item in pending.drain(..taken) {
         let payload = item.payload.as_slice();
-        out.extend_from_slice(&((HEAD + payload.len()) as u32).to_be_bytes());
+        out.extend_from_slice(&((frames::HEAD + payload.len()) as u32).to_be_bytes());
         push_frame(out, item.kind, item.stream, payload);
     }
 }
@@ -379,8 +378,8 @@ impl Tunnel {
     /// The frames of one message from the agent, each to its stream (`Tunnel.read` there);
     /// Err for a malformed message (the tunnel is then closed), checked whole before any frame
     /// is dispatched.
-    fn dispatch(&self, message: Vec<u8>, spans: &mut Vec<Span>) -> Result<(), String> {
-        split(&message, spans)?;
+    fn dispatch(&self, message: Vec<u8>, spans: &mut Vec<frames::Span>) -> Result<(), String> {
+        frames::split(&message, spans)?;
         if spans.iter().all(|span| span.stream == 0) {
             return Ok(()); // keepalives: the idle clock was refreshed
         }
@@ -473,89 +472,6 @@ impl Tunnel {
         }
         Ok(())
     }
-}
-
-/// One frame of a message: where its payload lies.
-struct Span {
-    kind: u8,
-    stream: u32,
-    start: usize,
-    end: usize,
-}
-
-/// One frame's head (`frames::decode`'s checks, the same refusals).
-fn check(frame: &[u8]) -> Result<(u8, u32), String> {
-    if frame.len() < HEAD {
-        return Err("a frame shorter than its header".into());
-    }
-    let kind = frame[0];
-    let stream = u32::from_be_bytes([frame[1], frame[2], frame[3], frame[4]]);
-    if !(frames::OPEN..=frames::WINDOW).contains(&kind) {
-        return Err(format!("unknown frame type {}", kind));
-    }
-    let limit = if kind == frames::OPEN || kind == frames::RESPONSE {
-        frames::MAX_OPEN
-    } else {
-        frames::MAX_PAYLOAD
-    };
-    if frame.len() - HEAD > limit {
-        return Err(format!("a frame of type {} over {} bytes", kind, limit));
-    }
-    if stream == 0 && kind != frames::WINDOW {
-        return Err("only the keepalive (WINDOW) and BATCH use stream 0".into());
-    }
-    Ok((kind, stream))
-}
-
-/// The frames of one message, in `spans` (`frames::decode_message` without copying a
-/// payload: the same checks, the same refusals).
-fn split(message: &[u8], spans: &mut Vec<Span>) -> Result<(), String> {
-    spans.clear();
-    if message.first() != Some(&frames::BATCH) {
-        let (kind, stream) = check(message)?;
-        spans.push(Span {
-            kind,
-            stream,
-            start: HEAD,
-            end: message.len(),
-        });
-        return Ok(());
-    }
-    if message.len() > frames::MAX_BATCH + HEAD {
-        return Err(format!("a BATCH over {} bytes", frames::MAX_BATCH));
-    }
-    if message.len() < HEAD || message[1..HEAD] != [0, 0, 0, 0] {
-        return Err("a BATCH is on stream 0".into());
-    }
-    let mut at = HEAD;
-    while at < message.len() {
-        if at + 4 > message.len() {
-            return Err("a BATCH cut inside a frame's length".into());
-        }
-        let length = u32::from_be_bytes([
-            message[at],
-            message[at + 1],
-            message[at + 2],
-            message[at + 3],
-        ]) as usize;
-        at += 4;
-        if length > message.len() - at {
-            return Err("a BATCH cut inside a frame".into());
-        }
-        let inner = &message[at..at + length];
-        if inner.first() == Some(&frames::BATCH) {
-            return Err("a BATCH inside a BATCH".into());
-        }
-        let (kind, stream) = check(inner)?;
-        spans.push(Span {
-            kind,
-            stream,
-            start: at + HEAD,
-            end: at + length,
-        });
-        at += length;
-    }
-    Ok(())
 }
 
 /// A RESPONSE frame's payload (`ResponseHead.from_payload` there).
@@ -1381,52 +1297,5 @@ mod tests {
         let close = agent.message().await;
         assert_eq!(close.payload[..2], CLOSE_IDLE.to_be_bytes());
         assert_eq!(serving.await.unwrap(), "silent for 0.3 s");
-    }
-
-    #[test]
-    fn split_refuses_what_decode_message_refuses() {
-        let mut spans = Vec::new();
-        let inner = frames::take_batch(&mut VecDeque::from(vec![
-            frames::encode(frames::END, 1, b""),
-            frames::encode(frames::END, 2, b""),
-        ]));
-        let cases: Vec<Vec<u8>> = vec![
-            frames::encode(frames::DATA, 0, b"x"),
-            vec![9, 0, 0, 0, 1],
-            vec![1, 0],
-            vec![],
-            frames::take_batch(&mut VecDeque::from(vec![
-                inner,
-                frames::encode(frames::END, 3, b""),
-            ])),
-            frames::encode(frames::DATA, 1, &[0; frames::MAX_PAYLOAD + 1]),
-            frames::encode(frames::RESPONSE, 1, &[0; frames::MAX_OPEN + 1]),
-            vec![frames::BATCH, 0, 0, 0, 1],
-            vec![frames::BATCH, 0, 0, 0, 0, 0, 0, 9],
-            vec![frames::BATCH, 0, 0, 0, 0, 0, 0, 0, 9, 1],
-            frames::take_batch(&mut VecDeque::from(vec![
-                frames::encode(frames::DATA, 1, b"abc"),
-                frames::keepalive(),
-                frames::encode(frames::END, 1, b""),
-            ])),
-            frames::encode(frames::WINDOW, 0, &0u32.to_be_bytes()),
-        ];
-        for case in cases {
-            let ours = split(&case, &mut spans);
-            let theirs = frames::decode_message(&case);
-            assert_eq!(ours.is_ok(), theirs.is_ok(), "{:?}", case);
-            if let Ok(decoded) = theirs {
-                assert_eq!(decoded.len(), spans.len());
-                for (frame, span) in decoded.iter().zip(&spans) {
-                    assert_eq!((frame.kind, frame.stream), (span.kind, span.stream));
-                    assert_eq!(frame.payload, case[span.start..span.end]);
-                }
-            }
-        }
-        assert!(parse_head(br#"{"status": 200.0, "headers": []}"#).is_err());
-        assert!(parse_head(br#"{"status": 99, "headers": []}"#).is_err());
-        assert!(parse_head(br#"{"status": 200, "headers": [["a"]]}"#).is_err());
-        assert!(parse_head(br#"{"status": 200}"#).is_err());
-        assert_eq!(parse_reset(b"nope").code, frames::PROTOCOL_ERROR);
     }
 }

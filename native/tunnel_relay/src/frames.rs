@@ -16,7 +16,8 @@ pub const INITIAL_WINDOW: i64 = 256 * 1024;
 pub const MAX_PAYLOAD: usize = 64 * 1024;
 pub const MAX_OPEN: usize = 16 * 1024;
 pub const MAX_BATCH: usize = MAX_OPEN + MAX_PAYLOAD + 64;
-const HEAD: usize = 5;
+/// A frame's header: its kind (1 byte) and stream (4).
+pub const HEAD: usize = 5;
 const MAX_WINDOW: i64 = (1 << 31) - 1;
 
 /// Reset codes (`ResetCode` there).
@@ -80,39 +81,52 @@ pub fn take_batch(pending: &mut VecDeque<Vec<u8>>) -> Vec<u8> {
     out
 }
 
-fn decode(message: &[u8]) -> Result<Frame, String> {
-    if message.len() < HEAD {
+/// One frame of a message: its kind, its stream, and where its payload lies in the message.
+pub struct Span {
+    pub kind: u8,
+    pub stream: u32,
+    pub start: usize,
+    pub end: usize,
+}
+
+/// One frame's head, checked as the Python codec checks it: (kind, stream).
+fn check(frame: &[u8]) -> Result<(u8, u32), String> {
+    if frame.len() < HEAD {
         return Err("a frame shorter than its header".into());
     }
-    let kind = message[0];
-    let stream = u32::from_be_bytes([message[1], message[2], message[3], message[4]]);
+    let kind = frame[0];
+    let stream = u32::from_be_bytes([frame[1], frame[2], frame[3], frame[4]]);
     if !(OPEN..=WINDOW).contains(&kind) {
         return Err(format!("unknown frame type {}", kind));
     }
-    let payload = &message[HEAD..];
     let limit = if kind == OPEN || kind == RESPONSE {
         MAX_OPEN
     } else {
         MAX_PAYLOAD
     };
-    if payload.len() > limit {
+    if frame.len() - HEAD > limit {
         return Err(format!("a frame of type {} over {} bytes", kind, limit));
     }
     if stream == 0 && kind != WINDOW {
         return Err("only the keepalive (WINDOW) and BATCH use stream 0".into());
     }
-    Ok(Frame {
-        kind,
-        stream,
-        payload: payload.to_vec(),
-    })
+    Ok((kind, stream))
 }
 
-/// The frames of one WebSocket message, in order; an error for anything malformed (the
-/// tunnel is then closed, as the Python end does).
-pub fn decode_message(message: &[u8]) -> Result<Vec<Frame>, String> {
+/// The frames of one WebSocket message, in order, into `spans` (no payload copied); an error
+/// for anything malformed (the tunnel is then closed, as the Python end does), found before
+/// any frame is taken.
+pub fn split(message: &[u8], spans: &mut Vec<Span>) -> Result<(), String> {
+    spans.clear();
     if message.first() != Some(&BATCH) {
-        return Ok(vec![decode(message)?]);
+        let (kind, stream) = check(message)?;
+        spans.push(Span {
+            kind,
+            stream,
+            start: HEAD,
+            end: message.len(),
+        });
+        return Ok(());
     }
     if message.len() > MAX_BATCH + HEAD {
         return Err(format!("a BATCH over {} bytes", MAX_BATCH));
@@ -120,7 +134,6 @@ pub fn decode_message(message: &[u8]) -> Result<Vec<Frame>, String> {
     if message.len() < HEAD || message[1..HEAD] != [0, 0, 0, 0] {
         return Err("a BATCH is on stream 0".into());
     }
-    let mut frames = Vec::new();
     let mut at = HEAD;
     while at < message.len() {
         if at + 4 > message.len() {
@@ -133,17 +146,37 @@ pub fn decode_message(message: &[u8]) -> Result<Vec<Frame>, String> {
             message[at + 3],
         ]) as usize;
         at += 4;
-        if at + length > message.len() {
+        if length > message.len() - at {
             return Err("a BATCH cut inside a frame".into());
         }
         let inner = &message[at..at + length];
         if inner.first() == Some(&BATCH) {
             return Err("a BATCH inside a BATCH".into());
         }
-        frames.push(decode(inner)?);
+        let (kind, stream) = check(inner)?;
+        spans.push(Span {
+            kind,
+            stream,
+            start: at + HEAD,
+            end: at + length,
+        });
         at += length;
     }
-    Ok(frames)
+    Ok(())
+}
+
+/// The frames of one WebSocket message, each with its payload copied (`split`).
+pub fn decode_message(message: &[u8]) -> Result<Vec<Frame>, String> {
+    let mut spans = Vec::new();
+    split(message, &mut spans)?;
+    Ok(spans
+        .iter()
+        .map(|span| Frame {
+            kind: span.kind,
+            stream: span.stream,
+            payload: message[span.start..span.end].to_vec(),
+        })
+        .collect())
 }
 
 pub fn parse_window(payload: &[u8]) -> Result<i64, String> {
