@@ -317,9 +317,14 @@ class NativeChannel(asyncio.Protocol):
         while self._transport is not None:
             try:
                 snapshot = await gateway.table.current()
-            except Exception:  # noqa: BLE001 - the database: logged once by the table
-                snapshot = None
-            routes = [] if snapshot is None else self._routes(snapshot)
+            except Exception:  # noqa: BLE001 - the database: logged by the table
+                # No routes: every request is asked, and answered as the Python gateway
+                # answers without its table (503). Looked at again as a request would.
+                self.send({"op": "routes", "services": []})
+                sent = "[]"
+                await asyncio.sleep(gateway.table.max_age)
+                continue
+            routes = self._routes(snapshot)
             text = json.dumps(routes, separators=(",", ":"))
             if text != sent:
                 self.send({"op": "routes", "services": routes})

@@ -159,6 +159,8 @@ class RoutingTable:
         self._snapshot: RoutingSnapshot | None = None
         self._read_at = float("-inf")
         self._reading: asyncio.Task[None] | None = None
+        #: The last read failed (logged once until one succeeds).
+        self._failing = False
         #: Set each time a read lands (a request held for a cold service waits on it).
         self._landed = asyncio.Event()
 
@@ -198,6 +200,9 @@ class RoutingTable:
     def _start_read(self) -> asyncio.Task[None]:
         if self._reading is None or self._reading.done():
             self._reading = asyncio.get_running_loop().create_task(self._read_once())
+            # A read started beside a request that was served from memory has nobody awaiting
+            # it: its failure (the database away) is logged by `_read_once`, and taken here.
+            self._reading.add_done_callback(_taken)
         return self._reading
 
     async def _read_once(self) -> None:
@@ -205,8 +210,15 @@ class RoutingTable:
         try:
             snapshot = await asyncio.to_thread(self._read)
         except Exception as exc:
-            log.warning("the gateway could not read its routing table: %s", type(exc).__name__)
+            # Once per outage, and quietly: the database's watcher logs the outage itself, and
+            # the native front's routes read the table ten times a second.
+            if not self._failing:
+                self._failing = True
+                log.info("the gateway cannot read its routing table: %s", type(exc).__name__)
             raise
+        if self._failing:
+            self._failing = False
+            log.info("the gateway reads its routing table again")
         self._snapshot, self._read_at = snapshot, started
         landed, self._landed = self._landed, asyncio.Event()
         landed.set()
@@ -229,3 +241,8 @@ class RoutingTable:
     def rotation(self, snapshot: RoutingSnapshot, service: ServiceTarget) -> list[ReplicaTarget]:
         """The replicas that take requests now: warm, on an online node."""
         return [r for r in service.replicas if r.warm and self.live(snapshot, r)]
+
+
+def _taken(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()
