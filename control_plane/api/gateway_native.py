@@ -231,7 +231,11 @@ class NativeChannel(asyncio.Protocol):
             if standing > 0:
                 ticket.auth = {"service": service.name, "ttl": round(standing, 3)}
         self._tickets[number] = ticket
-        return await self._grant(ask, number)
+        try:
+            return await self._grant(ask, number)
+        except BaseException:  # cancelled (the front went away), or failed: the ticket ends
+            self._done(number, 500, "")
+            raise
 
     async def _grant(self, ask: int, number: int) -> dict[str, Any]:
         """The ticket's next replica, or the answer when there is none (the ticket then ends)."""
@@ -288,6 +292,9 @@ class NativeChannel(asyncio.Protocol):
             log.error("unexpected %s retrying a gateway request", type(exc).__name__, exc_info=exc)
             self._done(number, 500, "")
             self.send(_answer(ask, Answer(500, {"error": "the gateway failed; retry"})))
+        except BaseException:  # cancelled: the front went away
+            self._done(number, 500, "")
+            raise
 
     def _done(self, number: int, status: int, error: str) -> None:
         ticket = self._tickets.pop(number, None)
