@@ -12,11 +12,10 @@ the edge: it answers its own paths and hands every other request on untouched.
 - Any service at `/services/{name}/{path...}` (any method, bodies streamed both ways); the
   replica gets `/{path...}` with the query. (`/services` and `/services/{id}` stay the console's.)
 
-The path is read as the client sent it (`received_path`: percent-encoded), one segment at a
-time, each decoded once (`gateway/paths.py`): the service's name is decoded exactly once, and
-what follows it goes to the replica still encoded, so `%2F`, `%3F`, `%23` or `%25` in it mean
-there what they meant to the client (on Granian's RSGI, which decodes the path before the app
-sees it, all but `%2F`).
+The path is read as the client sent it, each segment decoded once (`gateway/paths.py`): the
+service's name is decoded exactly once, what follows goes to the replica still encoded, so
+`%2F`, `%3F`, `%23` or `%25` in it mean there what they meant to the client (on Granian's
+RSGI, which decodes the path before the app sees it, all but `%2F`).
 
 Each request needs a token of that service (`Authorization: Bearer mfs_...`): 401 without one,
 429 past its rate (`authorize`). Then the bounds: headers, the body (413 by its length or as
