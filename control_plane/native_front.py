@@ -37,6 +37,9 @@ from modelforge_contracts.tunnel import IDLE_TIMEOUT, MAX_STREAMS, TUNNEL_PATH
 
 log = logging.getLogger("modelforge.control_plane.front")
 
+#: Seconds before a front that exited is started again.
+RESTART_AFTER = 1.0
+
 BINARY = Path(__file__).parent / "bin" / "modelforge-gateway-front"
 
 
@@ -76,6 +79,7 @@ class NativeFront:
         self.upstream_port = _loopback_port()
         self._key = secrets.token_hex(32)
         self._process: subprocess.Popen[bytes] | None = None
+        self._stopping = threading.Event()
 
     def prepare(self) -> None:
         """Where the served process (forked by Granian later) finds the socket and the key."""
@@ -83,6 +87,18 @@ class NativeFront:
         os.environ[FRONT_KEY_ENV] = self._key
 
     def start(self) -> None:
+        """Start the front, and start it again whenever it exits until `stop` (a thread)."""
+        self._spawn()
+        settings = self.settings
+        log.info(
+            "the native gateway front serves %s:%s (Granian behind it on 127.0.0.1:%s)",
+            settings.host,
+            settings.port,
+            self.upstream_port,
+        )
+        threading.Thread(target=self._watch, name="gateway-front-watch", daemon=True).start()
+
+    def _spawn(self) -> None:
         settings = self.settings
         config = {
             "listen": f"{settings.host}:{settings.port}",
@@ -116,14 +132,26 @@ class NativeFront:
         threading.Thread(
             target=_relay_log, args=(process.stderr,), name="gateway-front-log", daemon=True
         ).start()
-        log.info(
-            "the native gateway front serves %s:%s (Granian behind it on 127.0.0.1:%s)",
-            settings.host,
-            settings.port,
-            self.upstream_port,
-        )
+
+    def _watch(self) -> None:
+        """The port is the front's: should it exit (killed, a fault), it starts again within a
+        second; the control plane forgets what the old one held (its channel closed), and the
+        agents open their tunnels again."""
+        while not self._stopping.is_set():
+            process = self._process
+            assert process is not None  # noqa: S101 - started before this thread
+            code = process.wait()
+            if self._stopping.wait(RESTART_AFTER):
+                return
+            log.error("the native gateway front exited with code %s; starting it again", code)
+            try:
+                self._spawn()
+            except OSError as exc:  # the binary gone: tried again each second
+                log.error("could not start the native gateway front: %s", exc)
+                self._stopping.wait(RESTART_AFTER)
 
     def stop(self) -> None:
+        self._stopping.set()
         process = self._process
         if process is not None:
             assert process.stdin is not None  # noqa: S101 - piped

@@ -615,3 +615,33 @@ def test_a_service_scaled_to_zero_comes_back_on_the_next_request(fleet: Fleet) -
         atol=1e-6,
     )
     print(f"scale from zero to the first answer: {cold:.2f} s")
+
+
+def test_a_killed_front_is_started_again_and_the_gateway_serves_again(fleet: Fleet) -> None:
+    """The native front owns the port: SIGKILLed, the control plane starts it again within
+    seconds, the agents open their tunnels to it again, and the gateway answers as before."""
+    import psutil
+
+    assert fleet.server.process is not None
+    family = psutil.Process(fleet.server.process.pid).children(recursive=True)
+    fronts = [process for process in family if process.name() == "modelforge-gateway-front"]
+    if fleet.server.env().get("MODELFORGE_GATEWAY_FRONT") != "native":
+        assert fronts == []
+        return
+    (front,) = fronts
+    front.kill()
+    body = _infer_body()
+    with httpx.Client(base_url=fleet.server.url, timeout=10) as client:
+
+        def answers() -> bool:
+            try:
+                response = client.post(
+                    "/v2/models/mlp/infer", json=body, headers=fleet.bearer("mlp")
+                )
+            except httpx.TransportError:
+                return False
+            return response.status_code == 200
+
+        took = wait_until(answers, 60, "the gateway to answer through a new front")
+    assert "the native gateway front exited with code" in fleet.server.log()
+    print(f"the gateway answered again {took:.1f} s after its front was killed")
