@@ -65,22 +65,15 @@ class Traffic:
         self._last: dict[str, datetime] = {}
 
     def began(self, service_id: str) -> None:
-        now = self._clock.now()
-        with self._lock:
-            self._in_flight[service_id] = self._in_flight.get(service_id, 0) + 1
-            self._last[service_id] = now
+        self.add(service_id, 1, requested=True)
 
     def ended(self, service_id: str) -> None:
-        with self._lock:
-            left = self._in_flight.get(service_id, 0) - 1
-            if left > 0:
-                self._in_flight[service_id] = left
-            else:
-                self._in_flight.pop(service_id, None)
+        self.add(service_id, -1, requested=False)
 
     def add(self, service_id: str, in_flight: int, *, requested: bool) -> None:
-        """Requests carried elsewhere (the native front's fast path): `in_flight` more (fewer
-        when negative), and a request just now when `requested`."""
+        """`in_flight` more requests (fewer when negative), and a request just now when
+        `requested`: one at a time from the Python gateway (`began`, `ended`), in batches from
+        the native front's reports."""
         now = self._clock.now()
         with self._lock:
             left = self._in_flight.get(service_id, 0) + in_flight
