@@ -9,7 +9,13 @@ CONSOLE_BUILD := $(CONSOLE)/dist/index.html
 CONSOLE_SOURCES := $(wildcard $(CONSOLE)/src/*) $(CONSOLE)/index.html $(CONSOLE)/package-lock.json \
 	$(CONSOLE)/vite.config.ts $(CONSOLE)/tsconfig.json
 
-.PHONY: install run test lint e2e console browser
+.PHONY: install run test check lint e2e console browser
+
+## Tests run in parallel (pytest-xdist): each test file on one worker, files that share a machine-wide
+## resource together (tests/conftest.py). The tests mostly wait on processes, so more workers than
+## cores pays; PYTEST_WORKERS=1 runs them one after another.
+PYTEST_WORKERS ?= 4
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
 
 ## The model server's native gRPC front (Rust, native/grpc_front): built offline with Debian's
 ## toolchain from Debian's packaged crates (installed if missing), pinned by its Cargo.lock.
@@ -85,11 +91,16 @@ test: lint
 		--target-dir ../../build/tunnel_relay
 	cd native/gateway_front && RUSTC=/usr/bin/rustc /usr/bin/cargo test -q --locked \
 		--target-dir ../../build/gateway_front
-	$(VENV)/bin/pytest --ignore=tests/e2e_docker --durations=30
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) --ignore=tests/e2e_docker --durations=30
+
+## The developers' inner loop: lint, types and the tests that start no real process (`-m "not e2e"`).
+check: lint
+	./scripts/ensure-postgres
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) --ignore=tests/e2e_docker -m "not e2e" --durations=10
 
 ## The heavier end-to-end suite against a real Docker engine (installed and started if needed):
 ## build the images, bundle, sign, verify, load, and `up` the stack.
 e2e: install
 	./scripts/ensure-postgres
 	./scripts/ensure-docker
-	$(VENV)/bin/pytest tests/e2e_docker
+	$(VENV)/bin/pytest tests/e2e_docker --durations=30

@@ -83,3 +83,23 @@ def pg_database_url(postgres_url: str) -> str:
 @pytest.fixture
 def admin_token() -> str:
     return ADMIN_TOKEN
+
+
+#: Test files that share one machine-wide resource, run one after another on one worker: the
+#: Slurm cluster of scripts/ensure-slurm (its tests cancel every job of its one user).
+_SHARED = {
+    "tests/e2e/test_console_browser.py": "slurm",
+    "tests/e2e/test_provisioning.py": "slurm",
+    "tests/e2e/test_slurm_cluster.py": "slurm",
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `pytest -n N --dist loadgroup` (make test): each file's tests go to one worker, so a
+    module's fixtures (a fleet, a live server) are built once, and files sharing a machine-wide
+    resource (`_SHARED`) go to the same worker. Runs before xdist reads the groups."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            path = item.nodeid.split("::", 1)[0]
+            item.add_marker(pytest.mark.xdist_group(_SHARED.get(path, path)))
