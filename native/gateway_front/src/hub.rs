@@ -8,8 +8,19 @@
 //! bytes, a request's OPEN, DATA and END never split), several messages per write. Streams sit
 //! in a `HashMap` behind a `std::sync::Mutex` held only between awaits; each stream's slot has
 //! its own small lock and a `Notify` its one reader waits on.
+//!
+//! Bounds, so that one node costs the process a bounded share whatever it sends: the bytes
+//! queued for the writer are counted; a stream's DATA and a new stream wait while more than
+//! `HIGH_WATER` bytes wait (the client's body waits with them), and past `MAX_QUEUED` (only
+//! small frames are queued without waiting) the tunnel is cut off. A write that is not done
+//! within `frames::WRITE_TIMEOUT_SECONDS` means the agent does not read: cut off too, never
+//! buffered for. The agent's PINGs are answered by one PONG for the latest (RFC 6455 allows
+//! it), and more than `frames::PING_BURST` of them at once close the tunnel (1008). The reader
+//! takes `frames::FRAMES_PER_SECOND` frames a second (a ping counts as one) and waits past it;
+//! a BATCH of more than `frames::MAX_BATCH_FRAMES` frames is refused (1002, with its reason).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -28,6 +39,7 @@ use crate::ws::{self, WsError};
 const MAX_MESSAGE: usize = 2 * frames::MAX_PAYLOAD + 1024;
 const CLOSE_GOING_AWAY: u16 = 1001;
 const CLOSE_PROTOCOL: u16 = 1002;
+const CLOSE_POLICY: u16 = 1008;
 const CLOSE_IDLE: u16 = 4408;
 const CLOSE_REPLACED: u16 = 4409;
 /// Reset codes `frames` does not name (`ResetCode` there).
@@ -39,6 +51,14 @@ const UNAVAILABLE: &str = "TunnelUnavailable";
 const WRITE_CHUNK: usize = 256 * 1024;
 /// How long a closing tunnel waits for the agent's close, and for its last write.
 const CLOSE_GRACE: Duration = Duration::from_secs(1);
+/// Bytes queued for the writer past which a stream's DATA and a new stream wait for it.
+const HIGH_WATER: usize = 1024 * 1024;
+/// Bytes queued past which the agent is taken not to read: the tunnel is cut off.
+const MAX_QUEUED: usize = 8 * 1024 * 1024;
+/// The writer's error when a write was not done within the write timeout.
+const NOT_READING: &str = "not reading";
+/// The close reason of a tunnel cut off because its agent does not read.
+const DOES_NOT_READ: &str = "the agent does not read its tunnel";
 
 /// A transport failure: no stream could be opened (a short cause, no secrets).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -87,8 +107,10 @@ enum Out {
     /// A stream's OPEN, with its whole body (a DATA unless empty, then END) when given: one
     /// message.
     Open(u32, Vec<u8>, Option<Vec<u8>>),
-    /// A WebSocket control frame (ping, pong, close: the writer stops after a close).
+    /// A WebSocket control frame (close: the writer stops after it).
     Control(u8, Vec<u8>),
+    /// The PONG waiting in `Outbox::pong` is to go (one for the latest PING).
+    Pong,
     /// The tunnel is over: stop at once.
     Stop,
 }
@@ -101,6 +123,63 @@ struct Pending {
     joined: bool,
 }
 
+/// What a tunnel's senders and its writer share beside the queue.
+struct Outbox {
+    /// Bytes of frames sent to the writer and not yet written (`queued_size` each).
+    queued: AtomicUsize,
+    /// A write was done: senders waiting for room look again.
+    drained: Notify,
+    /// The PONG to send: only the latest PING's is kept.
+    pong: Mutex<Option<Vec<u8>>>,
+}
+
+impl Outbox {
+    fn new() -> Outbox {
+        Outbox {
+            queued: AtomicUsize::new(0),
+            drained: Notify::new(),
+            pong: Mutex::new(None),
+        }
+    }
+}
+
+/// What one frame counts in `Outbox::queued`: as it goes in a BATCH.
+fn queued_size(payload: usize) -> usize {
+    4 + frames::HEAD + payload
+}
+
+/// A token bucket: `rate` a second, at most `burst` held.
+struct Bucket {
+    tokens: f64,
+    rate: f64,
+    burst: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn new(rate: u32, burst: u32) -> Bucket {
+        Bucket {
+            tokens: burst as f64,
+            rate: rate as f64,
+            burst: burst as f64,
+            at: Instant::now(),
+        }
+    }
+
+    /// Take `count`; how long until the balance is back to zero (zero when it still is).
+    fn spend(&mut self, count: usize) -> Duration {
+        let now = Instant::now();
+        let refill = now.duration_since(self.at).as_secs_f64() * self.rate;
+        self.tokens = (self.tokens + refill).min(self.burst) - count as f64;
+        self.at = now;
+        if self.tokens >= 0.0 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64(-self.tokens / self.rate)
+        }
+    }
+}
+
 fn push_frame(out: &mut Vec<u8>, kind: u8, stream: u32, payload: &[u8]) {
     out.push(kind);
     out.extend_from_slice(&stream.to_be_bytes());
@@ -108,18 +187,19 @@ fn push_frame(out: &mut Vec<u8>, kind: u8, stream: u32, payload: &[u8]) {
 }
 
 /// The next WebSocket message from the front of `pending` (not empty), appended to `out`: as
-/// many frames as one BATCH of at most `MAX_BATCH` bytes holds (at least one group), or the
-/// frame itself when only one goes (`frames::take_batch`, groups kept whole).
-fn append_message(pending: &mut VecDeque<Pending>, out: &mut Vec<u8>) {
+/// many frames as one BATCH of at most `MAX_BATCH` bytes and `MAX_BATCH_FRAMES` frames holds
+/// (at least one group), or the frame itself when only one goes (`frames::take_batch`, groups
+/// kept whole). Returns what the frames taken counted in `Outbox::queued`.
+fn append_message(pending: &mut VecDeque<Pending>, out: &mut Vec<u8>) -> usize {
     let (mut taken, mut size) = (0, frames::HEAD);
     while taken < pending.len() {
         let mut end = taken + 1;
-        let mut group = 4 + frames::HEAD + pending[taken].payload.as_slice().len();
+        let mut group = queued_size(pending[taken].payload.as_slice().len());
         while end < pending.len() && pending[end].joined {
-            group += 4 + frames::HEAD + pending[end].payload.as_slice().len();
+            group += queued_size(pending[end].payload.as_slice().len());
             end += 1;
         }
-        if taken > 0 && size + group > frames::MAX_BATCH {
+        if taken > 0 && (size + group > frames::MAX_BATCH || end > frames::MAX_BATCH_FRAMES) {
             break;
         }
         size += group;
@@ -131,7 +211,7 @@ fn append_message(pending: &mut VecDeque<Pending>, out: &mut Vec<u8>) {
             ws::server_head(ws::OP_BINARY, frames::HEAD + payload.len(), out);
             push_frame(out, item.kind, item.stream, payload);
         }
-        return;
+        return size - frames::HEAD;
     }
     ws::server_head(ws::OP_BINARY, size, out);
     push_frame(out, frames::BATCH, 0, &[]);
@@ -140,6 +220,7 @@ fn append_message(pending: &mut VecDeque<Pending>, out: &mut Vec<u8>) {
         out.extend_from_slice(&((frames::HEAD + payload.len()) as u32).to_be_bytes());
         push_frame(out, item.kind, item.stream, payload);
     }
+    size - frames::HEAD
 }
 
 /// Takes one request for the writer; false for `Stop`.
@@ -147,6 +228,7 @@ fn accept(
     item: Out,
     pending: &mut VecDeque<Pending>,
     control: &mut VecDeque<(u8, Vec<u8>)>,
+    outbox: &Outbox,
 ) -> bool {
     match item {
         Out::Frame(kind, stream, payload) => pending.push_back(Pending {
@@ -180,16 +262,40 @@ fn accept(
             }
         }
         Out::Control(opcode, payload) => control.push_back((opcode, payload)),
+        Out::Pong => {
+            if let Some(payload) = outbox.pong.lock().unwrap().take() {
+                match control.back_mut() {
+                    // One PONG for the latest PING, however many came meanwhile.
+                    Some((ws::OP_PONG, waiting)) => *waiting = payload,
+                    _ => control.push_back((ws::OP_PONG, payload)),
+                }
+            }
+        }
         Out::Stop => return false,
     }
     true
 }
 
 /// The tunnel's one writer: frames sent while a write is under way leave together in the
-/// next, as BATCH messages (`FrameWriter` there), written in one go.
+/// next, as BATCH messages (`FrameWriter` there), written in one go. A write not done within
+/// `write_timeout` fails with `NOT_READING`.
 async fn write_loop<W: AsyncWrite + Unpin>(
+    io: W,
+    queue: UnboundedReceiver<Out>,
+    outbox: Arc<Outbox>,
+    write_timeout: Duration,
+) -> Result<(), WsError> {
+    let written = write_messages(io, queue, &outbox, write_timeout).await;
+    // Senders waiting for room see the tunnel end.
+    outbox.drained.notify_waiters();
+    written
+}
+
+async fn write_messages<W: AsyncWrite + Unpin>(
     mut io: W,
     mut queue: UnboundedReceiver<Out>,
+    outbox: &Outbox,
+    write_timeout: Duration,
 ) -> Result<(), WsError> {
     let mut pending: VecDeque<Pending> = VecDeque::new();
     let mut control: VecDeque<(u8, Vec<u8>)> = VecDeque::new();
@@ -199,7 +305,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         if pending.is_empty() && control.is_empty() {
             match queue.recv().await {
                 Some(item) => {
-                    if !accept(item, &mut pending, &mut control) {
+                    if !accept(item, &mut pending, &mut control, outbox) {
                         return Ok(());
                     }
                 }
@@ -209,7 +315,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             tokio::task::yield_now().await;
         }
         while let Ok(item) = queue.try_recv() {
-            if !accept(item, &mut pending, &mut control) {
+            if !accept(item, &mut pending, &mut control, outbox) {
                 return Ok(());
             }
         }
@@ -223,11 +329,21 @@ async fn write_loop<W: AsyncWrite + Unpin>(
                 break;
             }
         }
+        let mut freed = 0;
         while !closing && !pending.is_empty() && out.len() < WRITE_CHUNK {
-            append_message(&mut pending, &mut out);
+            freed += append_message(&mut pending, &mut out);
         }
-        io.write_all(&out).await?;
-        io.flush().await?;
+        let write = async {
+            io.write_all(&out).await?;
+            io.flush().await?;
+            Ok::<(), WsError>(())
+        };
+        match tokio::time::timeout(write_timeout, write).await {
+            Ok(written) => written?,
+            Err(_) => return Err(WsError::Io(NOT_READING.to_string())),
+        }
+        outbox.queued.fetch_sub(freed, Ordering::AcqRel);
+        outbox.drained.notify_waiters();
         if closing {
             let _ = io.shutdown().await;
             return Ok(());
@@ -343,14 +459,68 @@ impl State {
 struct Tunnel {
     node: String,
     writer: UnboundedSender<Out>,
+    outbox: Arc<Outbox>,
     state: Mutex<State>,
     /// `state.close` was set: the tunnel's reader is to close it.
     stop: Notify,
 }
 
 impl Tunnel {
+    /// Send a frame without waiting for room (a small one: END, WINDOW, RESET); past
+    /// `MAX_QUEUED` bytes queued the agent does not read, and the tunnel is cut off.
     fn send(&self, kind: u8, stream: u32, payload: Payload) -> bool {
+        let size = queued_size(payload.as_slice().len());
+        let queued = self.outbox.queued.fetch_add(size, Ordering::AcqRel) + size;
+        if queued > MAX_QUEUED {
+            self.request_close(
+                CLOSE_POLICY,
+                DOES_NOT_READ,
+                &format!("cut off: it does not read ({} bytes wait for it)", queued),
+            );
+            return false;
+        }
         self.writer.send(Out::Frame(kind, stream, payload)).is_ok()
+    }
+
+    /// Count `size` bytes into the writer's queue once no more than `HIGH_WATER` wait (the
+    /// writer drains it); false once the tunnel is closed.
+    async fn reserve(&self, size: usize) -> bool {
+        let outbox = &self.outbox;
+        loop {
+            // Made before the look, so that a drain between the two still wakes it.
+            let drained = outbox.drained.notified();
+            if self.state.lock().unwrap().closed {
+                return false;
+            }
+            let queued = outbox.queued.load(Ordering::Acquire);
+            if queued <= HIGH_WATER {
+                let counted = outbox.queued.compare_exchange(
+                    queued,
+                    queued + size,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+                if counted.is_ok() {
+                    return true;
+                }
+                continue;
+            }
+            drained.await;
+        }
+    }
+
+    /// Give back bytes `reserve` counted that will not be sent.
+    fn unreserve(&self, size: usize) {
+        self.outbox.queued.fetch_sub(size, Ordering::AcqRel);
+        self.outbox.drained.notify_waiters();
+    }
+
+    /// Answer a PING: the one PONG waiting carries the latest PING's payload.
+    fn pong(&self, payload: Vec<u8>) {
+        let first = self.outbox.pong.lock().unwrap().replace(payload).is_none();
+        if first {
+            let _ = self.writer.send(Out::Pong);
+        }
     }
 
     fn request_close(&self, code: u16, reason: &str, why: &str) {
@@ -365,6 +535,7 @@ impl Tunnel {
         });
         state.close_streams(reason);
         drop(state);
+        self.outbox.drained.notify_waiters();
         self.stop.notify_one();
     }
 
@@ -531,6 +702,7 @@ pub struct Hub {
     tunnels: Mutex<HashMap<String, Arc<Tunnel>>>,
     max_streams: usize,
     idle_timeout: Duration,
+    write_timeout: Duration,
 }
 
 /// How a tunnel's reader stopped.
@@ -540,6 +712,8 @@ enum End {
     Asked,
     Idle,
     Protocol(String),
+    /// More PINGs than `frames::PING_BURST` at once.
+    Pings,
     Io(String),
     WriteFailed(String),
 }
@@ -550,6 +724,7 @@ impl Hub {
             tunnels: Mutex::new(HashMap::new()),
             max_streams,
             idle_timeout,
+            write_timeout: Duration::from_secs(frames::WRITE_TIMEOUT_SECONDS),
         })
     }
 
@@ -561,10 +736,14 @@ impl Hub {
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let (read_half, write_half) = tokio::io::split(io);
+        // Unbounded as a channel, bounded in bytes by `Outbox::queued` (`Tunnel::send`,
+        // `reserve`) and in PONGs by `Outbox::pong`.
         let (writer, queue) = unbounded_channel();
+        let outbox = Arc::new(Outbox::new());
         let tunnel = Arc::new(Tunnel {
             node: node.clone(),
             writer,
+            outbox: outbox.clone(),
             state: Mutex::new(State {
                 streams: HashMap::new(),
                 next_id: 1,
@@ -573,7 +752,8 @@ impl Hub {
             }),
             stop: Notify::new(),
         });
-        let mut write_task = tokio::spawn(write_loop(write_half, queue));
+        let mut write_task =
+            tokio::spawn(write_loop(write_half, queue, outbox, self.write_timeout));
         let previous = self
             .tunnels
             .lock()
@@ -591,6 +771,8 @@ impl Hub {
         let mut spans = Vec::new();
         let idle = self.idle_timeout;
         let mut heard = Instant::now();
+        let mut frames_taken = Bucket::new(frames::FRAMES_PER_SECOND, frames::FRAME_BURST);
+        let mut pings = Bucket::new(frames::PINGS_PER_SECOND, frames::PING_BURST);
         let silence = tokio::time::sleep_until(heard + idle);
         tokio::pin!(silence);
         let stopped = tunnel.stop.notified();
@@ -610,26 +792,37 @@ impl Hub {
                     });
                 }
                 message = reader.message(&mut partial) => match message {
-                    Ok(message) => match message.opcode {
-                        ws::OP_BINARY => {
-                            heard = Instant::now();
-                            if let Err(reason) = tunnel.dispatch(message.payload, &mut spans) {
-                                break End::Protocol(reason);
+                    Ok(message) => {
+                        match message.opcode {
+                            ws::OP_BINARY => {
+                                heard = Instant::now();
+                                if let Err(reason) = tunnel.dispatch(message.payload, &mut spans) {
+                                    break End::Protocol(reason);
+                                }
+                            }
+                            // Not a frame: what the Python end makes of it (an empty message).
+                            ws::OP_TEXT => {
+                                break End::Protocol("a frame shorter than its header".to_string())
+                            }
+                            ws::OP_PING => {
+                                if !pings.spend(1).is_zero() {
+                                    break End::Pings;
+                                }
+                                spans.clear();
+                                tunnel.pong(message.payload);
+                            }
+                            ws::OP_PONG => spans.clear(),
+                            _ => {
+                                let code = message.payload.get(..2).unwrap_or_default().to_vec();
+                                break End::AgentClosed(code);
                             }
                         }
-                        // Not a frame: what the Python end makes of it (an empty message).
-                        ws::OP_TEXT => {
-                            break End::Protocol("a frame shorter than its header".to_string())
+                        // Past its frames a second, the reader waits (the agent's sends with it).
+                        let wait = frames_taken.spend(spans.len().max(1));
+                        if !wait.is_zero() {
+                            tokio::time::sleep(wait).await;
                         }
-                        ws::OP_PING => {
-                            let _ = tunnel.writer.send(Out::Control(ws::OP_PONG, message.payload));
-                        }
-                        ws::OP_PONG => {}
-                        _ => {
-                            let code = message.payload.get(..2).unwrap_or_default().to_vec();
-                            break End::AgentClosed(code);
-                        }
-                    },
+                    }
                     Err(WsError::Protocol(reason)) => break End::Protocol(reason),
                     Err(WsError::Io(reason)) => break End::Io(reason),
                     Err(WsError::Refused(status)) => break End::Io(format!("status {}", status)),
@@ -653,6 +846,7 @@ impl Hub {
             state.close_streams(&format!("the tunnel of node {} closed", node));
             asked
         };
+        tunnel.outbox.drained.notify_waiters();
         {
             let mut tunnels = self.tunnels.lock().unwrap();
             if matches!(tunnels.get(&node), Some(held) if Arc::ptr_eq(held, &tunnel)) {
@@ -673,17 +867,36 @@ impl Hub {
             ),
             End::Protocol(reason) => (
                 format!("a protocol error ({})", reason),
-                Some(close_payload(CLOSE_PROTOCOL, "protocol error")),
+                Some(close_payload(CLOSE_PROTOCOL, &reason)),
+                false,
+            ),
+            End::Pings => (
+                format!("cut off: more than {} PINGs at once", frames::PING_BURST),
+                Some(close_payload(CLOSE_POLICY, "too many pings")),
                 false,
             ),
             End::Io(reason) if reason == "closed" => {
                 ("the agent closed it".to_string(), None, false)
             }
             End::Io(reason) => (format!("its connection failed ({})", reason), None, false),
+            End::WriteFailed(reason) if reason == NOT_READING => (
+                format!(
+                    "cut off: it does not read (a write waited {} s)",
+                    self.write_timeout.as_secs_f64()
+                ),
+                None,
+                false,
+            ),
             End::WriteFailed(reason) => {
                 (format!("its connection failed ({})", reason), None, false)
             }
         };
+        if why.starts_with("cut off") || why.starts_with("a protocol error") {
+            crate::log(
+                "warning",
+                &format!("node {}'s tunnel closed: {}", node, why),
+            );
+        }
         if !writer_done {
             let last = match close {
                 Some(payload) => Out::Control(ws::OP_CLOSE, payload),
@@ -754,14 +967,30 @@ impl Hub {
             Some(tunnel) => tunnel,
             None => return Err(Failed(UNAVAILABLE.to_string())),
         };
+        // What the writer will free for these frames (`append_message`).
+        let size = queued_size(open_payload.len())
+            + match &whole_body {
+                Some(body) if body.is_empty() => queued_size(0),
+                Some(body) => queued_size(body.len()) + queued_size(0),
+                None => 0,
+            };
+        if !tunnel.reserve(size).await {
+            return Err(Failed(UNAVAILABLE.to_string()));
+        }
         let slot = Arc::new(Slot::new(spent));
         let id = {
             let mut state = tunnel.state.lock().unwrap();
-            if state.closed {
-                return Err(Failed(UNAVAILABLE.to_string()));
-            }
-            if state.streams.len() >= self.max_streams {
-                return Err(Failed(frames::TOO_MANY_STREAMS.to_string()));
+            let refused = if state.closed {
+                Some(UNAVAILABLE)
+            } else if state.streams.len() >= self.max_streams {
+                Some(frames::TOO_MANY_STREAMS)
+            } else {
+                None
+            };
+            if let Some(refused) = refused {
+                drop(state);
+                tunnel.unreserve(size);
+                return Err(Failed(refused.to_string()));
             }
             let id = state.allocate();
             state.streams.insert(id, slot.clone());
@@ -826,10 +1055,12 @@ impl Stream {
                 return Ok(());
             }
             let piece = data.split_to(taken);
-            if !self
-                .tunnel
-                .send(frames::DATA, self.id, Payload::Shared(piece))
-            {
+            // Room in the writer's queue first: the body waits while the agent reads slowly.
+            if !self.tunnel.reserve(queued_size(piece.len())).await {
+                return Err(self.tunnel.closed_reset());
+            }
+            let frame = Out::Frame(frames::DATA, self.id, Payload::Shared(piece));
+            if self.tunnel.writer.send(frame).is_err() {
                 return Err(self.tunnel.closed_reset());
             }
         }
@@ -1010,8 +1241,15 @@ mod tests {
         max_streams: usize,
         idle: Duration,
     ) -> (Arc<Hub>, Agent, tokio::task::JoinHandle<String>) {
-        let (server, client) = tokio::io::duplex(1 << 20);
-        let hub = Hub::new(max_streams, idle);
+        start_with(Hub::new(max_streams, idle), 1 << 20).await
+    }
+
+    /// A tunnel to `hub` over a pipe of `buffer` bytes each way.
+    async fn start_with(
+        hub: Arc<Hub>,
+        buffer: usize,
+    ) -> (Arc<Hub>, Agent, tokio::task::JoinHandle<String>) {
+        let (server, client) = tokio::io::duplex(buffer);
         let serving = {
             let hub = hub.clone();
             tokio::spawn(async move { hub.serve("n1".to_string(), server).await })
@@ -1297,5 +1535,167 @@ mod tests {
         let close = agent.message().await;
         assert_eq!(close.payload[..2], CLOSE_IDLE.to_be_bytes());
         assert_eq!(serving.await.unwrap(), "silent for 0.3 s");
+    }
+
+    fn queued(hub: &Hub) -> usize {
+        let tunnel = hub.tunnels.lock().unwrap().get("n1").cloned().unwrap();
+        let queued = tunnel.outbox.queued.load(Ordering::Acquire);
+        queued
+    }
+
+    #[test]
+    fn the_bucket_gives_its_burst_then_its_rate() {
+        let mut bucket = Bucket::new(1000, 10);
+        assert!(bucket.spend(10).is_zero());
+        let wait = bucket.spend(5);
+        assert!(wait > Duration::from_millis(4) && wait <= Duration::from_millis(5));
+    }
+
+    #[tokio::test]
+    async fn an_agent_that_does_not_read_is_cut_off_and_its_queue_stays_bounded() {
+        let hub = Arc::new(Hub {
+            tunnels: Mutex::new(HashMap::new()),
+            max_streams: 64,
+            idle_timeout: Duration::from_secs(30),
+            write_timeout: Duration::from_millis(500),
+        });
+        // A pipe of 4 KiB the agent never reads: the writer's first write waits.
+        let (hub, _agent, serving) = start_with(hub, 4096).await;
+        let body: Vec<u8> = vec![7; 200 * 1024];
+        let mut senders = Vec::new();
+        for _ in 0..12 {
+            let mut stream = hub.open("n1", OPEN.to_vec(), None).await.unwrap();
+            let body = Bytes::from(body.clone());
+            senders.push(tokio::spawn(async move { stream.send(body).await }));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // 2.4 MB to send: no more than the high-water mark and one frame waits; the rest of
+        // the bodies wait with their senders.
+        let waiting = queued(&hub);
+        assert!(waiting > HIGH_WATER / 2, "{} bytes queued", waiting);
+        assert!(
+            waiting <= HIGH_WATER + queued_size(frames::MAX_PAYLOAD),
+            "{} bytes queued",
+            waiting
+        );
+        // The bodies that found room went whole (each within its window); the rest wait.
+        let waiting: Vec<_> = senders
+            .into_iter()
+            .filter(|sender| !sender.is_finished())
+            .collect();
+        assert!(waiting.len() >= 12 - HIGH_WATER / body.len() - 1);
+        // The write never finishes: the tunnel is cut off, every waiting sender told.
+        let why = tokio::time::timeout(Duration::from_secs(5), serving)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(why, "cut off: it does not read (a write waited 0.5 s)");
+        assert!(!hub.connected("n1"));
+        for sender in waiting {
+            let failed = tokio::time::timeout(Duration::from_secs(5), sender)
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(failed.unwrap_err().code, TUNNEL_CLOSED);
+        }
+    }
+
+    #[tokio::test]
+    async fn pings_get_one_pong_for_the_latest_and_a_flood_closes_the_tunnel() {
+        let (_hub, mut agent, serving) = start(8, Duration::from_secs(30)).await;
+        let mut burst = Vec::new();
+        for index in 0..frames::PING_BURST {
+            let payload = format!("ping {}", index);
+            let frame = ws::encode_frame(ws::OP_PING, payload.as_bytes(), &mut agent.entropy);
+            burst.extend_from_slice(&frame.unwrap());
+        }
+        agent.writer.write_all(&burst).await.unwrap();
+        // Every PING read before the writer ran is answered by one PONG, the latest's.
+        let mut pongs = Vec::new();
+        let last = format!("ping {}", frames::PING_BURST - 1).into_bytes();
+        while pongs.last() != Some(&last) {
+            let pong = agent.message().await;
+            assert_eq!(pong.opcode, ws::OP_PONG);
+            pongs.push(pong.payload);
+        }
+        assert!(
+            pongs.len() < frames::PING_BURST as usize,
+            "{} pongs",
+            pongs.len()
+        );
+        // One more at once: the tunnel is closed (1008).
+        agent.send_raw(ws::OP_PING, b"one more").await;
+        let close = agent.message().await;
+        assert_eq!(close.opcode, ws::OP_CLOSE);
+        assert_eq!(close.payload[..2], CLOSE_POLICY.to_be_bytes());
+        assert_eq!(&close.payload[2..], b"too many pings");
+        let why = serving.await.unwrap();
+        assert_eq!(
+            why,
+            format!("cut off: more than {} PINGs at once", frames::PING_BURST)
+        );
+    }
+
+    /// `count` keepalives in one BATCH message.
+    fn keepalives(count: usize) -> Vec<u8> {
+        let mut message = frames::encode(frames::BATCH, 0, b"");
+        for _ in 0..count {
+            let frame = frames::keepalive();
+            message.extend_from_slice(&(frame.len() as u32).to_be_bytes());
+            message.extend_from_slice(&frame);
+        }
+        message
+    }
+
+    #[tokio::test]
+    async fn a_batch_of_too_many_frames_closes_the_tunnel_with_its_reason() {
+        let (hub, mut agent, serving) = start(8, Duration::from_secs(30)).await;
+        agent
+            .send_raw(ws::OP_BINARY, &keepalives(frames::MAX_BATCH_FRAMES))
+            .await;
+        assert!(hub.connected("n1"));
+        agent
+            .send_raw(ws::OP_BINARY, &keepalives(frames::MAX_BATCH_FRAMES + 1))
+            .await;
+        let close = agent.message().await;
+        assert_eq!(close.opcode, ws::OP_CLOSE);
+        assert_eq!(close.payload[..2], CLOSE_PROTOCOL.to_be_bytes());
+        let reason = format!("a BATCH of more than {} frames", frames::MAX_BATCH_FRAMES);
+        assert_eq!(&close.payload[2..], reason.as_bytes());
+        assert_eq!(
+            serving.await.unwrap(),
+            format!("a protocol error ({})", reason)
+        );
+    }
+
+    #[tokio::test]
+    async fn the_reader_takes_frames_at_its_rate() {
+        let (hub, mut agent, _serving) = start(8, Duration::from_secs(30)).await;
+        let mut stream = hub.open("n1", OPEN.to_vec(), None).await.unwrap();
+        agent.frames().await;
+        // Twice the burst, then a RESET: it is read once the rate allowed the rest.
+        let began = Instant::now();
+        let messages = 2 * frames::FRAME_BURST as usize / frames::MAX_BATCH_FRAMES;
+        let mut flood = Vec::new();
+        for _ in 0..messages {
+            let message = keepalives(frames::MAX_BATCH_FRAMES);
+            flood.extend_from_slice(
+                &ws::encode_frame(ws::OP_BINARY, &message, &mut agent.entropy).unwrap(),
+            );
+        }
+        agent.writer.write_all(&flood).await.unwrap();
+        agent
+            .send(vec![frames::reset(1, "CANCELLED", "gone")])
+            .await;
+        assert_eq!(stream.response().await.unwrap_err().code, "CANCELLED");
+        let over = (messages * frames::MAX_BATCH_FRAMES) as f64 - frames::FRAME_BURST as f64;
+        let least = Duration::from_secs_f64(over / frames::FRAMES_PER_SECOND as f64 * 0.9);
+        assert!(
+            began.elapsed() >= least,
+            "{:?} < {:?}",
+            began.elapsed(),
+            least
+        );
+        assert!(hub.connected("n1"));
     }
 }

@@ -18,6 +18,26 @@ pub const MAX_OPEN: usize = 16 * 1024;
 pub const MAX_BATCH: usize = MAX_OPEN + MAX_PAYLOAD + 64;
 /// A frame's header: its kind (1 byte) and stream (4).
 pub const HEAD: usize = 5;
+/// The most frames one BATCH holds; a longer one is refused and the tunnel closed (the
+/// limits below are `modelforge_contracts/tunnel.py`'s, the same numbers).
+pub const MAX_BATCH_FRAMES: usize = 256;
+/// The frames a tunnel's reader takes per second on average (a WebSocket ping counts as one),
+/// and at most at once: past them the reader waits, so one node's floods cost a bounded share.
+/// (These last are the control plane's ends' to enforce; the agent's end reads none of them.)
+#[allow(dead_code)]
+pub const FRAMES_PER_SECOND: u32 = 20_000;
+#[allow(dead_code)]
+pub const FRAME_BURST: u32 = 2_000;
+/// The WebSocket pings a tunnel may send per second on average, and at most at once (an agent
+/// pings every 10 s): past them the tunnel is closed (1008).
+#[allow(dead_code)]
+pub const PINGS_PER_SECOND: u32 = 1;
+#[allow(dead_code)]
+pub const PING_BURST: u32 = 16;
+/// A write toward the peer that makes no progress this long: the peer does not read, and the
+/// tunnel is cut off rather than buffered for.
+#[allow(dead_code)]
+pub const WRITE_TIMEOUT_SECONDS: u64 = 10;
 const MAX_WINDOW: i64 = (1 << 31) - 1;
 
 /// Reset codes (`ResetCode` there).
@@ -63,7 +83,7 @@ pub fn take_batch(pending: &mut VecDeque<Vec<u8>>) -> Vec<u8> {
     let (mut taken, mut size) = (0, HEAD);
     for frame in pending.iter() {
         size += 4 + frame.len();
-        if taken > 0 && size > MAX_BATCH {
+        if taken > 0 && (size > MAX_BATCH || taken == MAX_BATCH_FRAMES) {
             break;
         }
         taken += 1;
@@ -148,6 +168,9 @@ pub fn split(message: &[u8], spans: &mut Vec<Span>) -> Result<(), String> {
         at += 4;
         if length > message.len() - at {
             return Err("a BATCH cut inside a frame".into());
+        }
+        if spans.len() == MAX_BATCH_FRAMES {
+            return Err(format!("a BATCH of more than {} frames", MAX_BATCH_FRAMES));
         }
         let inner = &message[at..at + length];
         if inner.first() == Some(&BATCH) {
@@ -309,6 +332,20 @@ mod tests {
         let mut pending = VecDeque::from(vec![full.clone(), full.clone(), encode(END, 1, b"")]);
         assert_eq!(take_batch(&mut pending), full);
         assert_eq!(pending.len(), 2);
+        // Nor more than MAX_BATCH_FRAMES frames: one more is refused whole.
+        let tiny = || encode(END, 1, b"");
+        let mut pending: VecDeque<Vec<u8>> = (0..MAX_BATCH_FRAMES + 1).map(|_| tiny()).collect();
+        let most = take_batch(&mut pending);
+        assert_eq!(decode_message(&most).unwrap().len(), MAX_BATCH_FRAMES);
+        assert_eq!(pending.len(), 1);
+        let mut over = most.clone();
+        over.extend_from_slice(&(HEAD as u32).to_be_bytes());
+        over.extend_from_slice(&tiny());
+        let refused = decode_message(&over).err().unwrap();
+        assert_eq!(
+            refused,
+            format!("a BATCH of more than {} frames", MAX_BATCH_FRAMES)
+        );
         assert!(parse_open(
             br#"{"replica_id":"r","method":"GET","path":"x","query":"","headers":[]}"#
         )
