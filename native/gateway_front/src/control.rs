@@ -10,12 +10,15 @@
 //! and flushes once the queue is empty, so a burst of requests costs one system call.
 //!
 //! The front connects at start, retrying every 100 ms until the control plane listens, and
-//! again whenever the connection is lost. A loss fails every pending ask (`Lost`: the gateway
+//! again whenever the connection is lost. The lines waiting for the writer are bounded in bytes
+//! (`MAX_QUEUED`): past it an ask fails at once (`Lost`: 503) and an event is dropped, rather
+//! than buffering for a control plane that does not read. A loss fails every pending ask (`Lost`: the gateway
 //! answers 503) and closes every tunnel (1001): the control plane that comes back knows none of
 //! them, and the agents reconnect at once.
 
 use std::collections::HashMap;
 use std::io::Write;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -34,6 +37,8 @@ const RETRY: Duration = Duration::from_millis(100);
 /// The longest line read from the control plane (a reply carries at most an OPEN payload and
 /// an answer's body: far less).
 const MAX_LINE: usize = 4 * 1024 * 1024;
+/// The most bytes of lines waiting for the writer.
+const MAX_QUEUED: usize = 16 * 1024 * 1024;
 
 /// The control channel is down (not connected, or lost while the ask waited).
 #[derive(Debug)]
@@ -48,7 +53,8 @@ struct Line {
 
 /// What the connection's tasks and the askers share (never held across an await).
 struct State {
-    /// The writer's queue while connected; None while down.
+    /// The writer's queue while connected (its bytes counted in `Control::queued`); None
+    /// while down.
     out: Option<mpsc::UnboundedSender<Line>>,
     next_id: u64,
     /// Each waiting ask, by id.
@@ -74,6 +80,8 @@ enum Orphan {
 /// The control channel's client (one per process, shared by every request).
 pub struct Control {
     state: Mutex<State>,
+    /// Bytes of the lines queued and not yet written.
+    queued: Arc<AtomicUsize>,
     hub: Arc<Hub>,
     fast: Arc<Fast>,
 }
@@ -87,6 +95,7 @@ impl Control {
                 next_id: 1,
                 pending: HashMap::new(),
             }),
+            queued: Arc::new(AtomicUsize::new(0)),
             hub,
             fast,
         });
@@ -121,6 +130,9 @@ impl Control {
                 Some(out) => out.clone(),
                 None => return Err(Lost),
             };
+            if !self.count(&text) {
+                return Err(Lost);
+            }
             let id = state.next_id;
             state.next_id += 1;
             if out.send(Line { id: Some(id), text }).is_err() {
@@ -136,8 +148,20 @@ impl Control {
     pub fn tell(&self, text: String) {
         let state = self.state.lock().unwrap();
         if let Some(out) = &state.out {
-            let _ = out.send(Line { id: None, text });
+            if self.count(&text) {
+                let _ = out.send(Line { id: None, text });
+            }
         }
+    }
+
+    /// Count a line into the writer's queue; false (not counted) past `MAX_QUEUED`.
+    fn count(&self, text: &str) -> bool {
+        let size = text.len() + 32;
+        if self.queued.fetch_add(size, Ordering::AcqRel) + size > MAX_QUEUED {
+            self.queued.fetch_sub(size, Ordering::AcqRel);
+            return false;
+        }
+        true
     }
 
     /// Connect, serve the connection until it is lost, and again, for the process's life.
@@ -165,8 +189,9 @@ impl Control {
             log("info", "the control channel is connected");
             let (read, write) = stream.into_split();
             let (out, queue) = mpsc::unbounded_channel();
+            self.queued.store(0, Ordering::Release);
             self.state.lock().unwrap().out = Some(out);
-            let mut writer = tokio::spawn(write_loop(write, queue));
+            let mut writer = tokio::spawn(write_loop(write, queue, self.queued.clone()));
             tokio::select! {
                 why = self.read_loop(read) => log("warning", &format!("the control channel was lost ({})", why)),
                 _ = &mut writer => log("warning", "the control channel was lost (a write failed)"),
@@ -281,13 +306,18 @@ pub fn tunnel_closed_line(node: &str, why: &str) -> String {
 }
 
 /// Write each queued line, as many as are waiting in one go, flushing when none is left.
-async fn write_loop(write: OwnedWriteHalf, mut queue: mpsc::UnboundedReceiver<Line>) {
+async fn write_loop(
+    write: OwnedWriteHalf,
+    mut queue: mpsc::UnboundedReceiver<Line>,
+    queued: Arc<AtomicUsize>,
+) {
     let mut writer = BufWriter::with_capacity(64 * 1024, write);
     while let Some(mut line) = queue.recv().await {
         loop {
             if write_line(&mut writer, &line).await.is_err() {
                 return;
             }
+            queued.fetch_sub(line.text.len() + 32, Ordering::AcqRel);
             line = match queue.try_recv() {
                 Ok(next) => next,
                 Err(_) => break,
@@ -373,6 +403,28 @@ fn push_escape(out: &mut String, byte: u8) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_lines_waiting_are_bounded_in_bytes() {
+        let control = Control {
+            state: Mutex::new(State {
+                out: None,
+                next_id: 1,
+                pending: HashMap::new(),
+            }),
+            queued: Arc::new(AtomicUsize::new(0)),
+            hub: Hub::new(1, Duration::from_secs(1)),
+            fast: Arc::new(Fast::default()),
+        };
+        let line = "x".repeat(1024 * 1024 - 32);
+        for _ in 0..MAX_QUEUED / (1024 * 1024) {
+            assert!(control.count(&line));
+        }
+        assert!(!control.count(&line));
+        assert!(!control.count("{}"));
+        control.queued.fetch_sub(line.len() + 32, Ordering::AcqRel);
+        assert!(control.count(&line));
+    }
 
     #[test]
     fn json_strings_round_trip() {
