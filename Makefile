@@ -9,19 +9,13 @@ CONSOLE_BUILD := $(CONSOLE)/dist/index.html
 CONSOLE_SOURCES := $(wildcard $(CONSOLE)/src/*) $(CONSOLE)/index.html $(CONSOLE)/package-lock.json \
 	$(CONSOLE)/vite.config.ts $(CONSOLE)/tsconfig.json
 
-.PHONY: install run test check lint e2e console browser
+.PHONY: install run test check lint lint-rust e2e console browser
 
 ## Tests run in parallel (pytest-xdist): each test file on one worker, files that share a machine-wide
 ## resource together (tests/conftest.py). The tests mostly wait on processes, so more workers than
 ## cores pays; PYTEST_WORKERS=1 runs them one after another.
 PYTEST_WORKERS ?= 4
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
-
-## The model server's native gRPC front (Rust, native/grpc_front): built offline with Debian's
-## toolchain from Debian's packaged crates (installed if missing), pinned by its Cargo.lock.
-GRPC_FRONT := runtime_worker/serving/bin/modelforge-grpc-front
-GRPC_FRONT_SOURCES := $(wildcard native/grpc_front/src/*.rs) native/grpc_front/Cargo.toml \
-	native/grpc_front/Cargo.lock native/grpc_front/.cargo/config.toml
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -37,35 +31,33 @@ $(CONSOLE_BUILD): $(CONSOLE_SOURCES)
 
 console: $(CONSOLE_BUILD)
 
-$(GRPC_FRONT): $(GRPC_FRONT_SOURCES)
-	./scripts/ensure-rust
-	cd native/grpc_front && RUSTC=/usr/bin/rustc /usr/bin/cargo build -q --release --locked \
-		--target-dir ../../build/grpc_front
-	install -D -m 755 build/grpc_front/release/modelforge-grpc-front $@
-
-## The agent's end of the gateway's tunnel (Rust, native/tunnel_relay), built the same way.
+## The native parts (Rust): the model server's gRPC front, the agent's tunnel relay and the
+## control plane's gateway front, one workspace (native/Cargo.toml) of crates.io's crates pinned by
+## one native/Cargo.lock, built at once into one target directory (build/native) with rustup's
+## toolchain (scripts/ensure-rust checks for it and says how to install it).
+export PATH := $(or $(CARGO_HOME),$(HOME)/.cargo)/bin:$(PATH)
+unexport RUSTC
+NATIVE_BUILT := build/native/release
+NATIVE_STAMP := build/native/.built
+NATIVE_SOURCES := native/Cargo.lock native/.cargo/config.toml \
+	$(shell find native -name '*.rs' -o -name Cargo.toml)
+GRPC_FRONT := runtime_worker/serving/bin/modelforge-grpc-front
 TUNNEL_RELAY := node_agent/bin/modelforge-tunnel-relay
-TUNNEL_RELAY_SOURCES := $(wildcard native/tunnel_relay/src/*.rs) native/tunnel_relay/Cargo.toml \
-	native/tunnel_relay/Cargo.lock native/tunnel_relay/.cargo/config.toml
-
-$(TUNNEL_RELAY): $(TUNNEL_RELAY_SOURCES)
-	./scripts/ensure-rust
-	cd native/tunnel_relay && RUSTC=/usr/bin/rustc /usr/bin/cargo build -q --release --locked \
-		--target-dir ../../build/tunnel_relay
-	install -D -m 755 build/tunnel_relay/release/modelforge-tunnel-relay $@
-
-## The control plane's native gateway front (Rust, native/gateway_front; it compiles the relay's
-## frames.rs and ws.rs too), built the same way.
 GATEWAY_FRONT := control_plane/bin/modelforge-gateway-front
-GATEWAY_FRONT_SOURCES := $(wildcard native/gateway_front/src/*.rs) native/gateway_front/Cargo.toml \
-	native/gateway_front/Cargo.lock native/gateway_front/.cargo/config.toml \
-	native/tunnel_relay/src/frames.rs native/tunnel_relay/src/ws.rs
 
-$(GATEWAY_FRONT): $(GATEWAY_FRONT_SOURCES)
+$(NATIVE_STAMP): $(NATIVE_SOURCES)
 	./scripts/ensure-rust
-	cd native/gateway_front && RUSTC=/usr/bin/rustc /usr/bin/cargo build -q --release --locked \
-		--target-dir ../../build/gateway_front
-	install -D -m 755 build/gateway_front/release/modelforge-gateway-front $@
+	cd native && cargo build -q --release --locked --workspace
+	touch $@
+
+$(GRPC_FRONT): $(NATIVE_STAMP)
+	install -D -m 755 $(NATIVE_BUILT)/modelforge-grpc-front $@
+
+$(TUNNEL_RELAY): $(NATIVE_STAMP)
+	install -D -m 755 $(NATIVE_BUILT)/modelforge-tunnel-relay $@
+
+$(GATEWAY_FRONT): $(NATIVE_STAMP)
+	install -D -m 755 $(NATIVE_BUILT)/modelforge-gateway-front $@
 
 install: $(STAMP) $(CONSOLE_BUILD) $(GRPC_FRONT) $(TUNNEL_RELAY) $(GATEWAY_FRONT)
 
@@ -80,6 +72,26 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+## The Rust's own checks: rustfmt, clippy (warnings are errors) and the advisory audit of
+## native/Cargo.lock (cargo-audit, installed once into build/cargo-tools at a pinned version). The
+## audit fetches RustSec's advisory database from GitHub into build/advisory-db; where GitHub cannot
+## be reached, CARGO_AUDIT_DB=<a checkout of rustsec/advisory-db> audits against that copy instead.
+## Not yet part of `lint` (issue 40 step 5: the sources are being brought to clippy's bar first).
+CARGO_AUDIT_VERSION := 0.22.2
+CARGO_AUDIT := build/cargo-tools/bin/cargo-audit
+CARGO_AUDIT_DB ?=
+
+$(CARGO_AUDIT):
+	./scripts/ensure-rust
+	cargo install -q --locked cargo-audit --version $(CARGO_AUDIT_VERSION) --root build/cargo-tools
+
+lint-rust: $(CARGO_AUDIT)
+	./scripts/ensure-rust
+	cd native && cargo fmt --all --check
+	cd native && cargo clippy -q --locked --workspace --all-targets -- -D warnings
+	$(CARGO_AUDIT) audit --deny warnings --file native/Cargo.lock \
+		$(if $(CARGO_AUDIT_DB),--db $(CARGO_AUDIT_DB) --no-fetch,--db build/advisory-db)
+
 ## The whole suite: lint, types, then every test on SQLite and PostgreSQL (started if needed).
 test: lint
 	./scripts/ensure-postgres
@@ -87,10 +99,7 @@ test: lint
 	./scripts/ensure-haproxy
 	./scripts/ensure-wrk
 	./scripts/ensure-slurm
-	cd native/tunnel_relay && RUSTC=/usr/bin/rustc /usr/bin/cargo test -q --locked \
-		--target-dir ../../build/tunnel_relay
-	cd native/gateway_front && RUSTC=/usr/bin/rustc /usr/bin/cargo test -q --locked \
-		--target-dir ../../build/gateway_front
+	cd native && cargo test -q --locked --workspace
 	$(VENV)/bin/pytest $(PYTEST_PARALLEL) --ignore=tests/e2e_docker --durations=30
 
 ## The developers' inner loop: lint, types and the tests that start no real process (`-m "not e2e"`).
