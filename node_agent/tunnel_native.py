@@ -16,15 +16,14 @@ to the replica's local port itself, so a gateway request crosses no Python on th
   that exits on its own is started again after a pause (1 s doubling to 16 s).
 
 `native_relay()` chooses: the relay where it is installed, unless
-`MODELFORGE_AGENT_TUNNEL_RELAY=python`, for an `http://` control plane or an `https://` one
-named by a DNS name (the relay's TLS, rustls, trusts what the agent's HTTP client trusts: the
-system's roots and `ca_cert_path`, or nothing checked with `tls_verify` off; it cannot check
-a certificate for an IP address, so such a control plane keeps the Python end).
+`MODELFORGE_AGENT_TUNNEL_RELAY=python`, for an `http://` or `https://` control plane, named by
+a DNS name or an IP address (the relay's TLS, rustls, trusts what the agent's HTTP client
+trusts: the system's roots and `ca_cert_path`, or nothing checked with `tls_verify` off; it
+checks the certificate against the name or the address in the URL).
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import os
@@ -58,17 +57,7 @@ def native_relay(control_plane_url: str, choice: str = "native") -> Path | None:
     parts = urlsplit(control_plane_url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return None
-    if parts.scheme == "https" and _is_ip(parts.hostname):
-        return None  # rustls 0.20 checks certificates by DNS name only
     return RELAY if os.access(RELAY, os.X_OK) else None
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 class NativeTunnel:

@@ -27,9 +27,9 @@ def test_the_relay_is_chosen_where_it_can_serve() -> None:
     assert RELAY.is_file(), "make install builds node_agent/bin/modelforge-tunnel-relay"
     assert native_relay("http://cp:8000") == RELAY
     assert native_relay("https://cp.internal:8443") == RELAY
-    # The relay's TLS checks certificates by DNS name only: an IP address keeps the Python end.
-    assert native_relay("https://10.0.0.5:8443") is None
-    assert native_relay("https://[::1]:8443") is None
+    # The relay's TLS checks a certificate's IP-address names too (rustls 0.23).
+    assert native_relay("https://10.0.0.5:8443") == RELAY
+    assert native_relay("https://[::1]:8443") == RELAY
     assert native_relay("http://cp:8000", "python") is None  # MODELFORGE_AGENT_TUNNEL_RELAY
 
 
@@ -88,12 +88,13 @@ def test_the_credential_reaches_the_relay_only_on_its_stdin_and_is_never_logged(
     assert credential not in logged
 
 
-def test_over_tls_the_relay_trusts_the_private_ca_only_when_told(
+def test_over_tls_the_relay_trusts_the_private_ca_and_the_names_it_vouches_for(
     tmp_path: Path,
     replica: Replica,  # noqa: F811 - test_tunnel's fixture
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    pki = make_private_pki(tmp_path / "pki")
+    pki = make_private_pki(tmp_path / "pki")  # the server's certificate: 127.0.0.1, localhost
+    other = make_private_pki(tmp_path / "other")
     live = DoorServer(
         data_dir=tmp_path / "data",
         database_url=f"sqlite:///{tmp_path}/cp.db",
@@ -105,10 +106,12 @@ def test_over_tls_the_relay_trusts_the_private_ca_only_when_told(
     )
     caplog.set_level(logging.INFO, logger="modelforge.node_agent.tunnel")
     with live:
-        url = f"https://localhost:{live.port}"  # the certificate's DNS name
         enrolled = live.enroll()
 
-        def tunnel(**tls: object) -> tuple[NativeTunnel, threading.Event]:
+        def tunnel(host: str, **tls: object) -> tuple[NativeTunnel, threading.Event]:
+            # The agent's choice of end, as it makes it for this control plane's URL.
+            url = f"https://{host}:{live.port}"
+            assert native_relay(url) == RELAY
             stop = threading.Event()
             started = NativeTunnel(
                 binary=RELAY,
@@ -121,29 +124,42 @@ def test_over_tls_the_relay_trusts_the_private_ca_only_when_told(
             started.start()
             return started, stop
 
-        # Not told of the private CA: the system's roots do not vouch for it; no tunnel.
-        untrusting, stop = tunnel()
-        try:
-            _wait(lambda: "certificate" in caplog.text, "no TLS refusal logged")
-            assert not untrusting.connected.is_set()
-            assert enrolled["node_id"] not in live.stats()["nodes"]
-        finally:
-            stop.set()
+        def refused(host: str, why: str, **tls: object) -> None:
+            caplog.clear()
+            untrusting, stop = tunnel(host, **tls)
+            try:
+                _wait(lambda: why in caplog.text, f"no TLS refusal ({why}) logged")
+                assert "tunnel relay: tunnel open" not in caplog.text
+                assert not untrusting.connected.is_set()
+                assert enrolled["node_id"] not in live.stats()["nodes"]
+            finally:
+                stop.set()
 
-        trusting, stop = tunnel(ca_cert_path=pki.ca_cert)
-        try:
-            _wait(lambda: enrolled["node_id"] in live.stats()["nodes"], "no tunnel over TLS")
-            through = f"{live.url}/_tunnel/{enrolled['node_id']}/r1/hello"
-            answer = httpx.get(
-                through, timeout=30, verify=ssl.create_default_context(cafile=pki.ca_cert)
-            )
-            assert (answer.status_code, answer.text) == (200, "GET /hello None")
-        finally:
-            stop.set()
-        _wait(lambda: enrolled["node_id"] not in live.stats()["nodes"], "the tunnel stayed")
+        # Not told of the private CA (the system's roots do not vouch for it), or told of
+        # another one: no tunnel.
+        refused("127.0.0.1", "invalid peer certificate: UnknownIssuer")
+        # (The other CA bears the same name: its signature, not its name, is what fails.)
+        refused("127.0.0.1", "invalid peer certificate: BadSignature", ca_cert_path=other.ca_cert)
+        # The right CA, but the same server reached by an address its certificate does not
+        # name (127.0.0.1 as an IPv6 address): no tunnel.
+        refused("[::ffff:127.0.0.1]", "not valid for name", ca_cert_path=pki.ca_cert)
+
+        # Named by its IP address or by its DNS name, with the private CA: a tunnel.
+        for host in ("127.0.0.1", "localhost"):
+            trusting, stop = tunnel(host, ca_cert_path=pki.ca_cert)
+            try:
+                _wait(lambda: enrolled["node_id"] in live.stats()["nodes"], f"no tunnel to {host}")
+                through = f"{live.url}/_tunnel/{enrolled['node_id']}/r1/hello"
+                answer = httpx.get(
+                    through, timeout=30, verify=ssl.create_default_context(cafile=pki.ca_cert)
+                )
+                assert (answer.status_code, answer.text) == (200, "GET /hello None")
+            finally:
+                stop.set()
+            _wait(lambda: enrolled["node_id"] not in live.stats()["nodes"], "the tunnel stayed")
 
         # With verification turned off (the agent warns loudly at its start), nothing is checked.
-        unchecking, stop = tunnel(tls_verify=False)
+        unchecking, stop = tunnel("[::ffff:127.0.0.1]", tls_verify=False)
         try:
             _wait(lambda: enrolled["node_id"] in live.stats()["nodes"], "no unchecked tunnel")
             _wait(unchecking.connected.is_set, "the agent does not know it is open")
