@@ -31,6 +31,15 @@ its reader consumes. A peer sending past its window is reset with `FLOW_CONTROL`
 `MAX_STREAMS` streams are open in a tunnel: the agent resets one more with `TOO_MANY_STREAMS`.
 
 `SendWindow` and `ReceiveWindow` are the one accounting both sides use.
+
+Floods are bounded by the control plane's ends (the numbers below; `native/tunnel_relay/src/
+frames.rs` holds the same): a BATCH holds at most `MAX_BATCH_FRAMES` frames (both writers keep
+to it; a longer one closes the tunnel, `CLOSE_PROTOCOL` with the reason); a tunnel's reader takes
+`FRAMES_PER_SECOND` frames a second, `FRAME_BURST` at once (`FrameBudget`), and waits past them,
+so the agent's sends wait too; a write toward the agent not done within `WRITE_TIMEOUT` means it
+does not read: the tunnel is cut off (`CLOSE_POLICY`), never buffered for. WebSocket pings reach
+only the native end (Granian answers them itself, one pong for the latest): more than
+`PING_BURST` at once (`PINGS_PER_SECOND` after) close the tunnel there (`CLOSE_POLICY`).
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
@@ -55,9 +65,22 @@ MAX_BATCH = MAX_OPEN + MAX_PAYLOAD + 64
 KEEPALIVE_SECONDS = 10.0
 #: A tunnel silent this long is dropped (by the control plane; the agent's pings time out too).
 IDLE_TIMEOUT = 30.0
-#: WebSocket close codes either side ends a tunnel with for a broken protocol, or going away.
+#: The most frames one BATCH holds.
+MAX_BATCH_FRAMES = 256
+#: The frames a tunnel's reader takes per second on average (a ping counts as one), and at once.
+FRAMES_PER_SECOND = 20_000
+FRAME_BURST = 2_000
+#: The WebSocket pings an agent may send per second on average, and at once (it pings every
+#: `KEEPALIVE_SECONDS`).
+PINGS_PER_SECOND = 1
+PING_BURST = 16
+#: Seconds a write toward the agent may take; past it the agent does not read.
+WRITE_TIMEOUT = 10.0
+#: WebSocket close codes either side ends a tunnel with for a broken protocol, or going away;
+#: the control plane's for a peer past its bounds (it does not read, or floods pings).
 CLOSE_PROTOCOL = 1002
 CLOSE_GOING_AWAY = 1001
+CLOSE_POLICY = 1008
 #: A window never grows past this (RFC 9113's limit, for the same reason: it fits in 31 bits).
 _MAX_WINDOW = 2**31 - 1
 _HEAD = struct.Struct(">BI")
@@ -163,8 +186,11 @@ def decode_message(message: bytes) -> list[Frame]:
         raise TunnelProtocolError(f"a BATCH over {MAX_BATCH} bytes")
     if _HEAD.unpack_from(message)[1] != 0:
         raise TunnelProtocolError("a BATCH is on stream 0")
-    frames, at, size = [], _HEAD.size, len(message)
+    frames: list[Frame] = []
+    at, size = _HEAD.size, len(message)
     while at < size:
+        if len(frames) == MAX_BATCH_FRAMES:
+            raise TunnelProtocolError(f"a BATCH of more than {MAX_BATCH_FRAMES} frames")
         if at + _U32.size > size:
             raise TunnelProtocolError("a BATCH cut inside a frame's length")
         (length,) = _U32.unpack_from(message, at)
@@ -192,9 +218,10 @@ def batch(frames: list[bytes]) -> bytes:
 
 class FrameWriter:
     """The one writer of a tunnel's WebSocket, on either side: frames sent while a message is
-    being written wait, and go out together, as one BATCH (at most `MAX_BATCH` bytes), once it
-    is. Each WebSocket message costs the control plane's server a hand-over between its threads
-    (the largest cost of a small request), so concurrent streams share them, where an
+    being written wait, and go out together, as one BATCH (at most `MAX_BATCH` bytes and
+    `MAX_BATCH_FRAMES` frames), once it is. Each WebSocket message costs the control plane's
+    server a hand-over between its threads (the largest cost of a small request), so
+    concurrent streams share them, where an
     `asyncio.Lock` around each write made every frame wait a whole hand-over of its own.
     `linger` lets the event loop run once before a message is taken, so that frames made ready
     together (answers read in the same wake-up) join it where writes never wait (a client
@@ -235,7 +262,7 @@ class FrameWriter:
                 taken, size = 0, _HEAD.size
                 for frame, _ in self._pending:
                     size += _U32.size + len(frame)
-                    if taken and size > MAX_BATCH:
+                    if taken and (size > MAX_BATCH or taken == MAX_BATCH_FRAMES):
                         break
                     taken += 1
                 group, self._pending = self._pending[:taken], self._pending[taken:]
@@ -260,6 +287,28 @@ class FrameWriter:
                 raise
         finally:
             self._task = None
+
+
+class FrameBudget:
+    """The frames a tunnel's reader takes: `rate` a second on average, `burst` at once (a token
+    bucket); `spend` says how long to wait before reading on."""
+
+    def __init__(
+        self,
+        rate: float = FRAMES_PER_SECOND,
+        burst: float = FRAME_BURST,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._rate, self._burst, self._clock = rate, burst, clock
+        self._tokens = burst
+        self._at = clock()
+
+    def spend(self, frames: int) -> float:
+        """Take `frames`; the seconds until the balance is back to zero (0.0: read on)."""
+        now = self._clock()
+        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate) - frames
+        self._at = now
+        return 0.0 if self._tokens >= 0 else -self._tokens / self._rate
 
 
 def keepalive() -> bytes:

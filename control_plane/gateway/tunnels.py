@@ -14,11 +14,16 @@ largest cost of a small request. Everything runs on the event loop that serves t
 nothing here blocks.
 
 Where several control-plane replicas serve, each records the tunnels it holds in
-`gateway_tunnels` (`HolderRecord`, given to the hub at start: a row when a tunnel opens, gone
-when it closes, this process's rows gone when it stops), so that a gateway on another replica
-finds the holder and forwards a stream through it (`peers.py`; the gateway reaches it as
+`gateway_tunnels` (`tunnel_holders.HolderRecord`, given to the hub at start: a row when a tunnel
+opens, gone when it closes, this process's rows gone when it stops), so that a gateway on another
+replica finds the holder and forwards a stream through it (`peers.py`; the gateway reaches it as
 `hub.peers`). Those writes run on a thread, off the event loop; one that fails is logged and
 changes nothing for the tunnel itself.
+
+A tunnel's bounds (`modelforge_contracts.tunnel`): its reader takes `FrameBudget`'s frames a
+second and waits past them (a BATCH of too many frames closes it); each write toward the agent
+waits at most `WRITE_TIMEOUT`, past which the agent does not read and the tunnel is cut off.
+What waits to be written is bounded by the streams: each sender waits for its own write.
 """
 
 from __future__ import annotations
@@ -28,22 +33,18 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Protocol
 
-from sqlalchemy import delete
-from sqlalchemy.orm import Session, sessionmaker
-
-from control_plane.clock import Clock
-from control_plane.db import dialect_insert
-from control_plane.models import GatewayTunnel
+from control_plane.gateway.tunnel_holders import HolderRecord
 from modelforge_contracts.tunnel import (
     CLOSE_GOING_AWAY,
+    CLOSE_POLICY,
     CLOSE_PROTOCOL,
     IDLE_TIMEOUT,
     MAX_PAYLOAD,
     MAX_STREAMS,
+    WRITE_TIMEOUT,
+    FrameBudget,
     FrameType,
     FrameWriter,
     Headers,
@@ -61,6 +62,8 @@ from modelforge_contracts.tunnel import (
     send_data,
     window,
 )
+
+__all__ = ["HolderRecord", "StreamReset", "TunnelHub", "TunnelUnavailable"]
 
 log = logging.getLogger(__name__)
 #: How often a held tunnel's credential and silence are checked.
@@ -220,9 +223,12 @@ class Tunnel:
         self._socket = socket
         self._streams: dict[int, Stream] = {}
         self._next_id = 1
-        self._writer = FrameWriter(socket.send)
+        self._writer = FrameWriter(self._write)
+        self._budget = FrameBudget()
         self.closed = False
         self.heard_at = time.monotonic()
+        #: A write waited `WRITE_TIMEOUT`: the agent does not read (the hub cuts it off).
+        self.stalled = False
 
     @property
     def streams(self) -> int:
@@ -276,11 +282,21 @@ class Tunnel:
     def forget(self, stream_id: int) -> None:
         self._streams.pop(stream_id, None)
 
+    async def _write(self, message: bytes) -> None:
+        try:
+            await asyncio.wait_for(self._socket.send(message), WRITE_TIMEOUT)
+        except TimeoutError:
+            self.stalled = True
+            raise ConnectionError(f"a write waited {WRITE_TIMEOUT:g} s") from None
+
     async def read(self) -> None:
         """Dispatch the agent's frames until the WebSocket closes."""
         while (message := await self._socket.receive()) is not None:
             self.heard_at = time.monotonic()
-            for frame in decode_message(message):
+            frames = decode_message(message)
+            if wait := self._budget.spend(len(frames)):
+                await asyncio.sleep(wait)  # past its frames a second: the agent's sends wait
+            for frame in frames:
                 if frame.stream == 0:
                     continue  # the keepalive
                 stream = self._streams.get(frame.stream)
@@ -321,35 +337,6 @@ class StreamOpener(Protocol):
         ...
 
     async def aclose(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class HolderRecord:
-    """Where this process says which tunnels it holds: `holder` (its id), reached by the other
-    replicas at `address` (empty: it cannot be, though its row still says it holds them)."""
-
-    holder: str
-    address: str
-    session_factory: sessionmaker[Session]
-    clock: Clock
-
-    def opened(self, node_id: str) -> None:
-        with self.session_factory.begin() as session:
-            record_holder(
-                session,
-                node_id=node_id,
-                holder=self.holder,
-                address=self.address,
-                at=self.clock.now(),
-            )
-
-    def closed(self, node_id: str) -> None:
-        with self.session_factory.begin() as session:
-            forget_holder(session, node_id=node_id, holder=self.holder)
-
-    def closed_all(self) -> None:
-        with self.session_factory.begin() as session:
-            session.execute(delete(GatewayTunnel).where(GatewayTunnel.holder == self.holder))
 
 
 class TunnelHub:
@@ -437,6 +424,11 @@ class TunnelHub:
                     why = "its credential expired"
                     await tunnel.close(CLOSE_REVOKED, "the node credential expired")
                     break
+                if tunnel.stalled:
+                    why = f"cut off: it does not read (a write waited {WRITE_TIMEOUT:g} s)"
+                    log.warning("node %s's tunnel closed: %s", node_id, why)
+                    await tunnel.close(CLOSE_POLICY, "the agent does not read its tunnel")
+                    break
                 if watch_silence and time.monotonic() - tunnel.heard_at > self.idle_timeout:
                     why = f"silent for {self.idle_timeout:g} s"
                     await tunnel.close(CLOSE_IDLE, "the tunnel was silent")
@@ -445,7 +437,8 @@ class TunnelHub:
                 exc = reader.exception()
                 if isinstance(exc, TunnelProtocolError):
                     why = f"a protocol error ({exc})"
-                    await tunnel.close(CLOSE_PROTOCOL, "protocol error")
+                    log.warning("node %s's tunnel closed: %s", node_id, why)
+                    await tunnel.close(CLOSE_PROTOCOL, str(exc)[:120])
                 else:
                     why = f"its connection failed ({type(exc).__name__})"
         finally:
@@ -475,26 +468,3 @@ class TunnelHub:
                 await asyncio.to_thread(self.record.closed_all)
         if self.peers is not None:
             await self.peers.aclose()
-
-
-def record_holder(
-    session: Session, *, node_id: str, holder: str, address: str, at: datetime
-) -> None:
-    """Say in `gateway_tunnels` that process `holder` (reached at `address`) holds the tunnel:
-    one upsert, so two processes recording the same node at once both succeed (the later wins)."""
-    values = {"node_id": node_id, "holder": holder, "holder_address": address, "connected_at": at}
-    changed = {"holder": holder, "holder_address": address, "connected_at": at}
-    session.execute(
-        dialect_insert(session, GatewayTunnel)
-        .values(values)
-        .on_conflict_do_update(index_elements=[GatewayTunnel.node_id], set_=changed)
-    )
-
-
-def forget_holder(session: Session, *, node_id: str, holder: str) -> None:
-    """The row goes, unless another process holds the node's tunnel by now."""
-    session.execute(
-        delete(GatewayTunnel).where(
-            GatewayTunnel.node_id == node_id, GatewayTunnel.holder == holder
-        )
-    )
