@@ -388,22 +388,11 @@ class Gateway:
     ) -> tuple[RoutingSnapshot, ServiceTarget, ReplicaTarget | None]:
         """The replica for the next attempt (none of `tried`), from the table as it is now; a
         first attempt at a service scaled to zero waits (bounded) for one to start."""
-        snapshot, service = await self._fresh(snapshot, service)
-        rotation = self.table.rotation(snapshot, service)
+        # A first attempt finding none looks again in a read begun after it (`routed`).
+        snapshot, service, rotation = await self.table.routed(snapshot, service, confirm=not tried)
         if not rotation and not tried and service.scales_from_zero:
             snapshot, rotation = await self._wait_warm(service)
         return snapshot, service, self.balancer.choose(rotation, exclude=frozenset(tried))
-
-    async def _fresh(
-        self, snapshot: RoutingSnapshot, service: ServiceTarget
-    ) -> tuple[RoutingSnapshot, ServiceTarget]:
-        """The routing table as it is now (in memory unless older than its `max_age`), and the
-        service in it; what was read before when the database cannot be read now."""
-        try:
-            snapshot = await self.table.current()
-        except Exception:  # noqa: BLE001 - the database: logged once by the table
-            return snapshot, service
-        return snapshot, snapshot.services.get(service.name, service)
 
     async def _wait_warm(self, service: ServiceTarget) -> tuple[RoutingSnapshot, list]:  # type: ignore[type-arg]
         """Hold a request for a service scaled to zero while a replica starts (bounded)."""

@@ -6,7 +6,9 @@ come: a request finds it in memory, never queries. A request that finds it older
 (the first one, or after a quiet while) waits for one read; younger, it is served from what is
 held while a read runs beside it. Liveness is judged per request, in memory, from the stored
 heartbeat and those not yet flushed (`fleet.liveness.Liveness`), so a replica whose node turns
-stale leaves the rotation at once, not at the next read.
+stale leaves the rotation at once, not at the next read. A request is never refused from a copy
+older than itself: what the API said of a service (healthy) may be newer than the table held,
+so before a refusal the gateway asks for a read begun after the request (`routed`).
 
 It never decides who may call a service (`auth.py`) nor which replica a request gets
 (`balancer.py`).
@@ -158,6 +160,9 @@ class RoutingTable:
         self.max_age = max_age
         self._snapshot: RoutingSnapshot | None = None
         self._read_at = float("-inf")
+        #: Reads begun so far, and the number of the one the snapshot held came from.
+        self._begun = 0
+        self._held_from = 0
         self._reading: asyncio.Task[None] | None = None
         #: The last read failed (logged once until one succeeds).
         self._failing = False
@@ -183,6 +188,31 @@ class RoutingTable:
         assert self._snapshot is not None  # noqa: S101 - `refresh` raised otherwise
         return self._snapshot
 
+    async def routed(
+        self, snapshot: RoutingSnapshot, service: ServiceTarget, *, confirm: bool
+    ) -> tuple[RoutingSnapshot, ServiceTarget, list[ReplicaTarget]]:
+        """The table as it is now (`current`), the service in it and its rotation; with
+        `confirm`, an empty rotation is looked at again in a read begun after this call, so a
+        refusal never comes from a copy older than the request (the API may have called the
+        service healthy since; such reads are shared by every request waiting for one). What
+        was read before stands when the database cannot be read now."""
+        begun = self._begun
+        for again in (False, True) if confirm else (False,):
+            try:
+                snapshot = await (self._since(begun) if again else self.current())
+            except Exception:  # noqa: BLE001 - the database: logged once by the read
+                break
+            service = snapshot.services.get(service.name, service)
+            if self.rotation(snapshot, service):
+                break
+        return snapshot, service, self.rotation(snapshot, service)
+
+    async def _since(self, begun: int) -> RoutingSnapshot:
+        """The snapshot of a read begun after `begun` reads had (waiting for one)."""
+        while self._snapshot is None or self._held_from <= begun:
+            await self.refresh()
+        return self._snapshot
+
     async def refresh(self) -> None:
         """Read now (joining a read already running); raises what the read raised."""
         task = self._start_read()
@@ -199,13 +229,14 @@ class RoutingTable:
 
     def _start_read(self) -> asyncio.Task[None]:
         if self._reading is None or self._reading.done():
-            self._reading = asyncio.get_running_loop().create_task(self._read_once())
+            self._begun += 1
+            self._reading = asyncio.get_running_loop().create_task(self._read_once(self._begun))
             # A read started beside a request that was served from memory has nobody awaiting
             # it: its failure (the database away) is logged by `_read_once`, and taken here.
             self._reading.add_done_callback(_taken)
         return self._reading
 
-    async def _read_once(self) -> None:
+    async def _read_once(self, number: int) -> None:
         started = self._clock.monotonic()
         try:
             snapshot = await asyncio.to_thread(self._read)
@@ -219,13 +250,15 @@ class RoutingTable:
         if self._failing:
             self._failing = False
             log.info("the gateway reads its routing table again")
-        self._snapshot, self._read_at = snapshot, started
+        self._snapshot, self._read_at, self._held_from = snapshot, started, number
         landed, self._landed = self._landed, asyncio.Event()
         landed.set()
 
     def set(self, snapshot: RoutingSnapshot) -> None:
         """Hold `snapshot` as if just read (a read that lands later replaces it)."""
+        self._begun += 1
         self._snapshot, self._read_at = snapshot, self._clock.monotonic()
+        self._held_from = self._begun
         landed, self._landed = self._landed, asyncio.Event()
         landed.set()
 

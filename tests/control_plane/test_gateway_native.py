@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
+from sqlalchemy import select
+
 from control_plane.api.gateway_native import NativeChannel
+from control_plane.models import Service, ServiceReplica
 from tests.control_plane.test_gateway import _Fleet, fleet  # noqa: F401 - its fixture
 
 _ = fleet
@@ -100,6 +104,49 @@ def test_a_granted_request_and_its_done(fleet: _Fleet) -> None:
     assert gateway.admission.running("iris") == 0
     assert gateway.balancer.outstanding == {}
     assert _requests_counted(fleet, "200") == before + 1
+
+
+def _set_state(fleet: _Fleet, service_id: str, state: str) -> None:
+    """The service and its replicas in `state`, as the agents' services sync leaves them."""
+    with fleet.cp.ctx.session_factory.begin() as session:
+        service = session.get(Service, service_id)
+        assert service is not None
+        service.state = state
+        for replica in session.scalars(
+            select(ServiceReplica).where(ServiceReplica.service_id == service_id)
+        ):
+            replica.state = state
+            replica.ready_at = datetime.now(UTC) if state == "healthy" else None
+
+
+def test_a_service_the_api_calls_healthy_is_routed_at_once(fleet: _Fleet) -> None:
+    """Issue 40's race: the routing table held says "starting" (read for the request before;
+    the test's clock never ages it, as the front's routes loop keeps a real one young), the
+    service turns healthy and the API says so: the next request is granted, not refused 503
+    from the copy held."""
+    node = fleet.cp.ready_node().node_id
+    service_id = fleet.service("iris", [node])
+    headers = fleet.token(service_id)
+    _set_state(fleet, service_id, "starting")
+    portal = fleet.cp.client.portal
+    assert portal is not None
+    lines, _ = portal.call(_exchange, fleet, [_request(1, headers)])
+    refused = next(line for line in lines if line.get("id") == 1)
+    assert refused["status"] == 503
+    assert "no replica ready (starting)" in json.loads(refused["body"])["error"]
+    _set_state(fleet, service_id, "healthy")
+    seen = fleet.cp.client.get(f"/api/v1/services/{service_id}", headers=fleet.cp.admin)
+    assert seen.json()["state"] == "healthy"
+    lines, channel = portal.call(_exchange, fleet, [_request(2, headers)])
+    granted = next(line for line in lines if line.get("id") == 2)
+    assert granted.get("node") == node, granted
+    assert json.loads(granted["open"])["replica_id"] == "iris-r0"
+    portal.call(_finish, channel, granted["ticket"])
+
+
+async def _finish(channel: NativeChannel, ticket: int) -> None:
+    line = {"op": "done", "ticket": ticket, "status": 200, "error": ""}
+    channel.data_received(json.dumps(line).encode() + b"\n")
 
 
 def test_a_wrong_token_is_answered_401_by_the_control_plane(fleet: _Fleet) -> None:
