@@ -10,10 +10,11 @@ as one HTTP request whose body and answer stream both ways: `PeerStream` is the 
 `Stream`'s shape, so the gateway carries it as it carries a local one (limits, retry, relay).
 
 The replicas trust one another through a random key they share in the database
-(`gateway_peer_keys`, made once by whichever starts first): each internal request carries an
-HMAC-SHA256 of its method, path, query and time (`sign`), never the key; the holder checks it
-in constant time within `VALIDITY` seconds (`authentic`). The holder trusts nothing else: the
-client's token was checked by the forwarding replica and never travels.
+(`gateway_peer_keys`, made once by whichever starts first): each internal request is signed for
+its holder (`peer_signature.py`: the method, path, query, every header passed on, the time, a
+nonce, and the body frame by frame), never carrying the key; the holder checks it and accepts
+each nonce once. The holder trusts nothing else: the client's token was checked by the
+forwarding replica and never travels.
 
 A holder that is gone (its row stale), or that no longer holds the tunnel, is a transport
 failure before the response (`StreamReset` from `response()`), which the gateway retries once
@@ -24,8 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -39,6 +38,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import Clock
 from control_plane.db import dialect_insert
+from control_plane.gateway.peer_signature import (
+    FAILURE_HEADER,
+    PEER_HEADERS,
+    BodySeal,
+    sign_request,
+)
 from control_plane.gateway.tunnels import HolderRecord, StreamReset, TunnelHub, TunnelUnavailable
 from control_plane.models import GatewayPeerKey, GatewayTunnel
 from modelforge_contracts.tunnel import HOP_BY_HOP, Headers, OpenRequest
@@ -47,13 +52,6 @@ log = logging.getLogger(__name__)
 
 #: The holder's internal route: `{PEER_PREFIX}{node_id}/{replica_id}{path}`.
 PEER_PREFIX = "/api/v1/internal/gateway/"
-TIME_HEADER = "x-modelforge-peer-time"
-SIGNATURE_HEADER = "x-modelforge-peer-signature"
-#: On the holder's answer: the stream failed before any response (its cause), not the replica.
-FAILURE_HEADER = "x-modelforge-peer-failure"
-PEER_HEADERS = frozenset({TIME_HEADER, SIGNATURE_HEADER, FAILURE_HEADER})
-#: How far a signed request's time may be from the holder's clock, in seconds.
-VALIDITY = 30.0
 #: How long the forwarding replica waits for the holder's answer to start, and between two
 #: pieces of it (the replica's own work included).
 READ_TIMEOUT = 300.0
@@ -112,33 +110,6 @@ def forget_address(session: Session, *, address: str) -> None:
     """Rows left by an earlier run of this process (same address, killed before it forgot)."""
     if address:
         session.execute(delete(GatewayTunnel).where(GatewayTunnel.holder_address == address))
-
-
-def sign(key: bytes, *, method: str, path: str, query: str, timestamp: str) -> str:
-    message = "\n".join((method.upper(), path, query, timestamp)).encode()
-    return hmac.new(key, message, hashlib.sha256).hexdigest()
-
-
-def authentic(
-    key: bytes,
-    *,
-    method: str,
-    path: str,
-    query: str,
-    headers: Iterable[tuple[str, str]],
-    now: float,
-) -> bool:
-    """Whether a request to the internal route was signed with `key` within `VALIDITY`."""
-    found = {name.lower(): value for name, value in headers if name.lower() in PEER_HEADERS}
-    timestamp, signature = found.get(TIME_HEADER, ""), found.get(SIGNATURE_HEADER, "")
-    try:
-        at = float(timestamp)
-    except ValueError:
-        return False
-    if not abs(now - at) <= VALIDITY:  # also refuses NaN
-        return False
-    expected = sign(key, method=method, path=path, query=query, timestamp=timestamp)
-    return hmac.compare_digest(expected.encode(), signature.encode())
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,20 +196,27 @@ class Peers:
         # The replica's path goes on as it is (percent-encoded: the holder passes it on so).
         route = quote(f"{PEER_PREFIX}{node_id}/{request.replica_id}", safe="/") + request.path
         url = httpx.URL(found.address.rstrip("/") + route + (f"?{query}" if query else ""))
-        timestamp = f"{self._clock.now().timestamp():.3f}"
-        # Signed as the holder's server gives them: the path decoded, the query as it is sent.
-        sent_query = url.query.decode("latin-1")
-        signature = sign(
-            self.key, method=method, path=url.path, query=sent_query, timestamp=timestamp
+        # Signed as the holder's server gives them: the path decoded, the query as it is sent;
+        # for this holder alone, every header that goes on signed (the body framed: its length
+        # travels signed, the peer request itself is chunked).
+        signed = sign_request(
+            self.key,
+            method=method,
+            path=url.path,
+            query=url.query.decode("latin-1"),
+            holder=found.holder,
+            timestamp=f"{self._clock.now().timestamp():.3f}",
+            headers=[
+                (name, value) for name, value in request.headers if name.lower() not in HOP_BY_HOP
+            ],
         )
-        sent = [
-            (name, value)
-            for name, value in request.headers
-            if name.lower() not in HOP_BY_HOP and name.lower() not in PEER_HEADERS
-        ]
-        sent += [(TIME_HEADER, timestamp), (SIGNATURE_HEADER, signature)]
         return PeerStream(
-            self._client, method, url, sent, on_unreachable=lambda: self.directory.forget(node_id)
+            self._client,
+            method,
+            url,
+            signed.headers,
+            seal=signed.seal,
+            on_unreachable=lambda: self.directory.forget(node_id),
         )
 
     async def aclose(self) -> None:
@@ -255,8 +233,10 @@ class PeerStream:
         url: httpx.URL,
         headers: list[tuple[str, str]],
         *,
+        seal: BodySeal,
         on_unreachable: Callable[[], None],
     ) -> None:
+        self._seal = seal
         self._body: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=_QUEUED)
         self._head: asyncio.Future[tuple[int, Headers]] = asyncio.get_running_loop().create_future()
         self._response: httpx.Response | None = None
@@ -268,7 +248,9 @@ class PeerStream:
 
     async def _content(self) -> AsyncIterator[bytes]:
         while (chunk := await self._body.get()) is not None:
-            yield chunk
+            for frame in self._seal.frames(chunk):
+                yield frame
+        yield self._seal.end()
 
     async def _run(self, client: httpx.AsyncClient, request: httpx.Request) -> None:
         try:

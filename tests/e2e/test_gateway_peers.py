@@ -4,16 +4,20 @@
 replica's own URL, each forwarding to a real HTTP server on loopback standing as its replica;
 heartbeats over HTTP with the node's credential. A request at replica B's gateway for the
 replica whose tunnel replica A holds goes B -> A (the internal route, signed) -> tunnel ->
-agent -> HTTP and back; the internal route refuses anything unsigned; A killed leaves a stale
+agent -> HTTP and back; the internal route refuses anything unsigned, a signed request replayed
+(captured on the wire between B and A, through a relay standing as A's address), or one whose
+body or headers changed on the way, before the replica hears of it; A killed leaves a stale
 row, which B takes for a transport failure and retries on the other replica; a replica that
 stops cleanly removes its rows."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.server
 import json
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,14 +33,15 @@ from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
 from control_plane.clock import SystemClock
-from control_plane.gateway.peers import (
+from control_plane.gateway.peer_signature import (
     FAILURE_HEADER,
-    PEER_PREFIX,
+    NONCE_HEADER,
     SIGNATURE_HEADER,
     TIME_HEADER,
-    sign,
+    sign_request,
 )
-from control_plane.models import GatewayTunnel, Service, ServiceReplica
+from control_plane.gateway.peers import PEER_PREFIX
+from control_plane.models import GatewayPeerKey, GatewayTunnel, Service, ServiceReplica
 from control_plane.services import access_tokens
 from control_plane.services.schemas import AccessTokenCreate
 from node_agent.tunnel import TunnelClient
@@ -53,6 +58,9 @@ class _Replica(http.server.ThreadingHTTPServer):
 
     def __init__(self, name: str) -> None:
         self.name = name
+        #: Each request's path and headers, as the replica got them.
+        self.seen: list[tuple[str, dict[str, str]]] = []
+        seen = self.seen
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -62,6 +70,7 @@ class _Replica(http.server.ThreadingHTTPServer):
 
             def _answer(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
                 data = json.dumps(
                     {
                         "replica": name,
@@ -200,6 +209,68 @@ def _server(tmp_path: Path, name: str, database_url: str) -> LiveServer:
     return server
 
 
+class _Relay:
+    """A TCP relay to `port`, standing as A's peer address: it records what B sends A."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.sent: list[bytearray] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            record = bytearray()
+            self.sent.append(record)
+            for source, sink, kept in ((client, upstream, record), (upstream, client, None)):
+                threading.Thread(target=self._pump, args=(source, sink, kept), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, kept: bytearray | None) -> None:
+        try:
+            while data := source.recv(65536):
+                if kept is not None:
+                    kept += data
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def _raw(port: int, request: bytes) -> tuple[int, dict[str, Any]]:
+    """`request`'s bytes as they are, at `port`: the status and JSON body of the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as connection:
+        connection.sendall(request)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += connection.recv(65536)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        while len(body) < length:
+            body += connection.recv(65536)
+    return int(head.split()[1]), json.loads(body)
+
+
+def _chunked(body: bytes) -> bytes:
+    return f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+
+
 @pytest.fixture
 def pair(tmp_path: Path, pg_database_url: str) -> Iterator[_Pair]:
     with ExitStack() as stack:
@@ -213,12 +284,31 @@ def pair(tmp_path: Path, pg_database_url: str) -> Iterator[_Pair]:
             node.replica.server_close()
 
 
-def _node(pair: _Pair, server: LiveServer, name: str, replica_id: str) -> _Node:
+@pytest.fixture
+def relayed(tmp_path: Path, pg_database_url: str) -> Iterator[tuple[_Pair, _Relay]]:
+    """A pair whose replica A is reached by the others through `_Relay` (its peer address)."""
+    with ExitStack() as stack:
+        a = LiveServer(data_dir=tmp_path / "a", database_url=pg_database_url)
+        relay = _Relay(a.port)
+        stack.callback(relay.close)
+        address = f"http://127.0.0.1:{relay.port}"
+        a.env_overrides = {**FAST, "MODELFORGE_GATEWAY_PEER_ADDRESS": address}
+        stack.enter_context(a)
+        b = stack.enter_context(_server(tmp_path, "b", pg_database_url))
+        found = _Pair(a, b, pg_database_url)
+        yield found, relay
+        for node in found.nodes.values():
+            node.stop.set()
+            node.replica.shutdown()
+            node.replica.server_close()
+
+
+def _node(pair: _Pair, server: LiveServer, name: str, replica_id: str, address: str = "") -> _Node:
     enrolled = server.enroll(hostname=name)
     node = _Node(enrolled["node_id"], enrolled["credential"], _Replica(name))
     pair.nodes[name] = node.start(server, replica_id)
     _wait(
-        lambda: pair.holders().get(node.node_id) == server.url,
+        lambda: pair.holders().get(node.node_id) == (address or server.url),
         f"{server.url} recorded as the holder of {name}'s tunnel",
     )
     return node
@@ -278,26 +368,110 @@ def test_the_internal_route_answers_only_a_signed_request(pair: _Pair) -> None:
     route = f"{PEER_PREFIX}{on_a.node_id}/r-a/hello"
     url = pair.a.url + route
     now = f"{time.time():.3f}"
+    signed = sign_request(  # with another key
+        b"k" * 64, method="GET", path=route, query="", holder="cp-0", timestamp=now, headers=[]
+    )
     refused = [
         httpx.get(url),
         httpx.get(url, headers={TIME_HEADER: now, SIGNATURE_HEADER: "0" * 64}),
-        # Signed with another key, or for another path, or too long ago.
-        httpx.get(
-            url,
-            headers={
-                TIME_HEADER: now,
-                SIGNATURE_HEADER: sign(
-                    b"k" * 64, method="GET", path=route, query="", timestamp=now
-                ),
-            },
-        ),
+        httpx.get(url, headers=signed.headers),
     ]
     for answer in refused:
         assert answer.status_code == 401, answer.text
-        assert answer.json() == {"error": "unauthorized"}
+        assert answer.json()["error"]["code"] == "PEER_SIGNATURE_INVALID"
     # Nor is the token of the service a way in: the holder trusts its peers alone.
     token = pair.service("other", {"r-other": on_a.node_id})
     assert httpx.get(url, headers=token).status_code == 401
+    assert on_a.replica.seen == []
+
+
+def test_a_peer_request_captured_on_the_wire_is_refused_when_replayed(
+    relayed: tuple[_Pair, _Relay],
+) -> None:
+    pair, relay = relayed
+    on_a = _node(pair, pair.a, "node-a", "r-a", address=f"http://127.0.0.1:{relay.port}")
+    token = pair.service("echo", {"r-a": on_a.node_id})
+    body = bytes(range(256)) * 400  # 100 KiB: several frames
+    _wait(
+        lambda: httpx.get(f"{pair.b.url}/services/echo/x", headers=token).status_code == 200,
+        "the service answering at B's gateway through the relay",
+    )
+    for sent in relay.sent:  # B's connection to A may be kept alive: from here on
+        sent.clear()
+    answer = httpx.post(f"{pair.b.url}/services/echo/hello", headers=token, content=body)
+    assert answer.status_code == 200 and answer.json()["bytes"] == len(body), answer.text
+    (captured,) = [bytes(sent) for sent in relay.sent if sent]
+    assert captured.startswith(b"POST " + PEER_PREFIX.encode())
+    head = captured.partition(b"\r\n\r\n")[0] + b"\r\n\r\n"
+    seen = len(on_a.replica.seen)
+    # At A's own port, within the window: as captured, with another body, with a header added.
+    replays = [
+        captured,
+        head + _chunked(b'{"another": "body"}'),
+        head.replace(b"\r\n\r\n", b"\r\nx-user: admin\r\n\r\n", 1) + _chunked(b"{}"),
+    ]
+    for replay in replays:
+        status, error = _raw(pair.a.port, replay)
+        assert (status, error["error"]["code"]) == (401, "PEER_NONCE_REPLAYED"), error
+    assert len(on_a.replica.seen) == seen  # none reached the replica
+
+
+def test_a_peer_request_changed_on_the_way_is_refused_before_the_replica_hears_of_it(
+    pair: _Pair,
+) -> None:
+    on_a = _node(pair, pair.a, "node-a", "r-a")
+    pair.service("echo", {"r-a": on_a.node_id})
+    engine = create_engine(pair.database_url)
+    try:
+        with engine.connect() as connection:
+            key = connection.execute(select(GatewayPeerKey.key)).scalar_one().encode()
+            holder = connection.execute(
+                select(GatewayTunnel.holder).where(GatewayTunnel.node_id == on_a.node_id)
+            ).scalar_one()
+    finally:
+        engine.dispose()
+    route = f"{PEER_PREFIX}{on_a.node_id}/r-a/hello"
+    body = b'{"x": 1}'
+
+    def request(**change: Any) -> tuple[int, dict[str, Any]]:
+        signed = sign_request(
+            key,
+            method="POST",
+            path=route,
+            query="",
+            holder=holder,
+            timestamp=f"{time.time():.3f}",
+            headers=[("content-type", "application/json"), ("content-length", str(len(body)))],
+        )
+        headers = change.get("headers", lambda h: h)(signed.headers)
+        framed = bytearray(b"".join([*signed.seal.frames(body), signed.seal.end()]))
+        if change.get("changed_body"):  # `1` becomes `2` on the way: the same length
+            framed[4 + body.index(b"1")] ^= 3
+        lines = "".join(f"{name}: {value}\r\n" for name, value in headers)
+        raw = f"POST {route} HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n{lines}\r\n"
+        return _raw(pair.a.port, raw.encode() + _chunked(bytes(framed)))
+
+    assert request()[0] == 200  # as signed: through A's tunnel to the replica
+    path, got = on_a.replica.seen[-1]
+    assert path == "/hello" and got["content-type"] == "application/json"
+    assert not any(name.startswith("x-modelforge-") for name in got)
+    seen = len(on_a.replica.seen)
+    changes: list[tuple[dict[str, Any], str]] = [
+        ({"changed_body": True}, "PEER_BODY_INVALID"),
+        ({"headers": lambda h: [*h, ("content-type", "text/html")]}, "PEER_SIGNATURE_INVALID"),
+        (
+            {"headers": lambda h: [(n, "text/html" if n == "content-type" else v) for n, v in h]},
+            "PEER_SIGNATURE_INVALID",
+        ),
+        (
+            {"headers": lambda h: [(n, "0" * 32 if n == NONCE_HEADER else v) for n, v in h]},
+            "PEER_SIGNATURE_INVALID",
+        ),
+    ]
+    for change, code in changes:
+        status, error = request(**change)
+        assert (status, error["error"]["code"]) == (401, code), (change, error)
+    assert len(on_a.replica.seen) == seen
 
 
 def test_a_holder_gone_is_a_transport_failure_retried_on_another_replica(pair: _Pair) -> None:
