@@ -9,13 +9,20 @@
 //!
 //!     modelforge-grpc-front --listen HOST:PORT --backend 127.0.0.1:PORT
 //!         --max-message-bytes N --max-calls N --grace-seconds S
+//!         [--first-message-seconds S (10)] [--message-seconds S (60)]
 //!
 //! Its standard input carries the backend's token (one line) and then stays open: at its end
 //! (the model server stopping, or gone) the front stops taking calls, lets those running finish
 //! for up to the grace period and exits; so do SIGTERM and SIGINT. Once listening it prints
 //! `listening PORT` on standard output. A message over `--max-message-bytes` is refused (RESOURCE_EXHAUSTED) from its length
-//! prefix, before it is read; a call past `--max-calls` at once is refused at once. It never
-//! logs request data.
+//! prefix, before it is read; a call past `--max-calls` at once is refused at once. A call whose
+//! message has not begun (its 5-byte prefix) within `--first-message-seconds` of its HEADERS, or
+//! not arrived whole within `--message-seconds`, is ended with DEADLINE_EXCEEDED and its place
+//! freed. Each connection has a budget of frames that carry nothing (`guard.rs`); h2 bounds
+//! resets, header lists and CONTINUATION frames. An `accept()` that fails (EMFILE) is retried
+//! after a pause that doubles up to a second, never in a spin. It never logs request data.
+
+mod guard;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -34,6 +41,9 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::{watch, Semaphore};
+use tokio::time::Instant;
+
+use crate::guard::Guarded;
 
 const SERVICE: &str = "/inference.GRPCInferenceService/";
 const METHODS: [&str; 6] = [
@@ -57,9 +67,17 @@ const MAX_HEAD: usize = 16 * 1024;
 const REFUSED_WAIT: Duration = Duration::from_secs(5);
 /// Kept-alive backend connections left idle at most.
 const MAX_IDLE: usize = 64;
+/// The defaults of `--first-message-seconds` and `--message-seconds`.
+const FIRST_MESSAGE: u64 = 10;
+const WHOLE_MESSAGE: u64 = 60;
+/// Streams a client may reset before the server has taken them, per connection (rapid reset).
+const PENDING_RESETS: usize = 20;
+/// The longest pause between two failed `accept()`s.
+const ACCEPT_PAUSE_MAX: Duration = Duration::from_secs(1);
 
 // gRPC status codes (https://grpc.github.io/grpc/core/md_doc_statuscodes.html).
 const INVALID_ARGUMENT: u32 = 3;
+const DEADLINE_EXCEEDED: u32 = 4;
 const RESOURCE_EXHAUSTED: u32 = 8;
 const UNIMPLEMENTED: u32 = 12;
 const INTERNAL: u32 = 13;
@@ -71,12 +89,15 @@ struct Settings {
     max_message_bytes: usize,
     max_calls: usize,
     grace: Duration,
+    first_message: Duration,
+    whole_message: Duration,
 }
 
 fn usage(problem: &str) -> ! {
     eprintln!(
         "modelforge-grpc-front: {problem}\nusage: modelforge-grpc-front --listen HOST:PORT \
-         --backend 127.0.0.1:PORT --max-message-bytes N --max-calls N --grace-seconds S"
+         --backend 127.0.0.1:PORT --max-message-bytes N --max-calls N --grace-seconds S \
+         [--first-message-seconds S] [--message-seconds S]"
     );
     std::process::exit(2)
 }
@@ -110,6 +131,15 @@ fn settings() -> Settings {
     let max_message_bytes = number("max-message-bytes", take("max-message-bytes"));
     let max_calls = number("max-calls", take("max-calls"));
     let grace = Duration::from_secs(number("grace-seconds", take("grace-seconds")) as u64);
+    let mut seconds = |name: &str, default: u64| match values.remove(name) {
+        Some(text) => Duration::from_secs(number(name, text) as u64),
+        None => Duration::from_secs(default),
+    };
+    let first_message = seconds("first-message-seconds", FIRST_MESSAGE);
+    let whole_message = seconds("message-seconds", WHOLE_MESSAGE);
+    if first_message > whole_message {
+        usage("--first-message-seconds must not pass --message-seconds");
+    }
     if let Some(flag) = values.keys().next() {
         usage(&format!("unknown flag --{flag}"));
     }
@@ -119,6 +149,8 @@ fn settings() -> Settings {
         max_message_bytes,
         max_calls,
         grace,
+        first_message,
+        whole_message,
     }
 }
 
@@ -308,21 +340,53 @@ struct Front {
     calls: Arc<Semaphore>,
     max_calls: usize,
     max_message_bytes: usize,
+    first_message: Duration,
+    whole_message: Duration,
+}
+
+/// When a call's message must have begun (`first`) and arrived whole (`whole`).
+struct Deadlines {
+    first: Instant,
+    whole: Instant,
+    first_seconds: u64,
+    whole_seconds: u64,
 }
 
 /// Read a unary call's one message: its length checked from its prefix before it is read.
 /// A compressed one (its prefix's flag) is taken only with an `encoding` the model server
 /// inflates (`COMPRESSIONS`): true then.
+/// DEADLINE_EXCEEDED once past `deadlines` (a call that stalls gives its place back).
 async fn read_message(
     body: &mut RecvStream,
     max: usize,
     encoding: Option<&str>,
+    deadlines: &Deadlines,
 ) -> Result<(Vec<u8>, bool), Status> {
     let mut compressed = false;
     let mut prefix = BytesMut::with_capacity(5);
     let mut message: Option<Vec<u8>> = None;
     let mut expected = 0usize;
-    while let Some(chunk) = body.data().await {
+    loop {
+        let begun = message.is_some();
+        let deadline = if begun {
+            deadlines.whole
+        } else {
+            deadlines.first
+        };
+        let next = match tokio::time::timeout_at(deadline, body.data()).await {
+            Ok(next) => next,
+            Err(_) if begun => {
+                let seconds = deadlines.whole_seconds;
+                let text = format!("the call's message did not arrive whole within {seconds} s");
+                return Err(Status::new(DEADLINE_EXCEEDED, text));
+            }
+            Err(_) => {
+                let seconds = deadlines.first_seconds;
+                let text = format!("the call sent no message within {seconds} s");
+                return Err(Status::new(DEADLINE_EXCEEDED, text));
+            }
+        };
+        let Some(chunk) = next else { break };
         let mut chunk = chunk.map_err(|_| Status::new(UNAVAILABLE, "the call was cut off"))?;
         let _ = body.flow_control().release_capacity(chunk.len());
         while !chunk.is_empty() {
@@ -457,9 +521,23 @@ async fn serve_call(
         .headers
         .get("grpc-encoding")
         .and_then(|value| value.to_str().ok());
+    let started = Instant::now();
+    let deadlines = Deadlines {
+        first: started + front.first_message,
+        whole: started + front.whole_message,
+        first_seconds: front.first_message.as_secs(),
+        whole_seconds: front.whole_message.as_secs(),
+    };
     let (message, compressed) =
-        match read_message(&mut body, front.max_message_bytes, encoding).await {
+        match read_message(&mut body, front.max_message_bytes, encoding, &deadlines).await {
             Ok(read) => read,
+            Err(status) if status.code == DEADLINE_EXCEEDED => {
+                // A stalled call: its status, and its stream closed at once (no wait for a
+                // client that sends nothing).
+                drop(permit);
+                refuse(respond, status);
+                return;
+            }
             Err(status) => {
                 drop(permit); // the call is over: what the client still sends is not held
                 return refuse_unread(respond, body, status).await;
@@ -508,7 +586,8 @@ async fn serve_connection(
         .initial_connection_window_size(1 << 24)
         .max_concurrent_streams(front.max_calls.min(u32::MAX as usize) as u32)
         .max_header_list_size(64 * 1024)
-        .handshake::<_, Bytes>(socket)
+        .max_pending_accept_reset_streams(PENDING_RESETS)
+        .handshake::<_, Bytes>(Guarded::new(socket))
         .await;
     let mut connection = match handshake {
         Ok(connection) => connection,
@@ -564,6 +643,8 @@ async fn run(settings: Settings, token: String) -> std::io::Result<()> {
         calls: Arc::new(Semaphore::new(settings.max_calls)),
         max_calls: settings.max_calls,
         max_message_bytes: settings.max_message_bytes,
+        first_message: settings.first_message,
+        whole_message: settings.whole_message,
     });
     let (stop, stopping) = watch::channel(false);
     // The end of standard input is the model server's word to stop (or its death). SIGTERM
@@ -577,13 +658,34 @@ async fn run(settings: Settings, token: String) -> std::io::Result<()> {
         while matches!(parent.read(&mut sink).await, Ok(n) if n > 0) {}
     };
     tokio::pin!(ended);
+    // After a failed accept (EMFILE: no descriptor left), a pause before the next, doubling.
+    let mut pause = Duration::ZERO;
     loop {
         tokio::select! {
-            accepted = listener.accept() => {
-                if let Ok((socket, _)) = accepted {
+            accepted = listener.accept() => match accepted {
+                Ok((socket, _)) => {
+                    if !pause.is_zero() {
+                        pause = Duration::ZERO;
+                        eprintln!("modelforge-grpc-front: accepting connections again");
+                    }
                     tokio::spawn(serve_connection(front.clone(), socket, stopping.clone()));
                 }
-            }
+                Err(error) => {
+                    if pause.is_zero() {
+                        eprintln!("modelforge-grpc-front: accept failed ({error}); pausing");
+                    }
+                    pause = (pause * 2).clamp(Duration::from_millis(10), ACCEPT_PAUSE_MAX);
+                    let stop = tokio::select! {
+                        _ = tokio::time::sleep(pause) => false,
+                        _ = &mut ended => true,
+                        _ = terminate.recv() => true,
+                        _ = interrupt.recv() => true,
+                    };
+                    if stop {
+                        break;
+                    }
+                }
+            },
             _ = &mut ended => break,
             _ = terminate.recv() => break,
             _ = interrupt.recv() => break,
