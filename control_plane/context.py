@@ -43,8 +43,9 @@ class AppContext:
     #: This app's Prometheus instruments and registry (`GET /metrics`).
     metrics: Metrics = field(default_factory=Metrics)
     sign_in_throttle: SignInThrottle = field(default_factory=SignInThrottle)
-    #: Outages of the database, each logged once (the app factory makes it watch `engine`).
-    database: DatabaseAvailability = field(default_factory=DatabaseAvailability)
+    #: Outages of the database, each logged once (the app factory makes it watch `engine`); its
+    #: settling second counted on `clock`.
+    database: DatabaseAvailability = field(init=False)
     #: The agents' tunnels this process holds, through which the gateway reaches replicas.
     hub: TunnelHub = field(default_factory=TunnelHub)
     #: The gateway's requests per service in this process, which the autoscaler sizes from.
@@ -67,6 +68,7 @@ class AppContext:
     contact_grace: ContactGrace = field(init=False)
 
     def __post_init__(self) -> None:
+        self.database = DatabaseAvailability(monotonic=self.clock.monotonic)
         self.dispatcher = Dispatcher(clock=self.clock)
         self.traffic = Traffic(self.clock)
         self.autoscaler = Autoscaler(self.clock)

@@ -263,7 +263,8 @@ class DatabaseAvailability:
     it starts (naming the error class) and once when it ends (with its duration), however many
     requests and background loops meet it in between."""
 
-    def __init__(self) -> None:
+    def __init__(self, monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._monotonic = monotonic
         self._lock = threading.Lock()
         self._down_since: float | None = None
         self._last_failure = 0.0
@@ -286,7 +287,7 @@ class DatabaseAvailability:
 
     def failed(self, error: BaseException) -> None:
         """Record an outage error (see `is_database_unavailable`)."""
-        now = time.monotonic()
+        now = self._monotonic()
         with self._lock:
             self._last_failure, self._clear_since = now, None
             self._refused += 1
@@ -306,7 +307,7 @@ class DatabaseAvailability:
     def _statement_completed(self, *_args: object) -> None:
         if self._down_since is None:  # the common case: no lock, no clock
             return
-        now = time.monotonic()
+        now = self._monotonic()
         with self._lock:
             if self._down_since is None:
                 return
