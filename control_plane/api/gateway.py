@@ -3,23 +3,21 @@
 A named layer of the `Front` (`api/front.py`), just inside the agents' fast path and in front of
 the edge: it answers its own paths and hands every other request on untouched.
 
-- The Open Inference Protocol (v2, KServe's REST protocol) for `onnx` services:
-  `GET /v2/health/live`, `GET /v2/health/ready` (no token: the gateway itself),
-  `GET /v2/models/{name}` (metadata, from a replica), `GET /v2/models/{name}/ready` (from the
-  routing table: 200 while a replica takes requests, else 503), `POST /v2/models/{name}/infer`,
-  and each under `/v2/models/{name}/versions/{v}/...` too. `{name}` is the service's name; the
-  replica is asked under its model's own name.
+- The Open Inference Protocol (v2, KServe's REST) for `onnx` services: `GET /v2/health/live`,
+  `/v2/health/ready` (no token: the gateway itself), `/v2/models/{name}` (metadata, from a
+  replica), `/v2/models/{name}/ready` (the routing table's: 200 while a replica takes requests,
+  else 503), `POST /v2/models/{name}/infer`, each under `.../versions/{v}/...` too. `{name}` is
+  the service's name; the replica is asked under its model's own name.
 - Any service at `/services/{name}/{path...}` (any method, bodies streamed both ways); the
   replica gets `/{path...}` with the query. (`/services` and `/services/{id}` stay the console's.)
 
-The path is read as the client sent it, each segment decoded once (`gateway/paths.py`): the
-service's name is decoded exactly once, what follows goes to the replica still encoded, so
-`%2F`, `%3F`, `%23` or `%25` in it mean there what they meant to the client (on Granian's
-RSGI, which decodes the path before the app sees it, all but `%2F`).
+The path is read as the client sent it (`gateway/paths.py`): the service's name decoded once,
+the rest to the replica still encoded (on Granian's RSGI, which decodes it first, all but `%2F`).
 
-Each request needs a token of that service (`Authorization: Bearer mfs_...`): 401 without one,
-429 past its rate (`authorize`). Then the bounds: headers, the body (413 by its length or as
-it arrives), a place among the service's concurrent requests (503 once its queue is full or its
+A request whose framing is ambiguous is 400, the forwarding headers the gateway's own
+(`gateway_headers.py`). Each needs a token of the service (`Authorization: Bearer mfs_...`): 401
+without one, 429 past its rate. Then the bounds: headers, the body (413 by its length or as it
+arrives), a place among the service's concurrent requests (503 once its queue is full or its
 wait ran out), a client slow to send its body (408). Replica choice is `gateway/balancer.py`'s
 over `gateway/routing.py`'s rotation; the carrying, `gateway_forward.py`'s. Every answer of its
 own is the protocol's error shape, `{"error": "<message>"}`, naming what to do next.
@@ -51,6 +49,7 @@ from control_plane.api.gateway_forward import (
     received_path,
     relay_response,
 )
+from control_plane.api.gateway_headers import framing_refusal, with_forwarding
 from control_plane.clock import Clock
 from control_plane.gateway.auth import GatewayAuth, GatewayDenied
 from control_plane.gateway.balancer import Admission, Balancer, Refused
@@ -167,7 +166,8 @@ class Gateway:
     ) -> tuple[str, int]:
         """Serve one gateway request; returns the service's label and the status answered."""
         query = scope.get("query_string", b"").decode("latin-1")
-        prepared = await self.prepare(target, scope["method"], scope["headers"], query)
+        headers = with_forwarding(scope["headers"], scope.get("client"), scope["scheme"])
+        prepared = await self.prepare(target, scope["method"], headers, query)
         if isinstance(prepared, Answer):
             return prepared.label, await _answer(
                 send, prepared.status, prepared.body, prepared.extra
@@ -185,10 +185,12 @@ class Gateway:
         self, target: Target, method: str, headers: list[tuple[bytes, bytes]], query: str
     ) -> Answer | Prepared:
         """What a gateway request gets before any replica: the gateway's own answer (health,
-        metadata, a refusal: counted in the metrics already), or the service and the request
-        to carry to one of its replicas. The Python path (`__call__`) and the native front's
-        (`gateway_native.py`) both start here."""
+        metadata, a refusal: counted in the metrics already; an ambiguous framing first, as
+        nothing of it may be carried), or the service and the request to carry to one of its
+        replicas. The Python path (`__call__`) and the native front's both start here."""
         what = target.what
+        if (ambiguous := framing_refusal(headers)) is not None:
+            return _refusal(400, ambiguous, [(b"connection", b"close")])
         if what == "live":
             return Answer(200, {"live": True})
         if what == "server":
@@ -257,10 +259,11 @@ class Gateway:
             for name, value in headers
             if crossing(name.decode("latin-1").lower())
         ]
+        # No length: no body, unless chunked. A length is checked (`framing_refusal`): the
+        # replica gets it, and the agent's relay holds the body to it.
+        expected = None if _header(headers, b"transfer-encoding") else 0
         if declared is not None:
-            expected = int(declared) if declared.isdigit() else None
-        else:  # no length: no body, unless it comes chunked
-            expected = None if _header(headers, b"transfer-encoding") else 0
+            forwarded.append(("content-length", str(expected := int(declared))))
         outbound = Outbound(method, path, query, forwarded, expected)
         # Past the tunnel's OPEN frame it could only fail at each replica: refused here, once.
         oversized = outbound.oversized(max((len(r.id) for r in service.replicas), default=64))

@@ -20,7 +20,9 @@ which service and whether; this module, how).
   `%3F`, `%23` and `%25` mean at the replica what they meant to the client. No header named
   `x-modelforge-...` crosses in either direction (`INTERNAL_HEADER`): those are the control
   plane's own (the admin token, the replicas' signatures, a holder's transport failure), so a
-  replica can neither read one nor make the gateway retry by sending one.
+  replica can neither read one nor make the gateway retry by sending one. Neither side's
+  framing crosses (`Content-Length`, `Transfer-Encoding`), nor a replica's cookies or
+  `Clear-Site-Data` (`DROPPED_RESPONSE_HEADERS`; the request's rules: `gateway_headers.py`).
 
 It never logs a request's data, its headers or a token.
 """
@@ -45,11 +47,19 @@ from modelforge_contracts.tunnel import (
     TunnelProtocolError,
 )
 
-#: Request headers never sent on to a replica: the token (the replica must never see one) and
-#: those of one HTTP hop.
-DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {"authorization", "cookie"}
-#: Response headers of one hop, never sent on to the client.
-DROPPED_RESPONSE_HEADERS = HOP_BY_HOP
+#: Request headers never sent on to a replica: the token (the replica must never see one),
+#: those of one HTTP hop, and the client's framing (the gateway passes the length it checked,
+#: `Outbound`; the agent's relay frames the replica's request by the bytes that come).
+DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {"authorization", "cookie", "content-length"}
+#: Response headers never sent on to the client: those of one hop, the replica's framing (the
+#: HTTP server frames the answer by its real body), and what would act on the control plane's
+#: origin (cookies, `Clear-Site-Data`).
+DROPPED_RESPONSE_HEADERS = HOP_BY_HOP | {
+    "content-length",
+    "set-cookie",
+    "set-cookie2",
+    "clear-site-data",
+}
 #: The control plane's own headers start so: none crosses between a client and a replica.
 INTERNAL_HEADER = "x-modelforge-"
 #: What a path may hold unencoded (RFC 3986's `pchar`, and `/`); everything else is encoded.

@@ -18,8 +18,19 @@
 //! - Each ticket's end is reported (`done`) exactly once, whatever path the request took: by
 //!   `Done`'s `Drop`, so even a request whose future hyper dropped (its client gone) reports.
 //!
-//! No header named `x-modelforge-...` crosses from a replica to a client. Nothing of a request
-//! (its headers, a token, its body) is logged.
+//! Framing and headers (`control_plane/api/gateway_headers.py`, the same rules):
+//! - A request whose body's framing is ambiguous (`Content-Length` with `Transfer-Encoding`, a
+//!   coding other than `chunked`, differing or malformed lengths) is 400 before anything of it
+//!   is carried (`framing_refusal`). The length a replica gets is the one hyper read the body
+//!   by; the agent's relay holds the body to it.
+//! - The client's `X-Forwarded-For/-Host/-Proto`, `Forwarded` and `X-Real-IP` are dropped; the
+//!   front sets `X-Forwarded-For` (the client's address), `-Proto` and `-Host` itself
+//!   (`set_forwarding`), before the fast path or the control plane sees the request.
+//! - No header of one hop, of the replica's framing (`Content-Length`: hyper frames the answer
+//!   by its real body), `Set-Cookie`, `Set-Cookie2`, `Clear-Site-Data` or `x-modelforge-...`
+//!   crosses from a replica to a client (`reaches_client`).
+//!
+//! Nothing of a request (its headers, a token, its body) is logged.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -42,13 +53,36 @@ use crate::{Broken, Front, FrontBody};
 const INTERNAL_HEADER: &str = "x-modelforge-";
 /// The reset code of a stream the front gives up on.
 const CANCELLED: &str = "CANCELLED";
+/// The 400 of a request whose framing is ambiguous (`gateway_headers.AMBIGUOUS_FRAMING`).
+const AMBIGUOUS_FRAMING: &str = "the request declares its body's framing ambiguously \
+(Content-Length with Transfer-Encoding, a Transfer-Encoding other than chunked, or differing \
+Content-Length values); send one Content-Length, or Transfer-Encoding: chunked alone";
+/// A client's word on who it is or came through: never passed on (the front says it).
+const CLIENT_FORWARDING: [&str; 5] = [
+    "x-forwarded-for",
+    "x-forwarded-host",
+    "x-forwarded-proto",
+    "forwarded",
+    "x-real-ip",
+];
+/// What a replica's answer never carries to a client, besides those of one hop.
+const DROPPED_RESPONSE_HEADERS: [&str; 4] = [
+    "content-length",
+    "set-cookie",
+    "set-cookie2",
+    "clear-site-data",
+];
 
 /// Carry one gateway request (see the module's docstring).
 pub async fn handle(
     front: &Arc<Front>,
-    request: Request<Body>,
+    mut request: Request<Body>,
     peer: SocketAddr,
 ) -> Response<FrontBody> {
+    if framing_refusal(request.headers()) {
+        return crate::error_answer(front, StatusCode::BAD_REQUEST, AMBIGUOUS_FRAMING, true);
+    }
+    set_forwarding(request.headers_mut(), peer);
     if let Some(plan) = front.fast.plan(&request, &front.config) {
         return fast_path(front, plan, request).await;
     }
@@ -173,6 +207,65 @@ async fn fast_path(front: &Arc<Front>, plan: Plan, request: Request<Body>) -> Re
         }
     );
     crate::error_answer(front, StatusCode::BAD_GATEWAY, &message, false)
+}
+
+/// Whether the request's body framing is ambiguous: `Content-Length` with `Transfer-Encoding`,
+/// a coding other than `chunked` alone, or lengths that differ or are not numbers. (hyper
+/// refuses most of these itself; it passes a `Content-Length` sent before `Transfer-Encoding`.)
+fn framing_refusal(headers: &HeaderMap) -> bool {
+    let mut lengths: Vec<&[u8]> = Vec::new();
+    for value in headers.get_all(header::CONTENT_LENGTH) {
+        lengths.push(trim(value.as_bytes())); // a list ("5, 5") is not a number either
+    }
+    let mut codings = 0;
+    for value in headers.get_all(header::TRANSFER_ENCODING) {
+        for coding in value.as_bytes().split(|&byte| byte == b',').map(trim) {
+            codings += 1;
+            if !coding.eq_ignore_ascii_case(b"chunked") {
+                return true;
+            }
+        }
+    }
+    if codings > 0 && (codings > 1 || !lengths.is_empty()) {
+        return true;
+    }
+    let number = |length: &&[u8]| !length.is_empty() && length.iter().all(u8::is_ascii_digit);
+    !lengths.iter().all(number) || lengths.windows(2).any(|pair| pair[0] != pair[1])
+}
+
+fn trim(bytes: &[u8]) -> &[u8] {
+    let start = bytes.iter().position(|byte| !byte.is_ascii_whitespace());
+    let end = bytes.iter().rposition(|byte| !byte.is_ascii_whitespace());
+    match (start, end) {
+        (Some(start), Some(end)) => &bytes[start..=end],
+        _ => &[],
+    }
+}
+
+/// The client's forwarding headers dropped, the front's own set: the client's address, the
+/// scheme (plain HTTP: the front serves no TLS; with TLS it falls back to the Python end) and
+/// the request's `Host`.
+fn set_forwarding(headers: &mut HeaderMap, peer: SocketAddr) {
+    for name in CLIENT_FORWARDING {
+        headers.remove(name);
+    }
+    if let Ok(address) = HeaderValue::from_str(&peer.ip().to_string()) {
+        headers.insert(HeaderName::from_static("x-forwarded-for"), address);
+    }
+    headers.insert(
+        HeaderName::from_static("x-forwarded-proto"),
+        HeaderValue::from_static("http"),
+    );
+    if let Some(host) = headers.get(header::HOST).cloned() {
+        headers.insert(HeaderName::from_static("x-forwarded-host"), host);
+    }
+}
+
+/// Whether a replica's response header named `name` (lower case) reaches the client.
+fn reaches_client(name: &str) -> bool {
+    !frames::hop_by_hop(name)
+        && !name.starts_with(INTERNAL_HEADER)
+        && !DROPPED_RESPONSE_HEADERS.contains(&name)
 }
 
 /// The `request` ask: the method, the path as received (still percent-encoded), the raw
@@ -432,8 +525,8 @@ async fn attempt(
     Attempt::Started(stream, response)
 }
 
-/// The response's headers: the replica's, but for those of one hop and the control plane's
-/// own, then the security headers.
+/// The response's headers: the replica's that reach a client (`reaches_client`), then the
+/// security headers.
 fn response_headers(front: &Front, headers: &mut HeaderMap, pairs: Vec<(String, String)>) {
     headers.reserve(pairs.len() + front.config.security_headers.len());
     for (name, value) in pairs {
@@ -441,7 +534,7 @@ fn response_headers(front: &Front, headers: &mut HeaderMap, pairs: Vec<(String, 
             Ok(name) => name,
             Err(_) => continue,
         };
-        if frames::hop_by_hop(name.as_str()) || name.as_str().starts_with(INTERNAL_HEADER) {
+        if !reaches_client(name.as_str()) {
             continue;
         }
         let value = if value.is_ascii() {
@@ -584,4 +677,100 @@ async fn relay(
     // The client went away: the replica stops, the stream's slot is freed.
     stream.reset(CANCELLED, "the client went away");
     done.set(499, "client_gone");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (name, value) in pairs {
+            map.append(*name, HeaderValue::from_static(value));
+        }
+        map
+    }
+
+    #[test]
+    fn an_ambiguous_framing_is_refused_and_a_plain_one_passes() {
+        for ambiguous in [
+            &[("content-length", "5"), ("transfer-encoding", "chunked")][..],
+            &[("transfer-encoding", "chunked"), ("content-length", "5")],
+            &[("transfer-encoding", "gzip")],
+            &[("transfer-encoding", "gzip, chunked")],
+            &[
+                ("transfer-encoding", "chunked"),
+                ("transfer-encoding", "chunked"),
+            ],
+            &[("content-length", "5"), ("content-length", "7")],
+            &[("content-length", "5, 7")],
+            &[("content-length", "5, 5")],
+            &[("content-length", "5x")],
+            &[("content-length", "")],
+            &[("content-length", "-1")],
+        ] {
+            assert!(framing_refusal(&headers(ambiguous)), "{:?}", ambiguous);
+        }
+        for plain in [
+            &[][..],
+            &[("content-length", "5")],
+            &[("content-length", " 5 ")],
+            &[("content-length", "5"), ("content-length", "5")],
+            &[("transfer-encoding", "Chunked")],
+        ] {
+            assert!(!framing_refusal(&headers(plain)), "{:?}", plain);
+        }
+    }
+
+    #[test]
+    fn the_forwarding_headers_are_the_fronts_own() {
+        let mut map = headers(&[
+            ("host", "cp.example:8000"),
+            ("x-forwarded-for", "6.6.6.6"),
+            ("x-forwarded-for", "7.7.7.7"),
+            ("x-forwarded-host", "evil.example"),
+            ("x-forwarded-proto", "https"),
+            ("forwarded", "for=6.6.6.6"),
+            ("x-real-ip", "6.6.6.6"),
+            ("x-other", "kept"),
+        ]);
+        set_forwarding(&mut map, "[2001:db8::1]:4242".parse().unwrap());
+        let all = |name: &str| -> Vec<&str> {
+            map.get_all(name)
+                .iter()
+                .map(|value| value.to_str().unwrap())
+                .collect()
+        };
+        assert_eq!(all("x-forwarded-for"), ["2001:db8::1"]);
+        assert_eq!(all("x-forwarded-proto"), ["http"]);
+        assert_eq!(all("x-forwarded-host"), ["cp.example:8000"]);
+        assert!(all("forwarded").is_empty() && all("x-real-ip").is_empty());
+        assert_eq!(all("x-other"), ["kept"]);
+        let mut bare = HeaderMap::new();
+        set_forwarding(&mut bare, "10.0.0.2:1".parse().unwrap());
+        assert!(bare.get("x-forwarded-host").is_none());
+        assert_eq!(bare["x-forwarded-for"], "10.0.0.2");
+    }
+
+    #[test]
+    fn a_replicas_framing_cookies_and_hop_headers_never_reach_the_client() {
+        for dropped in [
+            "content-length",
+            "transfer-encoding",
+            "set-cookie",
+            "set-cookie2",
+            "clear-site-data",
+            "connection",
+            "keep-alive",
+            "proxy-authenticate",
+            "trailer",
+            "upgrade",
+            "x-modelforge-peer-failure",
+        ] {
+            assert!(!reaches_client(dropped), "{}", dropped);
+        }
+        for kept in ["content-type", "x-replica", "cache-control", "etag"] {
+            assert!(reaches_client(kept), "{}", kept);
+        }
+    }
 }
