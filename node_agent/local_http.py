@@ -8,10 +8,15 @@ the agent's end of the tunnel; this one holds only what the tunnel needs:
 - keep-alive connections on asyncio streams, a pool of idle ones per port (the newest reused
   first; one the replica closed while idle is noticed and dropped, one idle longer than
   `IDLE_SECONDS` too, before the replica's own idle timeout can race a request);
-- a request body sent whole (`Content-Length`, one write with the head) or streamed (the
-  client's own `Content-Length` kept, else `Transfer-Encoding: chunked`);
+- the request framed here, from the bytes that arrive, never by the client's headers: the
+  `Content-Length` the gateway passes (the length it read the body by) only with a body held to
+  it (a body longer or shorter fails, its request never completed: `LengthMismatch`), else a
+  body sent whole with its own length (one write with the head) or streamed chunked; a stream
+  cancelled in the middle closes the connection without the last chunk;
 - a response body by `Content-Length`, chunked (de-chunked, as `httpx`'s raw bytes were), or
-  read until the replica closes; interim 1xx answers skipped; none after HEAD, 204 or 304.
+  read until the replica closes; interim 1xx answers skipped; none after HEAD, 204 or 304. An
+  answer whose framing contradicts itself (`Content-Length` with `Transfer-Encoding`, or two
+  lengths) fails, and its connection is closed, never reused.
 
 A connection goes back to the pool only when both bodies were complete and neither side asked
 to close it. Failures raise `LocalHTTPError` (or `OSError`): `reached` says whether the replica
@@ -48,6 +53,14 @@ class LocalHTTPError(Exception):
     def __init__(self, message: str, *, reached: bool) -> None:
         super().__init__(message)
         self.reached = reached
+
+
+class LengthMismatch(LocalHTTPError):
+    """The request's body is longer or shorter than its declared length (or that is not one
+    number): the request was not completed at the replica."""
+
+    def __init__(self, message: str = "the request's body is not the length it declared") -> None:
+        super().__init__(message, reached=False)
 
 
 @dataclass(eq=False, slots=True)
@@ -200,37 +213,42 @@ class LocalHTTP:
         body: bytes | AsyncIterator[bytes] | None,
     ) -> None:
         lines = [f"{method} {target} HTTP/1.1", f"Host: {self.host}:{port}"]
-        declared = False
+        declared = _declared_length(headers)
         for name, value in headers:
             lowered = name.lower()
-            if lowered in HOP_BY_HOP:
-                continue
-            if lowered == "content-length":
-                declared = True
+            if lowered in HOP_BY_HOP or lowered == "content-length":
+                continue  # the framing is this end's: below
             lines.append(f"{name}: {value}")
         writer = connection.writer
         try:
             if body is None or isinstance(body, bytes):
                 data = body or b""
-                if not declared and (data or method in ("POST", "PUT", "PATCH")):
+                if declared is not None and declared != len(data):
+                    raise LengthMismatch
+                if declared is not None or data or method in ("POST", "PUT", "PATCH"):
                     lines.append(f"Content-Length: {len(data)}")
                 lines.append("\r\n")
                 writer.write("\r\n".join(lines).encode("latin-1") + data)
                 await writer.drain()
                 return
-            chunked = not declared
-            if chunked:
-                lines.append("Transfer-Encoding: chunked")
+            chunked = declared is None
+            lines.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {declared}")
             lines.append("\r\n")
             writer.write("\r\n".join(lines).encode("latin-1"))
+            sent = 0
             async for piece in body:
                 if not piece:
                     continue
+                sent += len(piece)
                 if chunked:
                     writer.write(b"%x\r\n%b\r\n" % (len(piece), piece))
+                elif declared is not None and sent > declared:
+                    raise LengthMismatch  # nothing of this piece written
                 else:
                     writer.write(piece)
                 await writer.drain()
+            if declared is not None and sent != declared:
+                raise LengthMismatch
             if chunked:
                 writer.write(b"0\r\n\r\n")
             await writer.drain()
@@ -261,19 +279,20 @@ class LocalHTTP:
             break
         headers: Headers = []
         length: int | None = None
-        chunked = False
+        chunked = coded = False
         keep = version == "HTTP/1.1"
         for line in header_lines:
             name, _, value = line.partition(":")
             value = value.strip()
             lowered = name.strip().lower()
             if lowered == "content-length":
-                if not value.isdigit():
+                if not value.isdigit() or length not in (None, int(value)):
                     raise LocalHTTPError(
-                        "the replica's Content-Length is not a number", reached=True
+                        "the replica's Content-Length is not one number", reached=True
                     )
                 length = int(value)
             elif lowered == "transfer-encoding":
+                coded = True
                 chunked = "chunked" in value.lower()
             elif lowered == "connection":
                 tokens = value.lower()
@@ -283,6 +302,11 @@ class LocalHTTP:
                     keep = True
             if lowered not in HOP_BY_HOP:
                 headers.append((name.strip(), value))
+        if coded and length is not None:  # which one a reader believes decides the next answer
+            raise LocalHTTPError(
+                "the replica's answer declares both Content-Length and Transfer-Encoding",
+                reached=True,
+            )
         if method == "HEAD" or status in _NO_BODY_STATUS:
             length, chunked = 0, False
         elif chunked:
@@ -307,3 +331,13 @@ async def _dechunk(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
             yield piece
         if await reader.readexactly(2) != b"\r\n":
             raise ValueError("a chunk without its CRLF")
+
+
+def _declared_length(headers: Headers) -> int | None:
+    """The gateway's `Content-Length` (None: none); `LengthMismatch` unless one number."""
+    values = {value.strip() for name, value in headers if name.lower() == "content-length"}
+    if not values:
+        return None
+    if len(values) > 1 or not all(value.isdigit() for value in values):
+        raise LengthMismatch("the request's Content-Length is not one number")
+    return int(values.pop())

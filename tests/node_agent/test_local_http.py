@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socketserver
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,7 +22,7 @@ from modelforge_contracts.tunnel import (
     encode,
     window,
 )
-from node_agent.local_http import LocalHTTP, LocalHTTPError
+from node_agent.local_http import LengthMismatch, LocalHTTP, LocalHTTPError
 
 
 class _Replica(BaseHTTPRequestHandler):
@@ -150,3 +151,138 @@ def test_batch_carries_frames_in_order_and_refuses_malformed_ones() -> None:
     with pytest.raises(TunnelProtocolError, match="over"):
         decode_message(batch([encode(FrameType.DATA, 1, b"x" * 60_000)] * 2))
     assert MAX_BATCH < 2 * 64 * 1024  # what the agent's WebSocket takes in one message
+
+
+# -- framing (issue 40) ---------------------------------------------------------------------------
+
+SMUGGLED = b"GET /smuggled HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+SPLIT = (
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 0\r\n\r\n"
+    b"16\r\n<h1>attacker page</h1>\r\n0\r\n\r\n"
+)
+
+
+class _RawReplica(socketserver.ThreadingTCPServer):
+    """A replica that frames HTTP/1.1 by hand: `requests` holds each request it read whole
+    (target, headers, body), `closed` counts the connections that ended; `/split` answers
+    chunked with a `Content-Length: 0`, anything else `ok`."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, dict[str, str], bytes]] = []
+        self.closed = 0
+        replica = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                while line := self.rfile.readline():
+                    headers: dict[str, str] = {}
+                    while (raw := self.rfile.readline()) not in (b"\r\n", b""):
+                        name, _, value = raw.decode("latin-1").partition(":")
+                        headers[name.strip().lower()] = value.strip()
+                    if headers.get("transfer-encoding") == "chunked":
+                        body = b""
+                        while size := int(self.rfile.readline().split(b";")[0] or b"-1", 16):
+                            if size < 0:
+                                return  # cut: no last chunk
+                            body += self.rfile.read(size)
+                            self.rfile.readline()
+                        self.rfile.readline()
+                    else:
+                        length = int(headers.get("content-length") or 0)
+                        if len(body := self.rfile.read(length)) < length:
+                            return  # cut short
+                    target = line.split(b" ")[1].decode()
+                    replica.requests.append((target, headers, body))
+                    if target == "/split":
+                        self.wfile.write(SPLIT)
+                    else:
+                        self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+            def finish(self) -> None:
+                super().finish()
+                replica.closed += 1
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def port(self) -> int:
+        return int(self.server_address[1])
+
+    def targets(self) -> list[str]:
+        return [target for target, _, _ in self.requests]
+
+
+async def _ended(replica: _RawReplica, connections: int) -> None:
+    """Wait (bounded) until the replica saw `connections` connections end."""
+    for _ in range(200):
+        if replica.closed >= connections:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{replica.closed} of {connections} connections ended")
+
+
+def test_the_request_is_framed_here_never_by_the_clients_headers() -> None:
+    async def pieces(*parts: bytes) -> AsyncIterator[bytes]:
+        for part in parts:
+            yield part
+
+    async def scenario(replica: _RawReplica) -> None:
+        http = LocalHTTP()
+        both = [("Content-Length", "5"), ("Transfer-Encoding", "chunked")]
+        response = await http.request(replica.port, "POST", "/both", both, b"hello")
+        assert await response.read() == b"ok"
+        response.release()
+        target, headers, body = replica.requests[-1]
+        assert (target, body, headers["content-length"]) == ("/both", b"hello", "5")
+        assert "transfer-encoding" not in headers
+        # Longer or shorter than declared, whole or streamed: never a complete request.
+        declared = [("Content-Length", "5")]
+        for body_of in (
+            lambda: b"hello" + SMUGGLED,
+            lambda: b"hel",
+            lambda: pieces(b"hel", b"lo" + SMUGGLED),
+            lambda: pieces(b"hel"),
+        ):
+            with pytest.raises(LengthMismatch):
+                await http.request(replica.port, "POST", "/cut", declared, body_of())
+        # Streamed without a length: chunked; cancelled in the middle, never completed.
+        gate = asyncio.Event()
+
+        async def stalled() -> AsyncIterator[bytes]:
+            yield b"part"
+            gate.set()
+            await asyncio.Event().wait()
+
+        task = asyncio.ensure_future(http.request(replica.port, "POST", "/cut", [], stalled()))
+        await gate.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        response = await http.request(replica.port, "POST", "/chunked", [], pieces(b"a", b"b"))
+        response.release()
+        assert replica.requests[-1][1]["transfer-encoding"] == "chunked"
+        assert replica.requests[-1][2] == b"ab"
+        await http.aclose()
+        await _ended(replica, http.opened)
+        assert replica.targets() == ["/both", "/chunked"]
+
+    with _RawReplica() as replica:
+        asyncio.run(scenario(replica))
+
+
+def test_an_answer_framed_two_ways_fails_and_its_connection_is_never_reused() -> None:
+    async def scenario(replica: _RawReplica) -> None:
+        http = LocalHTTP()
+        with pytest.raises(LocalHTTPError, match="both Content-Length and Transfer-Encoding"):
+            await http.request(replica.port, "GET", "/split", [], None)
+        response = await http.request(replica.port, "GET", "/next", [], None)
+        assert await response.read() == b"ok"
+        response.release()
+        assert http.opened == 2  # the split answer's connection was closed, not pooled
+        await http.aclose()
+
+    with _RawReplica() as replica:
+        asyncio.run(scenario(replica))

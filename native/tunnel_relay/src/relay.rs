@@ -1,6 +1,15 @@
 //! One open tunnel: its reader, its one writer, its keepalive, and a task per stream that
 //! relays the stream's request to the replica's local port over HTTP/1.1 keep-alive (hyper's
 //! pooled client) and its answer back, both bodies under the protocol's windows.
+//!
+//! The replica's request is framed here, from the bytes that arrive, never by the client's
+//! headers: the OPEN's `content-length` (the length the gateway read the body by) is sent only
+//! with a body held to it (`BodyFraming`: a body longer or shorter is reset, never completed),
+//! else the body goes chunked, or whole with its own length when its END came with the OPEN. A
+//! body that does not end (the stream reset, the tunnel gone) is aborted, so the replica never
+//! reads a cut request as a whole one. A replica's answer whose framing contradicts itself
+//! (`Content-Length` with `Transfer-Encoding`) is refused: the stream reset and the replica's
+//! connection dropped, never reused (`contradicting_framing`).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -10,6 +19,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use hyper::body::HttpBody;
 use hyper::client::HttpConnector;
+use hyper::header::{self, HeaderMap};
 use hyper::{Body, Client, Request};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, WriteHalf};
 use tokio::net::TcpStream;
@@ -526,6 +536,13 @@ impl Stream {
         }
         let taken: usize = pieces.iter().map(|piece| piece.len()).sum();
         self.buffered.fetch_sub(taken as i64, Ordering::AcqRel);
+        let declared = match declared_length(&request.headers) {
+            Ok(declared) => declared,
+            Err(reason) => return self.reset(frames::PROTOCOL_ERROR, reason),
+        };
+        if ended && declared.is_some_and(|length| length != taken as u64) {
+            return self.reset(frames::PROTOCOL_ERROR, LENGTH_MISMATCH);
+        }
         let body = if ended {
             match pieces.len() {
                 0 => Body::empty(),
@@ -537,11 +554,14 @@ impl Stream {
             guard.pump = Some(tokio::spawn(pump(
                 pieces,
                 body_queue,
-                sender,
-                self.writer.clone(),
-                self.id,
-                self.remaining.clone(),
-                self.buffered.clone(),
+                BodyFraming::new(sender, declared),
+                Pumped {
+                    writer: self.writer.clone(),
+                    streams: self.streams.clone(),
+                    id: self.id,
+                    remaining: self.remaining.clone(),
+                    buffered: self.buffered.clone(),
+                },
             )));
             body
         };
@@ -558,8 +578,9 @@ impl Stream {
             .method(request.method.as_bytes())
             .uri(uri);
         for (name, value) in &request.headers {
-            if hop_by_hop(&name.to_ascii_lowercase()) {
-                continue;
+            let lowered = name.to_ascii_lowercase();
+            if hop_by_hop(&lowered) || lowered == "content-length" {
+                continue; // the framing is this end's: below
             }
             if value.chars().any(|c| c as u32 > 0xFF) {
                 return self.reset(frames::PROTOCOL_ERROR, "a header value that is not Latin-1");
@@ -567,6 +588,12 @@ impl Stream {
             let raw: Vec<u8> = value.chars().map(|c| c as u8).collect();
             builder = builder.header(name.as_str(), raw);
         }
+        builder = match (declared, ended) {
+            (Some(length), _) => builder.header(header::CONTENT_LENGTH, length),
+            // Streamed, its length unknown: chunked (hyper would send a GET's as empty).
+            (None, false) => builder.header(header::TRANSFER_ENCODING, "chunked"),
+            (None, true) => builder, // whole: hyper gives it its length
+        };
         let outbound = match builder.body(body) {
             Ok(outbound) => outbound,
             Err(_) => {
@@ -585,6 +612,13 @@ impl Stream {
             }
         };
         let (parts, mut answer) = response.into_parts();
+        if contradicting_framing(&parts.headers) {
+            // `answer` dropped unread: hyper closes that connection rather than reuse it.
+            return self.reset(
+                frames::UPSTREAM_FAILED,
+                "the replica's answer declares both Content-Length and Transfer-Encoding",
+            );
+        }
         let head = frames::encode(
             frames::RESPONSE,
             self.id,
@@ -649,16 +683,122 @@ impl Stream {
     }
 }
 
+/// The reset's message for a body longer or shorter than its declared length.
+const LENGTH_MISMATCH: &str = "the request's body is not the length it declared";
+
+/// The OPEN's `content-length`: None when it has none; an error for one that is not a single
+/// number (the gateway checked it: a relay never guesses).
+fn declared_length(headers: &[(String, String)]) -> Result<Option<u64>, &'static str> {
+    let mut declared = None;
+    for (name, value) in headers {
+        if name.eq_ignore_ascii_case("content-length") {
+            let text = value.trim();
+            let length = match text.parse::<u64>() {
+                Ok(length) if text.bytes().all(|byte| byte.is_ascii_digit()) => length,
+                _ => return Err("an OPEN whose content-length is not a number"),
+            };
+            if declared.is_some_and(|earlier| earlier != length) {
+                return Err("an OPEN with two content-lengths");
+            }
+            declared = Some(length);
+        }
+    }
+    Ok(declared)
+}
+
+/// Whether a replica's answer frames its body two ways (`Content-Length` beside
+/// `Transfer-Encoding`): which one a reader believes decides where the next answer starts.
+/// (hyper refuses differing or malformed lengths itself.)
+fn contradicting_framing(headers: &HeaderMap) -> bool {
+    headers.contains_key(header::TRANSFER_ENCODING) && headers.contains_key(header::CONTENT_LENGTH)
+}
+
+/// A streamed request body's sending end, held to its declared length: a piece past it, an
+/// END short of it, or any end but a clean one (the stream reset, the task aborted) aborts the
+/// body, so hyper never completes the request (no last chunk, no missing bytes made up).
+struct BodyFraming {
+    sender: Option<hyper::body::Sender>,
+    declared: Option<u64>,
+    sent: u64,
+}
+
+impl BodyFraming {
+    fn new(sender: hyper::body::Sender, declared: Option<u64>) -> BodyFraming {
+        BodyFraming {
+            sender: Some(sender),
+            declared,
+            sent: 0,
+        }
+    }
+
+    /// Send `piece`; Err(true) when it passes the declared length (aborted), Err(false) when
+    /// hyper no longer takes the body.
+    async fn send(&mut self, piece: Bytes) -> Result<(), bool> {
+        self.sent += piece.len() as u64;
+        if self.declared.is_some_and(|length| self.sent > length) {
+            self.abort();
+            return Err(true);
+        }
+        match self.sender.as_mut() {
+            Some(sender) => sender.send_data(piece).await.map_err(|_| false),
+            None => Err(false),
+        }
+    }
+
+    /// The END came: the body is complete when it holds its declared length (false: aborted).
+    fn end(mut self) -> bool {
+        if self.declared.is_some_and(|length| self.sent != length) {
+            self.abort();
+            return false;
+        }
+        drop(self.sender.take()); // dropping the sender ends the body
+        true
+    }
+
+    fn abort(&mut self) {
+        if let Some(sender) = self.sender.take() {
+            sender.abort();
+        }
+    }
+}
+
+impl Drop for BodyFraming {
+    fn drop(&mut self) {
+        self.abort();
+    }
+}
+
+/// What a stream's body pump reports through.
+struct Pumped {
+    writer: Writer,
+    streams: Streams,
+    id: u32,
+    remaining: Arc<AtomicI64>,
+    buffered: Arc<AtomicI64>,
+}
+
+impl Pumped {
+    /// The body broke its declared length: the stream is reset and forgotten.
+    fn mismatch(&self) {
+        send(
+            &self.writer,
+            vec![frames::reset(
+                self.id,
+                frames::PROTOCOL_ERROR,
+                LENGTH_MISMATCH,
+            )],
+        );
+        end_stream(&self.streams, self.id);
+    }
+}
+
 /// A streamed request body: each piece to the replica as it comes, the window granted back as
 /// the pieces are taken (half the initial window at a time, as the Python end does).
 async fn pump(
     first: Vec<Bytes>,
     mut queue: UnboundedReceiver<Option<Bytes>>,
-    mut sender: hyper::body::Sender,
-    writer: Writer,
-    id: u32,
-    remaining: Arc<AtomicI64>,
-    buffered: Arc<AtomicI64>,
+    mut body: BodyFraming,
+    pumped: Pumped,
 ) {
     let mut consumed: i64 = 0;
     let mut ready: VecDeque<Bytes> = first.into();
@@ -667,24 +807,33 @@ async fn pump(
             Some(piece) => piece,
             None => match queue.recv().await {
                 Some(Some(piece)) => {
-                    buffered.fetch_sub(piece.len() as i64, Ordering::AcqRel);
+                    pumped
+                        .buffered
+                        .fetch_sub(piece.len() as i64, Ordering::AcqRel);
                     piece
                 }
-                Some(None) => return, // END: dropping the sender ends the body
-                None => {
-                    sender.abort(); // reset: the replica sees the body cut
+                Some(None) => {
+                    if !body.end() {
+                        pumped.mismatch();
+                    }
                     return;
                 }
+                None => return, // reset: `body` dropped aborts it, the replica sees it cut
             },
         };
         let size = piece.len() as i64;
-        if sender.send_data(piece).await.is_err() {
-            return;
+        match body.send(piece).await {
+            Ok(()) => {}
+            Err(true) => return pumped.mismatch(),
+            Err(false) => return,
         }
         consumed += size;
         if consumed >= frames::INITIAL_WINDOW / 2 {
-            remaining.fetch_add(consumed, Ordering::AcqRel);
-            send(&writer, vec![frames::window(id, consumed as u32)]);
+            pumped.remaining.fetch_add(consumed, Ordering::AcqRel);
+            send(
+                &pumped.writer,
+                vec![frames::window(pumped.id, consumed as u32)],
+            );
             consumed = 0;
         }
     }
@@ -701,5 +850,102 @@ fn describe(error: &hyper::Error) -> &'static str {
         "CancelledError"
     } else {
         "ConnectionError"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hyper::header::HeaderValue;
+
+    fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
+        list.iter()
+            .map(|(name, value)| (name.to_string(), value.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn the_declared_length_is_one_number_or_none() {
+        assert_eq!(declared_length(&pairs(&[("a", "b")])), Ok(None));
+        assert_eq!(
+            declared_length(&pairs(&[("Content-Length", " 12 ")])),
+            Ok(Some(12))
+        );
+        assert_eq!(
+            declared_length(&pairs(&[("content-length", "5"), ("content-length", "5")])),
+            Ok(Some(5))
+        );
+        for bad in [
+            &[("content-length", "5"), ("content-length", "6")][..],
+            &[("content-length", "+5")],
+            &[("content-length", "5, 6")],
+            &[("content-length", "")],
+        ] {
+            assert!(declared_length(&pairs(bad)).is_err(), "{:?}", bad);
+        }
+    }
+
+    #[test]
+    fn an_answer_framed_two_ways_is_refused() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("0"));
+        assert!(!contradicting_framing(&headers));
+        headers.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        assert!(contradicting_framing(&headers));
+        headers.remove(header::CONTENT_LENGTH);
+        assert!(!contradicting_framing(&headers));
+    }
+
+    async fn received(body: Body) -> Result<Vec<u8>, hyper::Error> {
+        hyper::body::to_bytes(body)
+            .await
+            .map(|bytes| bytes.to_vec())
+    }
+
+    #[tokio::test]
+    async fn a_body_held_to_its_length_completes_only_when_it_matches() {
+        // Exactly the length: complete.
+        let (sender, body) = Body::channel();
+        let mut framing = BodyFraming::new(sender, Some(5));
+        let reader = tokio::spawn(received(body));
+        framing.send(Bytes::from_static(b"hel")).await.unwrap();
+        framing.send(Bytes::from_static(b"lo")).await.unwrap();
+        assert!(framing.end());
+        assert_eq!(reader.await.unwrap().unwrap(), b"hello");
+        // Longer: the piece that passes it is not sent, the body aborted.
+        let (sender, body) = Body::channel();
+        let mut framing = BodyFraming::new(sender, Some(5));
+        let reader = tokio::spawn(received(body));
+        let smuggled = Bytes::from_static(b"helloGET /smuggled HTTP/1.1\r\n\r\n");
+        assert_eq!(framing.send(smuggled).await, Err(true));
+        assert!(reader.await.unwrap().is_err());
+        // Shorter at its END: aborted.
+        let (sender, body) = Body::channel();
+        let mut framing = BodyFraming::new(sender, Some(5));
+        let reader = tokio::spawn(received(body));
+        framing.send(Bytes::from_static(b"hel")).await.unwrap();
+        assert!(!framing.end());
+        assert!(reader.await.unwrap().is_err());
+    }
+
+    #[tokio::test]
+    async fn a_body_that_never_ends_is_aborted_not_completed() {
+        // Chunked (no length): dropped without its END, as a reset stream's pump is.
+        let (sender, body) = Body::channel();
+        let mut framing = BodyFraming::new(sender, None);
+        let reader = tokio::spawn(received(body));
+        framing.send(Bytes::from_static(b"part")).await.unwrap();
+        drop(framing);
+        assert!(reader.await.unwrap().is_err());
+        // Its END: complete, whatever its length.
+        let (sender, body) = Body::channel();
+        let mut framing = BodyFraming::new(sender, None);
+        let reader = tokio::spawn(received(body));
+        framing.send(Bytes::from_static(b"part")).await.unwrap();
+        assert!(framing.end());
+        assert_eq!(reader.await.unwrap().unwrap(), b"part");
     }
 }
