@@ -166,7 +166,7 @@ class Gateway:
     ) -> tuple[str, int]:
         """Serve one gateway request; returns the service's label and the status answered."""
         query = scope.get("query_string", b"").decode("latin-1")
-        headers = with_forwarding(scope["headers"], scope.get("client"), scope["scheme"])
+        headers = with_forwarding(scope)
         prepared = await self.prepare(target, scope["method"], headers, query)
         if isinstance(prepared, Answer):
             return prepared.label, await _answer(

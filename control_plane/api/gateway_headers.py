@@ -17,6 +17,8 @@ agent's relay frames the replica's request from the bytes that arrive.
 
 from __future__ import annotations
 
+from control_plane.api.asgi import Scope
+
 #: What the gateway answers a request whose framing is ambiguous (400).
 AMBIGUOUS_FRAMING = (
     "the request declares its body's framing ambiguously (Content-Length with "
@@ -46,15 +48,14 @@ def framing_refusal(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
-def with_forwarding(
-    headers: list[tuple[bytes, bytes]], client: tuple[str, int] | None, scheme: str
-) -> list[tuple[bytes, bytes]]:
-    """`headers` less the client's forwarding headers, plus the gateway's own."""
+def with_forwarding(scope: Scope) -> list[tuple[bytes, bytes]]:
+    """The request's headers less the client's forwarding headers, plus the gateway's own."""
+    headers: list[tuple[bytes, bytes]] = scope["headers"]
     kept = [(name, value) for name, value in headers if name.lower() not in CLIENT_FORWARDING]
     host = next((value for name, value in headers if name.lower() == b"host"), None)
-    if client is not None:
-        kept.append((b"x-forwarded-for", client[0].encode("latin-1")))
-    kept.append((b"x-forwarded-proto", scheme.encode("latin-1")))
+    if (client := scope.get("client")) is not None:
+        kept.append((b"x-forwarded-for", str(client[0]).encode("latin-1")))
+    kept.append((b"x-forwarded-proto", str(scope.get("scheme", "http")).encode("latin-1")))
     if host is not None:
         kept.append((b"x-forwarded-host", host))
     return kept
