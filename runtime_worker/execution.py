@@ -3,9 +3,10 @@ process group of its own, a filtered environment, a fresh work directory, its ou
 collected, its timeout and silence timeout enforced.
 
 A job's secrets (`"secrets": {"NAME": "value"}` in the assignment) reach its process as
-environment variables, added after the credential-like filter, and nowhere else: they are taken
-out of the spec before it travels to the supervisor, and any of their values in what the job
-writes (its output, events, error messages) is replaced by `[secret]` before it leaves the worker.
+environment variables, added after the credential-like filter (runtime_worker.environment_filter),
+and nowhere else: they are taken out of the spec before it travels to the supervisor, and any of
+their values in what the job writes (its output, events, error messages) is replaced by
+`[secret]` before it leaves the worker.
 
 The job ends — everything it started, daemons included — when it finishes, times out, falls
 silent, is abandoned by the agent, or the worker stops: the worker asks the supervisor (SIGTERM).
@@ -34,14 +35,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from modelforge_contracts import job_records as records
+from runtime_worker.environment_filter import is_removed
 from runtime_worker.supervisor import remove_tree
 
 log = logging.getLogger("modelforge.runtime_worker")
-#: Variables that look like credentials never reach job code.
-_CREDENTIAL_LIKE = re.compile(
-    r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|ACCESS_?KEY|PRIVATE|AUTH|COOKIE|SESSION|CERT",
-    re.IGNORECASE,
-)
 #: How long a supervisor asked to stop may take (its job gets half a second's grace) before it
 #: is killed with its process group.
 _STOP_TIMEOUT = 10.0
@@ -107,11 +104,8 @@ class Redactor:
 
 
 def job_environment(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
-    env = {
-        name: value
-        for name, value in base.items()
-        if not _CREDENTIAL_LIKE.search(name) and not name.startswith("MODELFORGE_")
-    }
+    """`base` (the worker's environment) less what `environment_filter` removes, then `extra`."""
+    env = {name: value for name, value in base.items() if not is_removed(name)}
     env.update(extra)
     env["PYTHONUNBUFFERED"] = "1"
     return env
