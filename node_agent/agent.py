@@ -265,6 +265,7 @@ class Agent:
                 private_paths=hidden,
                 worker=self.worker,
                 activity=self.activity,
+                job_python=self.settings.python,
             ).start()
             control_plane = self.control_plane
             keeper = ServiceKeeper(

@@ -5,7 +5,9 @@ volume, 3 preflight failed, 4 credential revoked or rejected, 5 protocol refused
 6 enrollment refused.
 
 What the node offers and its idle exit come from `MODELFORGE_AGENT_PARALLEL`, `_CPUS`, `_GPUS`,
-`_RAM_MB` and `_MAX_IDLE_SECONDS` (node_agent.config); a flag given overrides its variable.
+`_RAM_MB` and `_MAX_IDLE_SECONDS` (node_agent.config); a flag given overrides its variable. So
+does `--python` `MODELFORGE_AGENT_PYTHON`, the interpreter Python jobs run under, checked here
+before anything is sent (node_agent.job_python).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import TypeVar
 
@@ -30,6 +33,7 @@ from node_agent.config import AgentSettings, ConfigError, PreflightSettings
 from node_agent.hardening import make_undumpable
 from node_agent.identity import IdentityStore, StateVolumeError
 from node_agent.inventory import Overrides
+from node_agent.job_python import check_job_python
 from node_agent.preflight import EXIT_PREFLIGHT, run_preflight
 from node_agent.retry import EXIT_CONFIG, AgentStopped
 
@@ -88,6 +92,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="exit (code 0) after this long with no job or service, 0: never "
         "(MODELFORGE_AGENT_MAX_IDLE_SECONDS, default 0)",
     )
+    parser.add_argument(
+        "--python",
+        type=Path,
+        help="the Python interpreter jobs run under, e.g. a virtual environment's bin/python "
+        "(MODELFORGE_AGENT_PYTHON; default: the runtime worker's own)",
+    )
     parser.add_argument("--version", action="version", version=AGENT_VERSION)
     return parser.parse_args(argv)
 
@@ -123,6 +133,14 @@ def main(argv: list[str] | None = None) -> int:
                 "verified; anyone on the path can impersonate it and take this node's "
                 "credential. Use MODELFORGE_AGENT_CA_CERT_PATH instead. !!!"
             )
+    python = _first(args.python, settings.python)
+    if python is not None:
+        try:
+            version = check_job_python(python)
+        except ConfigError as exc:
+            return _die(EXIT_CONFIG, str(exc))
+        settings = settings.model_copy(update={"python": python})
+        log.info("Python jobs run under %s (Python %d.%d)", python, *version)
     store = IdentityStore(settings.state_volume)
     try:
         store.check_writable()

@@ -92,6 +92,9 @@ class AgentSettings(PreflightSettings):
     ram_mb: int | None = Field(default=None, ge=1)
     #: Exit (code 0) after this long with no job or service; 0: never.
     max_idle_seconds: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    #: The interpreter Python jobs run under (node_agent.job_python checks it at start; a
+    #: `--python` flag overrides it); unset: the runtime worker's own.
+    python: Path | None = None
     #: How often the GPU health watch polls each GPU's ECC, remapping, lost and throttle state
     #: (XID events come at once, whatever this is).
     gpu_health_poll_seconds: float = Field(default=5.0, ge=0.1, le=300)

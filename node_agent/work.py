@@ -5,7 +5,8 @@ long-poll learns of cancellations at once; cancelling â€” or this agent dying â€
 to the worker, which ends the job and everything it started. The assignment goes to the worker
 as the control plane sent it, with the GPUs the job holds (`assigned_gpus`), which the worker
 makes the only ones the job sees. With each job the agent names its private files
-(`private_paths`), which the worker hides from the job.
+(`private_paths`), which the worker hides from the job, and the node's Python (`python`, when
+the operator set one: node_agent.job_python), which the worker runs a Python job under.
 
 While the control plane refuses the runtime worker's protocol the slots claim nothing (the
 agent clears `worker_compatible`); they resume when it is set again. Nor do they claim while the
@@ -98,8 +99,11 @@ class WorkRunner:
         private_paths: list[str] | None = None,
         worker: WorkerWatch | None = None,
         activity: Activity | None = None,
+        job_python: Path | None = None,
     ) -> None:
         self.control_plane = control_plane
+        #: The node's Python (node_agent.job_python), named in each job; None: the worker's own.
+        self.job_python = job_python
         #: Whether the worker is there (the agent's watch); None: always assumed.
         self.worker = worker
         #: Told of each job in hand, for the idle exit.
@@ -204,6 +208,7 @@ class WorkRunner:
                 assignment,
                 agent_socket=str(self.agent_socket),
                 private_paths=self.private_paths,
+                **({"python": str(self.job_python)} if self.job_python is not None else {}),
             )
         )
         connection = UnixHTTPConnection(self.worker_socket)

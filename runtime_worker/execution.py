@@ -36,6 +36,12 @@ from typing import IO, Any
 
 from modelforge_contracts import job_records as records
 from runtime_worker.environment_filter import is_removed
+from runtime_worker.job_python import (
+    PYTHON_UNAVAILABLE,
+    helpers_path,
+    interpreter_for,
+    unavailable,
+)
 from runtime_worker.supervisor import remove_tree
 
 log = logging.getLogger("modelforge.runtime_worker")
@@ -280,6 +286,7 @@ def run_job(
     jobs_dir: Path,
     private_paths: Iterable[str] = (),
     secrets: Mapping[str, str] | None = None,
+    python: str | None = None,
     tick: float = 0.25,
 ) -> Generator[records.Record, None, None]:
     """Start the job and yield its records; the last one is an `ExitRecord`.
@@ -289,8 +296,14 @@ def run_job(
     early (the agent went away or cancelled) ends the job and everything it started.
     `private_paths` (the agent's) are hidden from the job when this worker can read them.
     `secrets` (checked with `check_variables`, not part of `spec`) become variables of the job's
-    environment only.
+    environment only. `python` is the node's Python (runtime_worker.job_python decides whether
+    the job runs under it).
     """
+    interpreter = interpreter_for(spec, python)
+    why = None if interpreter is None else unavailable(interpreter)
+    if why is not None:
+        yield records.failed(PYTHON_UNAVAILABLE, why)
+        return
     jobs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # a tmp cleaner may have pruned it
     workdir = Path(tempfile.mkdtemp(prefix=f"{spec['job_id']}-", dir=jobs_dir))
     hide = [path for path in private_paths if readable(path)]
@@ -307,6 +320,8 @@ def run_job(
             **gpu_environment(spec),
         },
     )
+    if interpreter is not None:
+        env["PYTHONPATH"] = helpers_path(workdir, env.get("PYTHONPATH"))
     process = start_supervisor(workdir=workdir, env=env, inherited_fd=write_fd)
     with _running_lock:
         _running[process.pid] = process
@@ -319,7 +334,8 @@ def run_job(
     ]
     for reader in readers:
         reader.start()
-    hand_over(process, {"worker_pid": os.getpid(), "hide": hide, "spec": spec})
+    envelope = {"worker_pid": os.getpid(), "hide": hide, "spec": spec, "python": interpreter}
+    hand_over(process, envelope)
 
     started = last_output = time.monotonic()
     timeout = float(spec.get("timeout_seconds") or 3600)

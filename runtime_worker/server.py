@@ -2,8 +2,9 @@
 
 `GET /v1/health` answers `{"component", "version", "protocol_version", "healthy", "accelerator"}`.
 `POST /v1/jobs` takes a job assignment from the agent, with `agent_socket` (where job code
-reaches the agent), `private_paths` (the agent's files no job may read) and `secrets` (variables
-for the job's environment only), and streams the job's records back.
+reaches the agent), `private_paths` (the agent's files no job may read), `secrets` (variables
+for the job's environment only) and `python` (the node's Python, optional:
+runtime_worker.job_python), and streams the job's records back.
 
 Services (runtime_worker.services): `PUT /v1/services/{service_id}` runs one as its body says
 (idempotent per generation; `INVALID_SERVICE` naming the field when malformed) and answers
@@ -129,6 +130,9 @@ class _Handler(JsonHandler):
                 raise TypeError("private_paths must be a list of paths")
             # Out of the spec: the secrets travel to the job's environment only.
             secrets = check_variables(spec.pop("secrets", None), "secrets")
+            python = spec.pop("python", None)
+            if python is not None and (not isinstance(python, str) or not python.startswith("/")):
+                raise TypeError("python must be the absolute path of an interpreter")
             str(spec["job_id"])
             gpu_environment(spec)  # a malformed GPU assignment is refused before anything runs
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -147,6 +151,7 @@ class _Handler(JsonHandler):
             jobs_dir=self.server.jobs_dir,
             private_paths=private_paths,
             secrets=secrets,
+            python=python,
         )
         try:
             for record in records:

@@ -2,9 +2,10 @@
 the two.
 
 `python -m runtime_worker.supervisor`, in the job's work directory, reads one JSON object from
-stdin — `{"worker_pid", "hide", "spec"}` — and runs the job (runtime_worker.job_host) in a
-process group of its own. With `"argv": [...]` instead of `"spec"` (a service,
-runtime_worker.services) it execs that argv instead, with stdin from /dev/null; with
+stdin — `{"worker_pid", "hide", "spec", "python"}` — and runs the job (runtime_worker.job_host,
+under `python` when given: runtime_worker.job_python) in a process group of its own. With
+`"argv": [...]` instead of `"spec"` (a service, runtime_worker.services) it execs that argv
+instead, with stdin from /dev/null; with
 `"report_fd"` it writes `{"pid": <the process it started>}` (or `{"error": {"code", "message"}}`
 when it could not start it) as one JSON line to that descriptor and closes it. Everything below
 holds for both. It exists so that nothing a job starts can outlive its worker, even a worker
@@ -82,7 +83,8 @@ def main() -> int:
                 return 1
         if signal.SIGTERM not in signal.sigpending():
             if argv is None:
-                child = _start_job(envelope.get("spec"), isolated=bool(hide))
+                python = str(envelope.get("python") or sys.executable)
+                child = _start_job(envelope.get("spec"), isolated=bool(hide), python=python)
             else:
                 child = _start_argv([str(arg) for arg in argv], isolated=bool(hide))
             report.send({"pid": child})
@@ -155,8 +157,9 @@ def _unavailable(hide: list[str], exc: OSError, what: str) -> str:
     )
 
 
-def _start_job(spec: Any, *, isolated: bool) -> int:
-    """Fork and exec the job host in a process group of its own; it reads `spec` on stdin."""
+def _start_job(spec: Any, *, isolated: bool, python: str) -> int:
+    """Fork and exec the job host under `python` in a process group of its own; it reads `spec`
+    on stdin."""
     supervisor = os.getpid()
     read_end, write_end = os.pipe()
     pid = os.fork()
@@ -175,7 +178,7 @@ def _start_job(spec: Any, *, isolated: bool) -> int:
             for signum in (signal.SIGPIPE, signal.SIGXFSZ):
                 signal.signal(signum, signal.SIG_DFL)  # as subprocess leaves them for a child
             signal.pthread_sigmask(signal.SIG_SETMASK, set())
-            os.execv(sys.executable, [sys.executable, "-m", "runtime_worker.job_host"])  # noqa: S606 - fixed argv
+            os.execv(python, [python, "-m", "runtime_worker.job_host"])  # noqa: S606 - fixed argv
         except BaseException:
             traceback.print_exc()
         finally:

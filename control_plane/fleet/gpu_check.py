@@ -38,6 +38,7 @@ def check_job(*, node_id: str, uuid: str, index: int, provider: str) -> dict[str
             "module": MODULE,
             "function": "check",
             "source": {f"{MODULE}.py": _source()},
+            "python": "worker",  # pynvml and onnxruntime, whatever the node's Python holds
         },
         "params": {"uuid": uuid, "index": index, "provider": provider},
         "resources": dict(RESOURCES),

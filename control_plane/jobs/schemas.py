@@ -37,6 +37,9 @@ class PythonEntrypoint(StrictModel):
     module: ModuleName
     function: Identifier
     source: Annotated[dict[SourcePath, str], Field(max_length=200)] = Field(default_factory=dict)
+    #: The interpreter: the node's Python (its agent's MODELFORGE_AGENT_PYTHON; the runtime
+    #: worker's own where the node names none) or always the runtime worker's own.
+    python: Literal["node", "worker"] = "node"
 
     @model_validator(mode="after")
     def _source_size(self) -> PythonEntrypoint:
