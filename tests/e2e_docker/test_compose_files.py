@@ -1,8 +1,10 @@
 """The released node-agent Compose files as Compose itself resolves them (`config`, no engine
-needed): the resource and idle variables reach the agent's container with the defaults of an
-agent that has none set, and the private-CA overlay mounts the CA, points the agent at it and
-maps the control plane's name to the address given
-(`MODELFORGE_AGENT_CONTROL_PLANE_HOST[_ADDRESS]`), refusing to resolve without the CA."""
+needed): the resource and idle variables, the insecure-HTTP opt-in and the log level reach the
+agent's container with the defaults of an agent that has none set, and the private-CA overlay
+mounts the CA, points the agent at it and maps the control plane's name to the address given
+(`MODELFORGE_AGENT_CONTROL_PLANE_HOST[_ADDRESS]`), refusing to resolve without the CA. Rules a
+file's text shows without Compose (no `latest` image, every agent setting accounted for) are
+tests/release/test_compose_rules.py's."""
 
 from __future__ import annotations
 
@@ -77,6 +79,27 @@ def test_set_on_the_host_the_variables_reach_the_agents_container() -> None:
     environment = _environment(service)
     assert {name: environment[name] for name in VARIABLES} == VARIABLES
     assert service["restart"] == "on-failure"
+
+
+#: Each with the value of an agent that has none set.
+LOGGING_AND_TRANSPORT = {
+    "MODELFORGE_AGENT_ALLOW_INSECURE_HTTP": "false",
+    "MODELFORGE_AGENT_LOG_LEVEL": "info",
+}
+
+
+def test_the_insecure_opt_in_and_the_log_level_default_as_the_agents_own() -> None:
+    environment = _environment(_agent([AGENT]))
+    assert {name: environment[name] for name in LOGGING_AND_TRANSPORT} == LOGGING_AND_TRANSPORT
+
+
+def test_the_insecure_opt_in_and_the_log_level_set_on_the_host_reach_the_agent() -> None:
+    host = {
+        "MODELFORGE_AGENT_ALLOW_INSECURE_HTTP": "true",
+        "MODELFORGE_AGENT_LOG_LEVEL": "debug",
+    }
+    environment = _environment(_agent([AGENT], **host))
+    assert {name: environment[name] for name in host} == host
 
 
 def _extra_hosts(service: dict[str, Any]) -> dict[str, str]:
