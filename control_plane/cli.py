@@ -184,8 +184,9 @@ def _serve(settings: Settings, local_node: LocalNode | None) -> None:
         # dropped while the GIL is held, as in Granian's issue 875); seen with an agent's long
         # polls in flight. A worker not stopped by then is killed, so a stop always ends.
         workers_kill_timeout=WORKER_KILL_SECONDS,
-        ssl_cert=settings.tls_cert,
-        ssl_key=settings.tls_key,
+        # TLS is the front's when it serves (it reads the files); Granian's only without it.
+        ssl_cert=settings.tls_cert if front is None else None,
+        ssl_key=settings.tls_key if front is None else None,
         log_level=settings.log_level,  # type: ignore[arg-type]
     )
     # What starts beside the server (the front, the local node) starts once Granian has forked
@@ -220,8 +221,9 @@ def _native_front(settings: Settings) -> NativeFront | None:
     """The native gateway front for this start (`native_front.py`), or None (the reason logged)."""
     reason = why_not(settings)
     if reason is not None:
-        if settings.gateway_front == "native":
-            log.warning("the gateway runs in Python: the native front is not used, as %s", reason)
+        # Chosen (`python`), it is said once; a default that could not be kept is a warning.
+        level = logging.INFO if settings.gateway_front == "python" else logging.WARNING
+        log.log(level, "the gateway runs in Python, not in the native front: %s", reason)
         return None
     try:
         front = NativeFront(settings)

@@ -7,7 +7,15 @@ itself, and passes every other request, unchanged, to Granian, which then listen
 port of its own. The gateway's decisions stay in Python (`api/gateway_native.py`): the front asks
 over a Unix socket in a private directory (mode 0700) that the served process listens on.
 
-The front tells Granian the client's address in `x-modelforge-client`, trusted only beside
+It is the default where it is installed (`MODELFORGE_GATEWAY_FRONT` unset). With
+`MODELFORGE_TLS_CERT`/`MODELFORGE_TLS_KEY` it terminates TLS itself, reading both files (their
+paths on its standard input, never the key's bytes), and Granian behind it stays plain HTTP on
+loopback. It does not forward to other control-plane replicas yet: with a peer address the
+gateway runs in Python (logged at start; `MODELFORGE_GATEWAY_FRONT=native` with a peer address is
+refused by the settings).
+
+The front tells Granian the client's address in `x-modelforge-client` and the client's scheme in
+`x-modelforge-scheme`, trusted only beside
 `x-modelforge-front-key`, a random key of this start (`api/rsgi.py`, `FrontTrust`); the served
 process (forked from this one) reads the socket's path and the key from the environment this
 process set for it (in memory: not in `/proc/<pid>/environ`), and the front from its standard
@@ -47,14 +55,25 @@ class FrontUnavailable(Exception):
     """The native front cannot run here (the message says why and what to do)."""
 
 
+#: Why a peer address keeps the gateway in Python (logged at start; docs/services.md).
+PEERS_REASON = (
+    "MODELFORGE_GATEWAY_PEER_ADDRESS is set and the native front does not forward requests to "
+    "other control-plane replicas yet"
+)
+
+
 def why_not(settings: Settings) -> str | None:
-    """Why the native front is not used with these settings (None: it is)."""
-    if settings.gateway_front != "native":
+    """Why the gateway runs in Python with these settings (None: the native front serves).
+
+    Unset, `MODELFORGE_GATEWAY_FRONT` means the native front where it is installed; chosen
+    (`native`), a missing binary is `NativeFront`'s start-up error, never a fallback."""
+    chosen = settings.gateway_front
+    if chosen == "python":
         return "MODELFORGE_GATEWAY_FRONT=python"
-    if settings.tls_cert is not None:
-        return "it does not terminate TLS yet (MODELFORGE_TLS_CERT is set)"
     if settings.gateway_peer_address:
-        return "it does not reach other control-plane replicas yet (a peer address is set)"
+        return PEERS_REASON  # `native` with a peer address is refused by the settings
+    if chosen is None and not BINARY.is_file():
+        return f"the native gateway front is not installed ({BINARY}); `make install` builds it"
     return None
 
 
@@ -80,6 +99,32 @@ class NativeFront:
         self._key = secrets.token_hex(32)
         self._process: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()
+        try:
+            self._check()
+        except FrontUnavailable:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
+
+    def _check(self) -> None:
+        """The front reads its configuration and loads the TLS certificate and key as it will
+        when it starts, and exits (`--check`): a file it cannot use ends the start here, with
+        the front's own message naming the file and the fix."""
+        try:
+            done = subprocess.run(  # noqa: S603 - our own binary, no shell
+                [str(BINARY), "--check"],
+                input=self._config_line(),
+                capture_output=True,
+                timeout=30,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise FrontUnavailable(
+                f"the native gateway front ({BINARY}) cannot run: {exc}"
+            ) from exc
+        if done.returncode != 0:
+            lines = done.stderr.decode("utf-8", "replace").strip().splitlines() or ["no message"]
+            _, _, message = lines[-1].partition(" ")
+            raise FrontUnavailable(message or lines[-1])
 
     def prepare(self) -> None:
         """Where the served process (forked by Granian later) finds the socket and the key."""
@@ -91,14 +136,15 @@ class NativeFront:
         self._spawn()
         settings = self.settings
         log.info(
-            "the native gateway front serves %s:%s (Granian behind it on 127.0.0.1:%s)",
+            "the native gateway front serves %s://%s:%s (Granian behind it on 127.0.0.1:%s)",
+            "https" if settings.tls_cert is not None else "http",
             settings.host,
             settings.port,
             self.upstream_port,
         )
         threading.Thread(target=self._watch, name="gateway-front-watch", daemon=True).start()
 
-    def _spawn(self) -> None:
+    def _config_line(self) -> bytes:
         settings = self.settings
         config = {
             "listen": f"{settings.host}:{settings.port}",
@@ -114,7 +160,13 @@ class NativeFront:
             "security_headers": [[k.decode(), v.decode()] for k, v in SECURITY_HEADERS],
             "too_large": too_large_message(settings.gateway_max_body_bytes),
             "body_timeout_message": body_timeout_message(settings.gateway_body_timeout_seconds),
+            # The files' paths; the front reads them (the key's bytes are in no pipe or log).
+            "tls_cert": None if settings.tls_cert is None else str(settings.tls_cert.resolve()),
+            "tls_key": None if settings.tls_key is None else str(settings.tls_key.resolve()),
         }
+        return json.dumps(config).encode() + b"\n"
+
+    def _spawn(self) -> None:
         # The key and the socket's path go on its stdin only, not in its environment.
         env = {k: v for k, v in os.environ.items() if k not in (CONTROL_ENV, FRONT_KEY_ENV)}
         process = subprocess.Popen(  # noqa: S603 - our own binary, no shell
@@ -126,7 +178,7 @@ class NativeFront:
             close_fds=True,
         )
         assert process.stdin is not None and process.stderr is not None  # noqa: S101 - piped
-        process.stdin.write(json.dumps(config).encode() + b"\n")
+        process.stdin.write(self._config_line())
         process.stdin.flush()
         self._process = process
         threading.Thread(

@@ -46,10 +46,13 @@ _JSON = RSGI_JSON_HEADERS
 SWITCH_INTERVAL = 0.0005
 #: Where the served process finds the native front's key of this start (`native_front.py`).
 FRONT_KEY_ENV = "MODELFORGE_GATEWAY_FRONT_KEY"
-#: What the native front adds to each request it passes on: the client's address, and the key
-#: that says the address is the front's (anyone else's is ignored; both are always removed).
+#: What the native front adds to each request it passes on: the client's address, the scheme
+#: the client used (`https` where the front terminates TLS: Granian behind it sees plain HTTP),
+#: and the key that says both are the front's (anyone else's are ignored; all are removed).
 CLIENT_HEADER = "x-modelforge-client"
+SCHEME_HEADER = "x-modelforge-scheme"
 FRONT_KEY_HEADER = "x-modelforge-front-key"
+_FRONT_HEADERS = (CLIENT_HEADER, SCHEME_HEADER, FRONT_KEY_HEADER)
 
 
 class FrontTrust:
@@ -63,13 +66,26 @@ class FrontTrust:
         cls.key = os.environ.get(FRONT_KEY_ENV) or None
 
     @classmethod
-    def client(cls, headers: Any, address: str) -> str:
-        """The client's `host:port`: the front's `x-modelforge-client` when its key came."""
+    def _from_front(cls, headers: Any) -> bool:
         key = cls.key
         presented = headers.get(FRONT_KEY_HEADER)
-        if key is None or presented is None or not hmac.compare_digest(presented, key):
+        return key is not None and presented is not None and hmac.compare_digest(presented, key)
+
+    @classmethod
+    def client(cls, headers: Any, address: str) -> str:
+        """The client's `host:port`: the front's `x-modelforge-client` when its key came."""
+        if not cls._from_front(headers):
             return address
         return str(headers.get(CLIENT_HEADER) or address)
+
+    @classmethod
+    def scheme(cls, headers: Any, scheme: str) -> str:
+        """The client's scheme: the front's `x-modelforge-scheme` (http or https) when its key
+        came, else the one Granian saw."""
+        if not cls._from_front(headers):
+            return scheme
+        told = headers.get(SCHEME_HEADER)
+        return told if told in ("http", "https") else scheme
 
 
 #: The app's own 500 (`errors.InternalError`), rendered as its routes render it.
@@ -195,14 +211,14 @@ def _asgi_scope(scope: Any, state: dict[str, Any]) -> Scope:
         "asgi": _ASGI,
         "http_version": scope.http_version,
         "method": scope.method,
-        "scheme": scope.scheme,
+        "scheme": FrontTrust.scheme(scope.headers, scope.scheme),
         "path": scope.path,
         "query_string": scope.query_string.encode(),
         "root_path": "",
         "headers": [
             (name.encode(), value.encode())
             for name, value in scope.headers.items()
-            if name not in (CLIENT_HEADER, FRONT_KEY_HEADER)
+            if name not in _FRONT_HEADERS
         ],
         "client": _address(FrontTrust.client(scope.headers, scope.client)),
         "server": _address(scope.server),

@@ -1,6 +1,7 @@
 """The client's address behind the native front (`api/rsgi.py`, `FrontTrust`): the front's
-`x-modelforge-client` is believed only beside this start's key, and neither header reaches the
-app; and when the control plane uses the front at all (`native_front.why_not`)."""
+`x-modelforge-client` and `x-modelforge-scheme` are believed only beside this start's key, and no
+such header reaches the app; and when the control plane uses the front at all
+(`native_front.why_not`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from pydantic import ValidationError
 
 from control_plane.api.rsgi import FRONT_KEY_ENV, FrontTrust, _asgi_scope
-from control_plane.native_front import why_not
+from control_plane.native_front import BINARY, why_not
 from control_plane.settings import Settings
 
 KEY = "k" * 64
@@ -71,11 +73,36 @@ def test_without_a_front_no_header_is_believed() -> None:
     assert scope["client"] == ("127.0.0.1", 50000)
 
 
-def test_the_front_is_used_only_where_it_serves_everything(tmp_path: Path) -> None:
+def test_the_fronts_scheme_is_taken_with_its_key(trust: None) -> None:
+    told = {"x-modelforge-scheme": "https", "x-modelforge-front-key": KEY}
+    scope = _asgi_scope(_scope(told), {})
+    assert scope["scheme"] == "https"
+    assert b"x-modelforge-scheme" not in [name for name, _ in scope["headers"]]
+    for headers in ({"x-modelforge-scheme": "https"}, {**told, "x-modelforge-front-key": "no"}):
+        scope = _asgi_scope(_scope(headers), {})
+        assert scope["scheme"] == "http"  # Granian's, not the header's
+        assert b"x-modelforge-scheme" not in [name for name, _ in scope["headers"]]
+    odd = _asgi_scope(_scope({**told, "x-modelforge-scheme": "gopher"}), {})
+    assert odd["scheme"] == "http"
+
+
+def test_the_front_is_the_default_where_installed_with_tls_and_not_with_peers(
+    tmp_path: Path,
+) -> None:
     base = {"data_dir": tmp_path}
-    assert why_not(Settings(**base)) is not None  # python by default
+    assert BINARY.is_file(), "the native front is not built: run `make install`"
+    assert why_not(Settings(**base)) is None  # native by default where it is installed
+    assert why_not(Settings(**base, gateway_front="python")) == "MODELFORGE_GATEWAY_FRONT=python"
     assert why_not(Settings(**base, gateway_front="native")) is None
     tls = Settings(**base, gateway_front="native", tls_cert=tmp_path / "c", tls_key=tmp_path / "k")
-    assert "TLS" in (why_not(tls) or "")
-    peers = Settings(**base, gateway_front="native", gateway_peer_address="http://10.0.0.1:8080")
-    assert "replicas" in (why_not(peers) or "")
+    assert why_not(tls) is None
+    peers = Settings(**base, gateway_peer_address="http://10.0.0.1:8080")
+    assert "does not forward requests to other control-plane replicas" in (why_not(peers) or "")
+
+
+def test_native_with_a_peer_address_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError) as refused:
+        Settings(
+            data_dir=tmp_path, gateway_front="native", gateway_peer_address="http://10.0.0.1:8080"
+        )
+    assert "unset MODELFORGE_GATEWAY_FRONT" in str(refused.value)

@@ -82,7 +82,7 @@ pub async fn handle(
     if framing_refusal(request.headers()) {
         return crate::error_answer(front, StatusCode::BAD_REQUEST, AMBIGUOUS_FRAMING, true);
     }
-    set_forwarding(request.headers_mut(), peer);
+    set_forwarding(request.headers_mut(), peer, front.config.scheme());
     if let Some(plan) = front.fast.plan(&request, &front.config) {
         return fast_path(front, plan, request).await;
     }
@@ -243,9 +243,8 @@ fn trim(bytes: &[u8]) -> &[u8] {
 }
 
 /// The client's forwarding headers dropped, the front's own set: the client's address, the
-/// scheme (plain HTTP: the front serves no TLS; with TLS it falls back to the Python end) and
-/// the request's `Host`.
-fn set_forwarding(headers: &mut HeaderMap, peer: SocketAddr) {
+/// scheme the client used (`https` when the front terminates TLS) and the request's `Host`.
+fn set_forwarding(headers: &mut HeaderMap, peer: SocketAddr, scheme: &'static str) {
     for name in CLIENT_FORWARDING {
         headers.remove(name);
     }
@@ -254,7 +253,7 @@ fn set_forwarding(headers: &mut HeaderMap, peer: SocketAddr) {
     }
     headers.insert(
         HeaderName::from_static("x-forwarded-proto"),
-        HeaderValue::from_static("http"),
+        HeaderValue::from_static(scheme),
     );
     if let Some(host) = headers.get(header::HOST).cloned() {
         headers.insert(HeaderName::from_static("x-forwarded-host"), host);
@@ -734,7 +733,7 @@ mod tests {
             ("x-real-ip", "6.6.6.6"),
             ("x-other", "kept"),
         ]);
-        set_forwarding(&mut map, "[2001:db8::1]:4242".parse().unwrap());
+        set_forwarding(&mut map, "[2001:db8::1]:4242".parse().unwrap(), "http");
         let all = |name: &str| -> Vec<&str> {
             map.get_all(name)
                 .iter()
@@ -747,9 +746,10 @@ mod tests {
         assert!(all("forwarded").is_empty() && all("x-real-ip").is_empty());
         assert_eq!(all("x-other"), ["kept"]);
         let mut bare = HeaderMap::new();
-        set_forwarding(&mut bare, "10.0.0.2:1".parse().unwrap());
+        set_forwarding(&mut bare, "10.0.0.2:1".parse().unwrap(), "https");
         assert!(bare.get("x-forwarded-host").is_none());
         assert_eq!(bare["x-forwarded-for"], "10.0.0.2");
+        assert_eq!(bare["x-forwarded-proto"], "https");
     }
 
     #[test]

@@ -6,9 +6,12 @@
 //! - carries the gateway's requests (`/v2...`, `/services/...`) to replicas through those
 //!   tunnels, the control plane deciding each (`gateway.rs`),
 //! - and passes every other request to the control plane's own server (Granian) on a loopback
-//!   port, streamed both ways, with the client's address in `x-modelforge-client` and the
-//!   front's key in `x-modelforge-front-key` (the control plane trusts the address only with
-//!   the key).
+//!   port, streamed both ways, with the client's address in `x-modelforge-client`, the scheme
+//!   the client used in `x-modelforge-scheme` and the front's key in `x-modelforge-front-key`
+//!   (the control plane trusts the address and the scheme only with the key).
+//!
+//! With `tls_cert` and `tls_key` (the files' paths) it terminates TLS itself (`tls.rs`) for all
+//! three; Granian behind it stays plain HTTP on loopback.
 //!
 //! The control plane (Python) starts it and writes one JSON line to its stdin: the
 //! configuration (`Config`). The end of stdin ends the front. The control channel is
@@ -25,6 +28,7 @@ mod control;
 mod fast;
 mod gateway;
 mod hub;
+mod tls;
 
 use std::convert::Infallible;
 use std::io::BufRead;
@@ -54,6 +58,8 @@ use hub::Hub;
 const CLIENT_HEADER: HeaderName = HeaderName::from_static("x-modelforge-client");
 /// The header that proves `CLIENT_HEADER` came from the front.
 const KEY_HEADER: HeaderName = HeaderName::from_static("x-modelforge-front-key");
+/// The header that tells the control plane's server the client's scheme (`http`, `https`).
+const SCHEME_HEADER: HeaderName = HeaderName::from_static("x-modelforge-scheme");
 /// RFC 6455's GUID, from which the handshake's Sec-WebSocket-Accept is made.
 const WEBSOCKET_GUID: &str = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11";
 
@@ -78,6 +84,19 @@ pub struct Config {
     pub too_large: String,
     /// The 408's message.
     pub body_timeout_message: String,
+    /// The paths of the certificate (chain) and the private key, both PEM: TLS on `listen`.
+    pub tls: Option<(String, String)>,
+}
+
+impl Config {
+    /// The scheme clients reach the front with.
+    pub fn scheme(&self) -> &'static str {
+        if self.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        }
+    }
 }
 
 #[cfg(test)]
@@ -97,6 +116,7 @@ impl Config {
             security_headers: Vec::new(),
             too_large: String::new(),
             body_timeout_message: String::new(),
+            tls: None,
         }
     }
 }
@@ -401,6 +421,10 @@ pub async fn proxy(
     if let Ok(client) = HeaderValue::from_maybe_shared(Bytes::from(address)) {
         headers.insert(CLIENT_HEADER, client);
     }
+    headers.insert(
+        SCHEME_HEADER,
+        HeaderValue::from_static(front.config.scheme()),
+    );
     headers.insert(KEY_HEADER, front.config.front_key.clone());
     let client_upgrade = if headers.contains_key(header::UPGRADE) {
         Some(hyper::upgrade::on(&mut request))
@@ -458,6 +482,18 @@ fn config_from(line: &str) -> Config {
             _ => fail(&format!("the configuration has no {}", name)),
         }
     };
+    let optional = |name: &str| -> Option<String> {
+        match config.get(name) {
+            None | Some(Value::Null) => None,
+            Some(Value::String(value)) => Some(value.clone()),
+            Some(_) => fail(&format!("the configuration's {} is not a path", name)),
+        }
+    };
+    let tls = match (optional("tls_cert"), optional("tls_key")) {
+        (Some(cert), Some(key)) => Some((cert, key)),
+        (None, None) => None,
+        _ => fail("MODELFORGE_TLS_CERT and MODELFORGE_TLS_KEY must be set together"),
+    };
     let mut security_headers = Vec::new();
     for pair in config
         .get("security_headers")
@@ -496,6 +532,7 @@ fn config_from(line: &str) -> Config {
         security_headers,
         too_large: text("too_large"),
         body_timeout_message: text("body_timeout_message"),
+        tls,
     }
 }
 
@@ -506,6 +543,16 @@ fn main() {
         fail("no configuration on stdin");
     }
     let config = config_from(&line);
+    // `--check`: the configuration read and the TLS files loaded, then exit (the control plane
+    // runs it before it starts, so a file that cannot serve is a start-up error).
+    if std::env::args().nth(1).as_deref() == Some("--check") {
+        if let Some((cert, key)) = &config.tls {
+            if let Err(message) = tls::acceptor(cert, key) {
+                fail(&message);
+            }
+        }
+        std::process::exit(0);
+    }
     // The end of stdin (the control plane gone) ends the front.
     std::thread::spawn(move || {
         let _ = std::io::copy(&mut stdin.lock(), &mut std::io::sink());
@@ -520,6 +567,11 @@ fn main() {
 }
 
 async fn serve(config: Config) {
+    // Before the port is taken: a certificate or key that cannot serve ends the start here.
+    let acceptor = config
+        .tls
+        .as_ref()
+        .map(|(cert, key)| tls::acceptor(cert, key).unwrap_or_else(|message| fail(&message)));
     let listener = TcpListener::bind(&config.listen)
         .await
         .unwrap_or_else(|error| fail(&format!("cannot listen on {}: {}", config.listen, error)));
@@ -547,7 +599,14 @@ async fn serve(config: Config) {
         .http1_keep_alive(true)
         .http1_header_read_timeout(Duration::from_secs(30));
     let http = Arc::new(http);
-    log("info", &format!("listening on {}", front.config.listen));
+    log(
+        "info",
+        &format!(
+            "listening on {} ({})",
+            front.config.listen,
+            front.config.scheme()
+        ),
+    );
     loop {
         let (socket, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -561,12 +620,26 @@ async fn serve(config: Config) {
         let _ = socket.set_nodelay(true);
         let front = front.clone();
         let http = http.clone();
+        let acceptor = acceptor.clone();
         tokio::spawn(async move {
             let service = service_fn(move |request| {
                 let front = front.clone();
                 async move { Ok::<_, Infallible>(route(front, request, peer).await) }
             });
-            let _ = http.serve_connection(socket, service).with_upgrades().await;
+            match acceptor {
+                None => {
+                    let _ = http.serve_connection(socket, service).with_upgrades().await;
+                }
+                Some(acceptor) => {
+                    // A failed or stalled handshake (a scanner, plain HTTP on this port) ends
+                    // that connection only.
+                    let accepted =
+                        tokio::time::timeout(tls::HANDSHAKE_TIMEOUT, acceptor.accept(socket)).await;
+                    if let Ok(Ok(stream)) = accepted {
+                        let _ = http.serve_connection(stream, service).with_upgrades().await;
+                    }
+                }
+            }
         });
     }
 }
