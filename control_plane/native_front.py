@@ -7,7 +7,7 @@ itself, and passes every other request, unchanged, to Granian, which then listen
 port of its own. The gateway's decisions stay in Python (`api/gateway_native.py`): the front asks
 over a Unix socket in a private directory (mode 0700) that the served process listens on.
 
-It is the default where it is installed (`MODELFORGE_GATEWAY_FRONT` unset). With
+It is the default (`MODELFORGE_GATEWAY_FRONT` unset); a missing binary stops the start. With
 `MODELFORGE_TLS_CERT`/`MODELFORGE_TLS_KEY` it terminates TLS itself, reading both files (their
 paths on its standard input, never the key's bytes), and Granian behind it stays plain HTTP on
 loopback. It does not forward to other control-plane replicas yet: with a peer address the
@@ -65,15 +65,12 @@ PEERS_REASON = (
 def why_not(settings: Settings) -> str | None:
     """Why the gateway runs in Python with these settings (None: the native front serves).
 
-    Unset, `MODELFORGE_GATEWAY_FRONT` means the native front where it is installed; chosen
-    (`native`), a missing binary is `NativeFront`'s start-up error, never a fallback."""
-    chosen = settings.gateway_front
-    if chosen == "python":
+    Unset or `native`, `MODELFORGE_GATEWAY_FRONT` means the native front; a missing binary is
+    `NativeFront`'s start-up error naming the fix, never a fallback to the Python gateway."""
+    if settings.gateway_front == "python":
         return "MODELFORGE_GATEWAY_FRONT=python"
     if settings.gateway_peer_address:
         return PEERS_REASON  # `native` with a peer address is refused by the settings
-    if chosen is None and not BINARY.is_file():
-        return f"the native gateway front is not installed ({BINARY}); `make install` builds it"
     return None
 
 

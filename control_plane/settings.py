@@ -122,9 +122,9 @@ class Settings(BaseSettings):
     #: What carries the gateway's requests and holds the agents' tunnels: `native`, the control
     #: plane's native front (`modelforge-gateway-front`: on this port, with Granian behind it on
     #: loopback, docs/services.md "The native front"), or `python` (Granian on this port serves
-    #: everything). Unset: the native front where it is installed (`make install`), else Python,
-    #: logged. It terminates TLS itself; it does not forward to other replicas yet, so a peer
-    #: address keeps the Python gateway (logged), and `native` with one is refused.
+    #: everything). Unset: the native front (missing, a start-up error naming `make install`,
+    #: never a fallback). It terminates TLS itself; it does not forward to other replicas yet,
+    #: so a peer address keeps the Python gateway (logged), and `native` with one is refused.
     gateway_front: Literal["native", "python"] | None = None
 
     @model_validator(mode="after")
