@@ -67,30 +67,30 @@ install: $(STAMP) $(CONSOLE_BUILD) $(GRPC_FRONT) $(TUNNEL_RELAY) $(GATEWAY_FRONT
 run: install
 	$(VENV)/bin/modelforge-control-plane $(if $(MODELFORGE_LOCAL_NODE),,--local-node)
 
-lint: install
+lint: install lint-rust
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-## The Rust's own checks: rustfmt, clippy (warnings are errors) and the advisory audit of
-## native/Cargo.lock (cargo-audit, installed once into build/cargo-tools at a pinned version). The
-## audit fetches RustSec's advisory database from GitHub into build/advisory-db; where GitHub cannot
-## be reached, CARGO_AUDIT_DB=<a checkout of rustsec/advisory-db> audits against that copy instead.
-## Not yet part of `lint` (issue 40 step 5: the sources are being brought to clippy's bar first).
-CARGO_AUDIT_VERSION := 0.22.2
-CARGO_AUDIT := build/cargo-tools/bin/cargo-audit
-CARGO_AUDIT_DB ?=
+## The Rust's own checks, part of `lint`: rustfmt, clippy (warnings are errors) and the advisory
+## audit of native/Cargo.lock: cargo-audit (from requirements.lock, prebuilt) against the RustSec
+## database snapshot in native/advisory-db.tar.gz (this machine and CI cannot reach GitHub; the
+## snapshot's commit and date are in its SNAPSHOT file; scripts/pack-advisory-db refreshes it).
+ADVISORY_DB := build/advisory-db
+ADVISORY_DB_STAMP := $(ADVISORY_DB)/.unpacked
 
-$(CARGO_AUDIT):
-	./scripts/ensure-rust
-	cargo install -q --locked cargo-audit --version $(CARGO_AUDIT_VERSION) --root build/cargo-tools
+$(ADVISORY_DB_STAMP): native/advisory-db.tar.gz
+	rm -rf $(ADVISORY_DB) && mkdir -p $(ADVISORY_DB)
+	tar -xzf $< -C $(ADVISORY_DB) --strip-components=1
+	touch $@
 
-lint-rust: $(CARGO_AUDIT)
+lint-rust: $(STAMP) $(ADVISORY_DB_STAMP)
 	./scripts/ensure-rust
 	cd native && cargo fmt --all --check
 	cd native && cargo clippy -q --locked --workspace --all-targets -- -D warnings
-	$(CARGO_AUDIT) audit --deny warnings --file native/Cargo.lock \
-		$(if $(CARGO_AUDIT_DB),--db $(CARGO_AUDIT_DB) --no-fetch,--db build/advisory-db)
+	@echo "cargo-audit: RustSec advisory-db $$(cat $(ADVISORY_DB)/SNAPSHOT)"
+	$(VENV)/bin/cargo-audit audit --deny warnings --no-fetch --db $(ADVISORY_DB) \
+		--file native/Cargo.lock
 
 ## The whole suite: lint, types, then every test on SQLite and PostgreSQL (started if needed).
 test: lint

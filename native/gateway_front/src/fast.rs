@@ -528,7 +528,9 @@ mod tests {
         let first = fast.choose(&plan, &[]).unwrap();
         let second = fast.choose(&plan, &[]).unwrap();
         assert_ne!(first.replica, second.replica);
-        let retried = fast.choose(&plan, &[first.replica.clone()]).unwrap();
+        let retried = fast
+            .choose(&plan, std::slice::from_ref(&first.replica))
+            .unwrap();
         assert_eq!(retried.replica, second.replica);
         assert!(fast
             .choose(&plan, &[first.replica.clone(), second.replica.clone()])

@@ -1539,8 +1539,7 @@ mod tests {
 
     fn queued(hub: &Hub) -> usize {
         let tunnel = hub.tunnels.lock().unwrap().get("n1").cloned().unwrap();
-        let queued = tunnel.outbox.queued.load(Ordering::Acquire);
-        queued
+        tunnel.outbox.queued.load(Ordering::Acquire)
     }
 
     #[test]
