@@ -1,6 +1,7 @@
 """The one rule for which of the node's variables job code never sees (docs/jobs.md, "On the
-node"): whole words of the name, not parts of words. Every name docs/jobs.md lists is here, on
-its side of the rule, and a real worker runs a job that reads its environment."""
+node"): the name's words, credential words glued to others included. Every name docs/jobs.md
+lists is here, on its side of the rule, and a real worker runs a job that reads its
+environment."""
 
 from __future__ import annotations
 
@@ -57,6 +58,22 @@ REMOVED = [
     "GHTOKEN",
     "OPENAI_APIKEY",
     "CLIENTSECRET",
+    # a credential word glued to another (the words run together, or in camel case)
+    "AWS_SECRETKEY",
+    "MINIO_SECRETKEY",
+    "SECRETKEY",
+    "OSS_ACCESSKEY",
+    "JWT_PRIVATEKEY",
+    "DBPASSWD",
+    "MYSQLPASSWD",
+    "PASSWORDFILE",
+    "APIKEYS",
+    "CLIENTSECRETS",
+    "SESSIONID",
+    "AUTHKEY",
+    "awsSecretKey",
+    "dbPasswd",
+    "githubToken",
     # PWD after another word
     "MYSQL_PWD",
     # the node's own settings
@@ -90,6 +107,9 @@ PASSED = [
     "KEYBOARD_LAYOUT",
     "MONKEY_PATCH",
     "BYPASS_PROXY",
+    "COMPASS_HEADING",
+    "TOKENIZER_NAME",
+    "AUTHOR",
     "PASSENGER_COUNT",
     "OMP_NUM_THREADS",
     "NCCL_DEBUG",
