@@ -34,7 +34,7 @@ import secrets
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-VERSION = b"modelforge-peer-2"
+VERSION = b"modelforge-peer-3"
 TIME_HEADER = "x-modelforge-peer-time"
 NONCE_HEADER = "x-modelforge-peer-nonce"
 HOLDER_HEADER = "x-modelforge-peer-holder"
@@ -83,7 +83,8 @@ def _invalid(message: str) -> PeerRefused:
 
 
 def _field(value: str) -> bytes:
-    data = value.encode("latin-1", "replace")
+    # Every character as itself: a lossy encoding ("replace") would sign `/r/€` and `/r/?` alike.
+    data = value.encode("utf-8", "surrogatepass")
     return str(len(data)).encode() + b":" + data
 
 

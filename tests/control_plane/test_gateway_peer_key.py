@@ -102,6 +102,11 @@ def test_a_signature_holds_for_its_request_holder_and_time_only() -> None:
     assert _code(headers, holder="cp-2") == "PEER_WRONG_HOLDER"
     for change in ({"method": "GET"}, {"path": PATH.replace("r1", "r2")}, {"query": "a=2"}):
         assert _code(headers, **change) == "PEER_SIGNATURE_INVALID", change
+    # Characters beyond Latin-1 are signed as themselves, never folded into one another.
+    accented = _signed(path=PATH + "/€").headers
+    _verify(accented, NonceStore(), path=PATH + "/€")
+    for path in (PATH + "/✓", PATH + "/?"):
+        assert _code(accented, path=path) == "PEER_SIGNATURE_INVALID", path
     for name, value in (
         ("content-type", "text/html"),  # changed
         (LENGTH_HEADER, "12"),
