@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -45,6 +46,10 @@ MAX_IDLE = 64
 MAX_HEAD = 64 * 1024
 _READ = 64 * 1024
 _NO_BODY_STATUS = frozenset({204, 304})
+#: Numbers as HTTP writes them: ASCII digits only (`str.isdigit` takes '²' and '٥'; `int` takes
+#: '0x10', '1_0', '+a' and '-5').
+_DIGITS = re.compile(r"[0-9]+")
+_HEX = re.compile(rb"[0-9A-Fa-f]+")
 
 
 class LocalHTTPError(Exception):
@@ -286,14 +291,20 @@ class LocalHTTP:
             value = value.strip()
             lowered = name.strip().lower()
             if lowered == "content-length":
-                if not value.isdigit() or length not in (None, int(value)):
+                if not _DIGITS.fullmatch(value) or length not in (None, int(value)):
                     raise LocalHTTPError(
                         "the replica's Content-Length is not one number", reached=True
                     )
                 length = int(value)
             elif lowered == "transfer-encoding":
+                # As hyper reads it: the last coding decides, and only chunked frames a body.
                 coded = True
-                chunked = "chunked" in value.lower()
+                chunked = value.lower().rsplit(",", 1)[-1].strip() == "chunked"
+                if not chunked:
+                    raise LocalHTTPError(
+                        f"the replica's Transfer-Encoding {value!r} does not end with chunked",
+                        reached=True,
+                    )
             elif lowered == "connection":
                 tokens = value.lower()
                 if "close" in tokens:
@@ -317,7 +328,10 @@ class LocalHTTP:
 async def _dechunk(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
     while True:
         size_line = await reader.readuntil(b"\r\n")
-        size = int(size_line.split(b";", 1)[0].strip() or b"x", 16)
+        digits = size_line.split(b";", 1)[0].strip()
+        if not _HEX.fullmatch(digits):
+            raise ValueError("a chunk size that is not hexadecimal digits")
+        size = int(digits, 16)
         if size == 0:
             while (await reader.readuntil(b"\r\n")) != b"\r\n":
                 pass  # trailers: dropped, as one hop's
@@ -338,6 +352,6 @@ def _declared_length(headers: Headers) -> int | None:
     values = {value.strip() for name, value in headers if name.lower() == "content-length"}
     if not values:
         return None
-    if len(values) > 1 or not all(value.isdigit() for value in values):
+    if len(values) > 1 or not all(_DIGITS.fullmatch(value) for value in values):
         raise LengthMismatch("the request's Content-Length is not one number")
     return int(values.pop())

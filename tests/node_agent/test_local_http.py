@@ -162,6 +162,18 @@ SPLIT = (
 )
 
 
+#: Answers whose framing no reader may guess at, by target.
+ANSWERS = {
+    "/split": SPLIT,
+    # Unicode digits: str.isdigit() takes them, int() does not, HTTP does not.
+    "/superscript": "HTTP/1.1 200 OK\r\nContent-Length: ²\r\n\r\n".encode(),
+    # A coding that does not end with chunked: the body would run to the connection's end.
+    "/gzip": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nok",
+    # A chunk size int(..., 16) takes but HTTP does not.
+    "/hex": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x2\r\nok\r\n0\r\n\r\n",
+}
+
+
 class _RawReplica(socketserver.ThreadingTCPServer):
     """A replica that frames HTTP/1.1 by hand: `requests` holds each request it read whole
     (target, headers, body), `closed` counts the connections that ended; `/split` answers
@@ -195,8 +207,8 @@ class _RawReplica(socketserver.ThreadingTCPServer):
                             return  # cut short
                     target = line.split(b" ")[1].decode()
                     replica.requests.append((target, headers, body))
-                    if target == "/split":
-                        self.wfile.write(SPLIT)
+                    if target in ANSWERS:
+                        self.wfile.write(ANSWERS[target])
                     else:
                         self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
 
@@ -286,3 +298,21 @@ def test_an_answer_framed_two_ways_fails_and_its_connection_is_never_reused() ->
 
     with _RawReplica() as replica:
         asyncio.run(scenario(replica))
+
+
+@pytest.mark.parametrize("target", ["/superscript", "/gzip", "/hex"])
+def test_an_answer_with_numbers_or_codings_http_does_not_write_fails(target: str) -> None:
+    async def scenario(replica: _RawReplica) -> None:
+        http = LocalHTTP()
+        try:
+            response = await http.request(replica.port, "GET", target, [], None)
+        except LocalHTTPError:
+            pass  # refused by its head
+        else:  # or by its body, never read as a body
+            with pytest.raises(LocalHTTPError, match="broke off"):
+                await response.read()
+            response.release()
+        await http.aclose()
+
+    with _RawReplica() as replica:  # bounded: a reader that guesses waits for the connection's end
+        asyncio.run(asyncio.wait_for(scenario(replica), 10))
