@@ -83,12 +83,13 @@ def _loopback_port() -> int:
 class NativeFront:
     """One run of the front: `prepare` before Granian starts, `start`, and `stop` at the end."""
 
-    def __init__(self, settings: Settings) -> None:
-        if not BINARY.is_file():
+    def __init__(self, settings: Settings, binary: Path = BINARY) -> None:
+        if not binary.is_file():
             raise FrontUnavailable(
-                f"the native gateway front is not installed ({BINARY}); run `make install`, "
+                f"the native gateway front is not installed ({binary}); run `make install`, "
                 "or set MODELFORGE_GATEWAY_FRONT=python"
             )
+        self.binary = binary
         self.settings = settings
         self.directory = Path(tempfile.mkdtemp(prefix="modelforge-front-"))  # mode 0700
         self.control = self.directory / "control.sock"
@@ -108,7 +109,7 @@ class NativeFront:
         the front's own message naming the file and the fix."""
         try:
             done = subprocess.run(  # noqa: S603 - our own binary, no shell
-                [str(BINARY), "--check"],
+                [str(self.binary), "--check"],
                 input=self._config_line(),
                 capture_output=True,
                 timeout=30,
@@ -116,7 +117,7 @@ class NativeFront:
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise FrontUnavailable(
-                f"the native gateway front ({BINARY}) cannot run: {exc}"
+                f"the native gateway front ({self.binary}) cannot run: {exc}"
             ) from exc
         if done.returncode != 0:
             lines = done.stderr.decode("utf-8", "replace").strip().splitlines() or ["no message"]
@@ -167,7 +168,7 @@ class NativeFront:
         # The key and the socket's path go on its stdin only, not in its environment.
         env = {k: v for k, v in os.environ.items() if k not in (CONTROL_ENV, FRONT_KEY_ENV)}
         process = subprocess.Popen(  # noqa: S603 - our own binary, no shell
-            [str(BINARY)],
+            [str(self.binary)],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,

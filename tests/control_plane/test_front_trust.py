@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from control_plane.api.rsgi import FRONT_KEY_ENV, FrontTrust, _asgi_scope
-from control_plane.native_front import BINARY, why_not
+from control_plane.native_front import BINARY, FrontUnavailable, NativeFront, why_not
 from control_plane.settings import Settings
 
 KEY = "k" * 64
@@ -86,12 +86,10 @@ def test_the_fronts_scheme_is_taken_with_its_key(trust: None) -> None:
     assert odd["scheme"] == "http"
 
 
-def test_the_front_is_the_default_where_installed_with_tls_and_not_with_peers(
-    tmp_path: Path,
-) -> None:
+def test_the_front_is_the_default_with_tls_and_not_with_peers(tmp_path: Path) -> None:
     base = {"data_dir": tmp_path}
     assert BINARY.is_file(), "the native front is not built: run `make install`"
-    assert why_not(Settings(**base)) is None  # native by default where it is installed
+    assert why_not(Settings(**base)) is None  # native by default
     assert why_not(Settings(**base, gateway_front="python")) == "MODELFORGE_GATEWAY_FRONT=python"
     assert why_not(Settings(**base, gateway_front="native")) is None
     tls = Settings(**base, gateway_front="native", tls_cert=tmp_path / "c", tls_key=tmp_path / "k")
@@ -106,3 +104,12 @@ def test_native_with_a_peer_address_is_refused_naming_the_fix(tmp_path: Path) ->
             data_dir=tmp_path, gateway_front="native", gateway_peer_address="http://10.0.0.1:8080"
         )
     assert "unset MODELFORGE_GATEWAY_FRONT" in str(refused.value)
+
+
+def test_a_missing_front_stops_the_start_naming_the_fix_never_a_fallback(tmp_path: Path) -> None:
+    """Unset, the setting means the native front, so a missing binary is the start-up error
+    (`cli` exits with it), not a quiet Python gateway."""
+    settings = Settings(data_dir=tmp_path)
+    assert why_not(settings) is None
+    with pytest.raises(FrontUnavailable, match="not installed .*run `make install`"):
+        NativeFront(settings, binary=tmp_path / "modelforge-gateway-front")
