@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,8 +24,8 @@ import pytest
 
 from control_plane.fleet.gpu_check import check_job
 from modelforge_contracts import job_records as records
-from modelforge_contracts.ipc import UnixHTTPConnection
 from tests.nvml_substitute import CONTROL_ENV, EXPECTED_GPUS, FaultInjector, build_fake_nvml
+from tests.runtime_worker.real_worker import run_on_worker, running_worker
 
 GPU = EXPECTED_GPUS[1]
 INDEX = 1
@@ -64,37 +63,8 @@ def nvml(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def worker(nvml: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A runtime worker whose environment has the substitute on LD_LIBRARY_PATH."""
-    socket = tmp_path_factory.mktemp("worker") / "worker.sock"
-    env = _clean_env(nvml)
-    env["MODELFORGE_WORKER_SOCKET"] = str(socket)
-    process = subprocess.Popen([sys.executable, "-m", "runtime_worker"], env=env)
-    try:
-        deadline = time.monotonic() + 10
-        while not socket.exists():
-            assert process.poll() is None, "the runtime worker exited"
-            assert time.monotonic() < deadline, "the runtime worker did not create its socket"
-            time.sleep(0.05)
+    with running_worker(tmp_path_factory.mktemp("worker"), _clean_env(nvml)) as socket:
         yield socket
-    finally:
-        process.terminate()
-        process.wait(timeout=20)
-
-
-def _run_on_worker(socket: Path, spec: dict[str, Any]) -> records.ExitRecord:
-    """Hand `spec` to the worker as the agent does; its `exit` record."""
-    connection = UnixHTTPConnection(str(socket), timeout=60)
-    try:
-        body = json.dumps({**spec, "agent_socket": str(socket.with_name("agent.sock"))})
-        connection.request("POST", "/v1/jobs", body, {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        assert response.status == 200, response.read()
-        for line in response:
-            record = records.decode(line)
-            if isinstance(record, records.ExitRecord):
-                return record
-    finally:
-        connection.close()
-    raise AssertionError("the worker's stream ended without an exit record")
 
 
 def _run_job_host(
@@ -135,7 +105,7 @@ def _run_job_host(
 
 
 def test_a_clean_gpu_passes_as_a_job_of_the_runtime_worker(worker: Path) -> None:
-    exit_record = _run_on_worker(worker, _spec())
+    exit_record = run_on_worker(worker, _spec())
     assert exit_record.state == "succeeded", exit_record.error
     result = exit_record.result
     assert result["uuid"] == GPU["uuid"] and result["provider"] == CPU
@@ -152,7 +122,7 @@ def test_a_clean_gpu_passes_as_a_job_of_the_runtime_worker(worker: Path) -> None
 
 
 def test_the_cuda_provider_missing_fails_the_job_saying_so(worker: Path) -> None:
-    exit_record = _run_on_worker(worker, _spec("CUDAExecutionProvider"))
+    exit_record = run_on_worker(worker, _spec("CUDAExecutionProvider"))
     assert exit_record.state == "failed" and exit_record.error is not None
     assert exit_record.error.code == "JOB_EXCEPTION"
     assert "GpuCheckFailed: onnxruntime" in exit_record.error.message
@@ -162,7 +132,7 @@ def test_the_cuda_provider_missing_fails_the_job_saying_so(worker: Path) -> None
 
 def test_a_job_that_sees_another_gpu_fails(worker: Path) -> None:
     other = EXPECTED_GPUS[0]["uuid"]
-    exit_record = _run_on_worker(worker, _spec(uuid=other))
+    exit_record = run_on_worker(worker, _spec(uuid=other))
     assert exit_record.state == "failed" and exit_record.error is not None
     assert f"must see GPU {other} alone" in exit_record.error.message
 
