@@ -100,12 +100,14 @@ test: lint
 	./scripts/ensure-wrk
 	./scripts/ensure-slurm
 	cd native && cargo test -q --locked --workspace
-	$(VENV)/bin/pytest $(PYTEST_PARALLEL) --ignore=tests/e2e_docker --durations=30
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) --ignore=tests/e2e_docker -m "not timing" --durations=30
+	$(VENV)/bin/pytest --ignore=tests/e2e_docker -m timing --durations=10
 
 ## The developers' inner loop: lint, types and the tests that start no real process (`-m "not e2e"`).
 check: lint
 	./scripts/ensure-postgres
-	$(VENV)/bin/pytest $(PYTEST_PARALLEL) --ignore=tests/e2e_docker -m "not e2e" --durations=10
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) --ignore=tests/e2e_docker -m "not e2e and not timing" \
+		--durations=10
 
 ## The heavier end-to-end suite against a real Docker engine (installed and started if needed):
 ## build the images, bundle, sign, verify, load, and `up` the stack.

@@ -94,12 +94,29 @@ _SHARED = {
 }
 
 
+#: Tests that hold a measured time or rate to a bound (a latency, a backoff's sequence of waits, a
+#: rate limiter's rate, CPU time): marked `timing`, they run alone after the parallel run
+#: (`make test`), where no other test's processes take the two cores from under them.
+_TIMING = (
+    "tests/e2e/test_burst.py::",
+    "tests/e2e/test_tunnel_floods.py::",
+    "tests/runtime_worker/test_grpc_floods.py::",
+    "tests/e2e/test_gpu_health.py::test_xid79_reaches_the_control_plane_within_2_s_p99",
+    "tests/runtime_worker/test_serving.py::test_100_sequential_requests_on_one_kept_alive",
+    "tests/e2e/test_node_agent.py::test_control_plane_outage_backs_off_and_recovers",
+    "tests/e2e/test_node_agent.py::test_an_incompatible_runtime_worker_marks_the_node",
+)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under `pytest -n N --dist loadgroup` (make test): each file's tests go to one worker, so a
     module's fixtures (a fleet, a live server) are built once, and files sharing a machine-wide
-    resource (`_SHARED`) go to the same worker. Runs before xdist reads the groups."""
+    resource (`_SHARED`) go to the same worker. `_TIMING`'s tests are marked `timing`. Runs
+    before xdist reads the groups and before `-m` selects."""
     for item in items:
+        if item.nodeid.startswith(_TIMING):
+            item.add_marker(pytest.mark.timing)
         if item.get_closest_marker("xdist_group") is None:
             path = item.nodeid.split("::", 1)[0]
             item.add_marker(pytest.mark.xdist_group(_SHARED.get(path, path)))
