@@ -3,10 +3,11 @@ the real binary, a stand-in for the model server behind it (a real HTTP server o
 answering every call as ServerLive does), raw HTTP/2 written byte by byte on sockets for the
 hostile clients, and grpcio for the well-behaved one, which must be served throughout.
 
-Each test is bounded in seconds: calls that stall are ended (DEADLINE_EXCEEDED) and free their
-place; floods of frames that carry nothing (unknown types, CONTINUATIONs, resets) end their own
-connection, leave memory bounded and other clients served; a front out of descriptors does not
-spin on `accept()`."""
+Each test is bounded in seconds: calls that stall hold none of the places of calls running
+(others are served beside them) and are ended (DEADLINE_EXCEEDED); only calls running past the
+limit at once are refused at once; floods of frames that carry nothing (unknown types,
+CONTINUATIONs, resets) end their own connection, leave memory bounded and other clients served;
+a front out of descriptors does not spin on `accept()`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,11 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, GOAWAY, CONTINUATION = 0x0, 0x1, 0x3, 0x4, 0x7, 0x9
 END_STREAM, END_HEADERS = 0x1, 0x4
 MAX_CALLS = 4
+#: The backend holds each ModelInfer until this is set (ServerLive is answered at once), and
+#: counts those it took.
+RELEASE = threading.Event()
+RELEASE.set()
+TAKEN: list[str] = []
 
 
 class _Backend(http.server.ThreadingHTTPServer):
@@ -50,6 +57,9 @@ class _Backend(http.server.ThreadingHTTPServer):
 
             def do_POST(self) -> None:  # noqa: N802
                 self.rfile.read(int(self.headers.get("content-length") or 0))
+                if self.path.endswith("/ModelInfer"):
+                    TAKEN.append(self.path)
+                    RELEASE.wait(10)
                 self.send_response(200)
                 self.send_header("content-type", "application/x-protobuf")
                 self.send_header("content-length", str(len(LIVE_ANSWER)))
@@ -217,11 +227,11 @@ class _Raw:
         self.socket.close()
 
 
-def _live(port: int, timeout: float = 5.0) -> grpc.StatusCode:
-    """One ServerLive call on a connection of its own: its status."""
+def _live(port: int, timeout: float = 5.0, method: str = LIVE) -> grpc.StatusCode:
+    """One call (ServerLive) on a connection of its own: its status."""
     own = [("grpc.use_local_subchannel_pool", 1)]
     with grpc.insecure_channel(f"127.0.0.1:{port}", options=own) as channel:
-        call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(LIVE)
+        call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(method)
         try:
             answer = call(b"", timeout=timeout)
         except grpc.RpcError as failed:
@@ -230,20 +240,27 @@ def _live(port: int, timeout: float = 5.0) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def test_calls_that_stall_are_ended_and_give_their_places_back(front: _Front) -> None:
-    raw = _Raw(front.port)
+def test_calls_that_stall_hold_no_place_and_are_ended(front: _Front) -> None:
+    # As many calls as the front runs at once, on each of two connections, sending nothing or
+    # a length prefix (100 bytes to come) and stopping there.
+    raws = [_Raw(front.port), _Raw(front.port)]
     streams = [1, 3, 5, 7][:MAX_CALLS]
-    for stream in streams:
-        raw.send(_frame_with(HEADERS, END_HEADERS, stream, _call_head()))
-        if stream % 4 == 1:  # half send a length prefix (100 bytes to come) and stop there
-            raw.send(_frame_with(DATA, 0, stream, b"\x00" + struct.pack(">I", 100)))
+    for raw in raws:
+        for stream in streams:
+            raw.send(_frame_with(HEADERS, END_HEADERS, stream, _call_head()))
+            if stream % 4 == 1:
+                raw.send(_frame_with(DATA, 0, stream, b"\x00" + struct.pack(">I", 100)))
     time.sleep(0.2)
-    # Every place is held: another client is refused at once...
-    assert _live(front.port) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # A call takes a place only once its message is whole: another client is served all the
+    # same (it was refused, RESOURCE_EXHAUSTED, while one client's stalled calls held them)...
+    assert _live(front.port) == grpc.StatusCode.OK
     started = time.monotonic()
-    # ...until the front ends the stalled calls (`--first-message-seconds 1`): each stream
-    # answered and ended, though the client still holds its connection open.
-    assert raw.ended(streams, 5) and time.monotonic() - started < 3
+    # ...and the front ends the stalled calls (`--first-message-seconds 1`, `--message-seconds
+    # 2`): each stream answered and ended, though the client still holds its connection open.
+    for raw in raws:
+        assert raw.ended(streams, 5) and time.monotonic() - started < 3
+    raws[1].close()
+    raw = raws[0]
     assert _live(front.port) == grpc.StatusCode.OK
     # A call whose message began but never ended is ended by `--message-seconds 2`.
     raw.send(_frame_with(HEADERS, END_HEADERS, 9, _call_head()))
@@ -252,6 +269,27 @@ def test_calls_that_stall_are_ended_and_give_their_places_back(front: _Front) ->
     assert raw.ended([9], 5)
     assert 1.5 < time.monotonic() - started < 4
     raw.close()
+
+
+def test_calls_past_the_limit_running_at_once_are_refused_at_once(front: _Front) -> None:
+    # MAX_CALLS calls whose messages arrived, held by the model server: one more is refused.
+    RELEASE.clear()
+    TAKEN.clear()
+    try:
+        with ThreadPoolExecutor(MAX_CALLS) as pool:
+            running = [pool.submit(_live, front.port, 10.0, INFER) for _ in range(MAX_CALLS)]
+            deadline = time.monotonic() + 5
+            while len(TAKEN) < MAX_CALLS:
+                assert time.monotonic() < deadline, TAKEN
+                time.sleep(0.01)
+            started = time.monotonic()
+            assert _live(front.port, 5.0, INFER) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert time.monotonic() - started < 1.0
+            assert len(TAKEN) == MAX_CALLS
+            RELEASE.set()
+            assert [call.result() for call in running] == [grpc.StatusCode.OK] * MAX_CALLS
+    finally:
+        RELEASE.set()
 
 
 def _flood_while_calling(front: _Front, flood: bytes, rounds: int) -> tuple[bool, int, list[float]]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,23 +143,30 @@ def test_a_compressed_message_inflating_past_the_limit_is_resource_exhausted(
 
 def test_calls_past_the_limit_at_once_are_resource_exhausted_at_once(model_path: Path) -> None:
     # 16 MiB of budget for 1 MiB messages: 16 calls at once (grpc_front.max_calls). Sixteen
-    # calls that opened and send nothing hold them; a seventeenth, on another connection, is
-    # refused at once; once they send, all are answered.
+    # calls relayed to a model server that does not answer yet (stopped) hold them; a
+    # seventeenth, on another connection, is refused at once; once the server goes on, all are
+    # answered. (Calls still sending their messages hold no place: test_grpc_floods.py.)
     server, port = _serve(model_path, "--max-inflight-bytes", str(16 * LIMIT))
-    release = threading.Event()
-    x = np.ones((1, 3), dtype=np.float32)
-    message = _request(x).SerializeToString()
+    message = _request(np.ones((1, 3), dtype=np.float32)).SerializeToString()
+    (front,) = _fronts(server)
+    backend = int(front.cmdline()[front.cmdline().index("--backend") + 1].rpartition(":")[2])
+    main = psutil.Process(server.process.pid)
+    stopped = [p for p in [main, *main.children(recursive=True)] if p.pid != front.pid]
 
-    def held() -> Iterator[bytes]:
-        release.wait(30)
-        yield message
+    def relayed() -> int:
+        return sum(1 for c in front.net_connections("tcp") if c.raddr and c.raddr.port == backend)
 
     answers: list[object] = []
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as holding:
-            infer = holding.stream_unary(INFER)
-            calls = [infer.future(held(), timeout=60) for _ in range(16)]
-            time.sleep(0.5)  # the streams are open at the front
+            infer = holding.unary_unary(INFER)
+            for process in stopped:
+                process.suspend()
+            calls = [infer.future(message, timeout=60) for _ in range(16)]
+            deadline = time.monotonic() + 10
+            while relayed() < 16:  # each relayed on a connection of its own, unanswered
+                assert time.monotonic() < deadline, relayed()
+                time.sleep(0.02)
             # A connection of its own (channels to one address otherwise share one).
             own = [("grpc.use_local_subchannel_pool", 1)]
             with grpc.insecure_channel(f"127.0.0.1:{port}", options=own) as other:
@@ -169,11 +175,16 @@ def test_calls_past_the_limit_at_once_are_resource_exhausted_at_once(model_path:
                     other.unary_unary(INFER)(message, timeout=30)
                 assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert time.monotonic() - started < 1.0
-            release.set()
+            for process in stopped:
+                process.resume()
             answers = [call.result() for call in calls]
         assert len(answers) == 16 and all(answers)
     finally:
-        release.set()
+        for process in stopped:
+            try:
+                process.resume()
+            except psutil.NoSuchProcess:
+                pass
         stop_server(server)
 
 

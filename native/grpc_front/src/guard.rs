@@ -1,13 +1,16 @@
 //! A budget of frames that carry nothing, per connection, kept below h2.
 //!
 //! `Guarded` wraps a client's socket and reads the HTTP/2 frame heads as they pass (after the
-//! connection preface). A frame that carries a call forward (HEADERS; DATA with a payload or
-//! ending its stream) is useful; every other one (PING, SETTINGS, WINDOW_UPDATE, PRIORITY,
-//! RST_STREAM, CONTINUATION, an empty DATA, a type HTTP/2 does not know) costs one of
-//! `EMPTY_BURST` tokens, given back at `EMPTY_PER_SECOND` and `EMPTY_PER_USEFUL` for each
-//! useful frame. A connection past its budget is read no more: its reads fail, so h2 drops it
-//! (a flood of unknown frames, a CONTINUATION flood, resets in a burst). h2's own bounds cover
-//! the rest (`max_pending_accept_reset_streams`, `max_header_list_size`, ...).
+//! connection preface). A frame that carries a call forward is useful: a HEADERS that opens a
+//! new stream (its id above every one seen on the connection), a DATA with data past its
+//! padding or ending its stream. Every other one (PING, SETTINGS, WINDOW_UPDATE, PRIORITY,
+//! CONTINUATION, a HEADERS on a stream already seen, a DATA of padding only, a type HTTP/2
+//! does not know) costs one of `EMPTY_BURST` tokens, given back at `EMPTY_PER_SECOND` and
+//! `EMPTY_PER_USEFUL` for each useful frame; a RST_STREAM costs `RESET_COST`, more than the
+//! HEADERS it undoes earned, so opening and resetting streams spends the budget too. A
+//! connection past its budget is read no more: its reads fail, so h2 drops it (a flood of
+//! unknown frames, a CONTINUATION flood, resets in a burst, padding sent for data). h2's own
+//! bounds cover the rest (`max_pending_accept_reset_streams`, `max_header_list_size`, ...).
 
 use std::io;
 use std::pin::Pin;
@@ -22,12 +25,23 @@ pub const EMPTY_BURST: f64 = 1000.0;
 pub const EMPTY_PER_SECOND: f64 = 200.0;
 /// ...and this many for each useful frame.
 pub const EMPTY_PER_USEFUL: f64 = 2.0;
+/// What a RST_STREAM costs: more than a HEADERS earns, so each stream opened and reset
+/// spends a token.
+pub const RESET_COST: f64 = EMPTY_PER_USEFUL + 1.0;
 
 const PREFACE: usize = 24;
 const HEAD: usize = 9;
 const DATA: u8 = 0x0;
 const HEADERS: u8 = 0x1;
+const RST_STREAM: u8 = 0x3;
 const END_STREAM: u8 = 0x1;
+const PADDED: u8 = 0x8;
+
+/// A PADDED DATA frame whose pad length (its payload's first byte) is still to be read.
+struct PaddedData {
+    length: u32,
+    flags: u8,
+}
 
 /// The frame heads of one direction of an HTTP/2 connection, and the budget they draw on.
 pub struct FrameBudget {
@@ -35,6 +49,8 @@ pub struct FrameBudget {
     head: [u8; HEAD],
     head_len: usize,
     payload_left: usize,
+    padded: Option<PaddedData>,
+    highest_stream: u32,
     tokens: f64,
     refilled: Instant,
 }
@@ -46,6 +62,8 @@ impl Default for FrameBudget {
             head: [0; HEAD],
             head_len: 0,
             payload_left: 0,
+            padded: None,
+            highest_stream: 0,
             tokens: EMPTY_BURST,
             refilled: Instant::now(),
         }
@@ -61,6 +79,13 @@ impl FrameBudget {
                 self.preface_left -= take;
                 bytes = &bytes[take..];
             } else if self.payload_left > 0 {
+                if let Some(data) = self.padded.take() {
+                    // The pad length: only what follows it, less the padding, is data.
+                    let carried = (data.length - 1).saturating_sub(u32::from(bytes[0]));
+                    if !self.judge(carried > 0 || data.flags & END_STREAM != 0, 1.0) {
+                        return false;
+                    }
+                }
                 let take = self.payload_left.min(bytes.len());
                 self.payload_left -= take;
                 bytes = &bytes[take..];
@@ -73,7 +98,13 @@ impl FrameBudget {
                     self.head_len = 0;
                     let length = u32::from_be_bytes([0, self.head[0], self.head[1], self.head[2]]);
                     self.payload_left = length as usize;
-                    if !self.frame(self.head[3], self.head[4], length) {
+                    let stream = u32::from_be_bytes([
+                        self.head[5] & 0x7f,
+                        self.head[6],
+                        self.head[7],
+                        self.head[8],
+                    ]);
+                    if !self.frame(self.head[3], self.head[4], length, stream) {
                         return false;
                     }
                 }
@@ -82,15 +113,34 @@ impl FrameBudget {
         true
     }
 
-    fn frame(&mut self, kind: u8, flags: u8, length: u32) -> bool {
+    /// Judge a frame from its head; a PADDED DATA with a payload waits for its pad length.
+    fn frame(&mut self, kind: u8, flags: u8, length: u32, stream: u32) -> bool {
+        match kind {
+            DATA if flags & PADDED != 0 && length > 0 => {
+                self.padded = Some(PaddedData { length, flags });
+                true
+            }
+            DATA => self.judge(length > 0 || flags & END_STREAM != 0, 1.0),
+            HEADERS => {
+                let opens = stream > self.highest_stream;
+                self.highest_stream = self.highest_stream.max(stream);
+                self.judge(opens, 1.0)
+            }
+            RST_STREAM => self.judge(false, RESET_COST),
+            _ => self.judge(false, 1.0),
+        }
+    }
+
+    /// Refill the budget for the time passed and a useful frame, or charge `cost`; false
+    /// once it is spent.
+    fn judge(&mut self, useful: bool, cost: f64) -> bool {
         let now = Instant::now();
         let elapsed = now.duration_since(self.refilled).as_secs_f64();
         self.refilled = now;
-        let useful = kind == HEADERS || (kind == DATA && (length > 0 || flags & END_STREAM != 0));
         let gained = elapsed * EMPTY_PER_SECOND + if useful { EMPTY_PER_USEFUL } else { 0.0 };
         self.tokens = (self.tokens + gained).min(EMPTY_BURST);
         if !useful {
-            self.tokens -= 1.0;
+            self.tokens -= cost;
         }
         self.tokens >= 0.0
     }
@@ -180,10 +230,22 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     fn frame(kind: u8, flags: u8, payload: &[u8]) -> Vec<u8> {
+        frame_on(kind, flags, 1, payload)
+    }
+
+    fn frame_on(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
         let length = (payload.len() as u32).to_be_bytes();
-        let mut out = vec![length[1], length[2], length[3], kind, flags, 0, 0, 0, 1];
+        let mut out = vec![length[1], length[2], length[3], kind, flags];
+        out.extend_from_slice(&stream.to_be_bytes());
         out.extend_from_slice(payload);
         out
+    }
+
+    /// Whether `bytes`, after the preface and read `split` bytes at a time, pass the budget.
+    fn passes(bytes: &[u8], split: usize) -> bool {
+        let mut budget = FrameBudget::default();
+        assert!(budget.read(&preface()));
+        bytes.chunks(split).all(|chunk| budget.read(chunk))
     }
 
     fn preface() -> Vec<u8> {
@@ -194,11 +256,62 @@ mod tests {
     fn useful_frames_pass_however_many() {
         let mut budget = FrameBudget::default();
         assert!(budget.read(&preface()));
-        for _ in 0..5000 {
-            assert!(budget.read(&frame(HEADERS, 0x4, b"abc")));
-            assert!(budget.read(&frame(DATA, 0, b"payload")));
+        for stream in (1..10_000).step_by(2) {
+            assert!(budget.read(&frame_on(HEADERS, 0x4, stream, b"abc")));
+            assert!(budget.read(&frame_on(DATA, 0, stream, b"payload")));
             assert!(budget.read(&frame(0x8, 0, &[0, 0, 0, 1]))); // a WINDOW_UPDATE each
+                                                                 // Data behind padding is data.
+            assert!(budget.read(&frame_on(DATA, PADDED, stream, &[2, b'x', 0, 0])));
+            assert!(budget.read(&frame(0x8, 0, &[0, 0, 0, 1])));
         }
+    }
+
+    #[test]
+    fn data_frames_of_padding_only_spend_the_budget_split_anywhere() {
+        let mut flood = Vec::new();
+        for _ in 0..(EMPTY_BURST as usize + 200) {
+            flood.extend(frame(DATA, PADDED, &[10; 11])); // a pad length, ten bytes of padding
+        }
+        for split in [1, 3, 20, 1 << 20] {
+            assert!(!passes(&flood, split), "split {split}");
+        }
+        // Padding that ends the stream ends a call: useful, as an empty DATA ending it is.
+        let mut ending = Vec::new();
+        for stream in (1..10_000).step_by(2) {
+            ending.extend(frame_on(HEADERS, 0x4, stream, b"abc"));
+            ending.extend(frame_on(DATA, PADDED | END_STREAM, stream, &[3, 0, 0, 0]));
+            ending.extend(frame(0x8, 0, &[0, 0, 0, 1]));
+        }
+        assert!(passes(&ending, 5));
+    }
+
+    #[test]
+    fn headers_earn_only_when_they_open_a_stream() {
+        // Trailers, or HEADERS sent again on one stream, each beside a PING: no call goes
+        // forward, so the budget runs out.
+        let mut flood = Vec::new();
+        for _ in 0..(EMPTY_BURST as usize + 200) {
+            flood.extend(frame_on(HEADERS, 0x4 | END_STREAM, 1, b"abc"));
+            flood.extend(frame(0x6, 0, &[0; 8]));
+        }
+        assert!(!passes(&flood, 1 << 20));
+        // Streams whose ids go down are not new either.
+        let mut down = Vec::new();
+        for stream in (1..=(2 * EMPTY_BURST as u32 + 401)).rev().step_by(2) {
+            down.extend(frame_on(HEADERS, 0x4, stream, b"abc"));
+            down.extend(frame(0x6, 0, &[0; 8]));
+        }
+        assert!(!passes(&down, 1 << 20));
+    }
+
+    #[test]
+    fn opening_and_resetting_streams_spends_the_budget() {
+        let mut flood = Vec::new();
+        for stream in (1..(4 * EMPTY_BURST as u32)).step_by(2) {
+            flood.extend(frame_on(HEADERS, 0x4, stream, b"abc"));
+            flood.extend(frame_on(RST_STREAM, 0, stream, &[0, 0, 0, 8]));
+        }
+        assert!(!passes(&flood, 1 << 20));
     }
 
     #[test]

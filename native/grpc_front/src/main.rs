@@ -14,11 +14,15 @@
 //! Its standard input carries the backend's token (one line) and then stays open: at its end
 //! (the model server stopping, or gone) the front stops taking calls, lets those running finish
 //! for up to the grace period and exits; so do SIGTERM and SIGINT. Once listening it prints
-//! `listening PORT` on standard output. A message over `--max-message-bytes` is refused (RESOURCE_EXHAUSTED) from its length
-//! prefix, before it is read; a call past `--max-calls` at once is refused at once. A call whose
-//! message has not begun (its 5-byte prefix) within `--first-message-seconds` of its HEADERS, or
-//! not arrived whole within `--message-seconds`, is ended with DEADLINE_EXCEEDED and its place
-//! freed. Each connection has a budget of frames that carry nothing (`guard.rs`); h2 bounds
+//! `listening PORT` on standard output. A message over `--max-message-bytes` is refused
+//! (RESOURCE_EXHAUSTED) from its length prefix, before it is read. A call takes one of
+//! `--max-calls` places only once its message has arrived whole, for as long as the model server
+//! has it: one past them is refused (RESOURCE_EXHAUSTED) at once, so calls that are slow to send
+//! hold no place. The messages being read are bounded per connection (a quarter of
+//! `--max-calls`, `reading_per_connection`; a connection's other calls wait their turn); a call
+//! whose message has not begun (its 5-byte prefix) within `--first-message-seconds` of its
+//! HEADERS, or not arrived whole within `--message-seconds`, is ended with DEADLINE_EXCEEDED.
+//! Each connection has a budget of frames that carry nothing (`guard.rs`); h2 bounds
 //! resets, header lists and CONTINUATION frames. An `accept()` that fails (EMFILE) is retried
 //! after a pause that doubles up to a second, never in a spin. It never logs request data.
 
@@ -29,6 +33,7 @@ use std::future::Future;
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -37,7 +42,7 @@ use bytes::{Bytes, BytesMut};
 use h2::server::SendResponse;
 use h2::RecvStream;
 use http::{HeaderMap, HeaderValue, Request, Response};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::{watch, Semaphore};
@@ -72,6 +77,13 @@ const FIRST_MESSAGE: u64 = 10;
 const WHOLE_MESSAGE: u64 = 60;
 /// Streams a client may reset before the server has taken them, per connection (rapid reset).
 const PENDING_RESETS: usize = 20;
+/// A call's message is read into this much at first, grown as its bytes come (a length prefix
+/// alone reserves no more).
+const FIRST_MESSAGE_CAPACITY: usize = 64 * 1024;
+/// The share of `--max-calls` one connection may have reading their messages at once.
+const READING_SHARE: usize = 4;
+/// How often the drain looks whether the calls running have ended.
+const DRAIN_POLL: Duration = Duration::from_millis(10);
 /// The longest pause between two failed `accept()`s.
 const ACCEPT_PAUSE_MAX: Duration = Duration::from_secs(1);
 
@@ -337,11 +349,57 @@ async fn read_answer(connection: &mut BufReader<TcpStream>) -> Result<Answer, Fa
 
 struct Front {
     backend: Backend,
+    /// The places of calls whose message has arrived whole, held while the model server has
+    /// them.
     calls: Arc<Semaphore>,
     max_calls: usize,
+    /// The calls reading their messages, on every connection (what the drain waits for).
+    reading: AtomicUsize,
     max_message_bytes: usize,
     first_message: Duration,
     whole_message: Duration,
+}
+
+impl Front {
+    fn new(backend: Backend, settings: &Settings) -> Front {
+        Front {
+            backend,
+            calls: Arc::new(Semaphore::new(settings.max_calls)),
+            max_calls: settings.max_calls,
+            reading: AtomicUsize::new(0),
+            max_message_bytes: settings.max_message_bytes,
+            first_message: settings.first_message,
+            whole_message: settings.whole_message,
+        }
+    }
+
+    /// The calls one connection may have reading their messages at once: well below
+    /// `max_calls`, so no one client's slow senders fill the front.
+    fn reading_per_connection(&self) -> usize {
+        self.max_calls.div_ceil(READING_SHARE)
+    }
+
+    /// Whether no call is reading its message or held by the model server.
+    fn idle(&self) -> bool {
+        self.reading.load(Ordering::Relaxed) == 0
+            && self.calls.available_permits() == self.max_calls
+    }
+}
+
+/// A call counted in `Front::reading` while it lives.
+struct Reading<'a>(&'a AtomicUsize);
+
+impl<'a> Reading<'a> {
+    fn new(count: &'a AtomicUsize) -> Reading<'a> {
+        count.fetch_add(1, Ordering::Relaxed);
+        Reading(count)
+    }
+}
+
+impl Drop for Reading<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// When a call's message must have begun (`first`) and arrived whole (`whole`).
@@ -415,7 +473,7 @@ async fn read_message(
                                 format!("Received message larger than max ({expected} vs. {max})"),
                             ));
                         }
-                        message = Some(Vec::with_capacity(expected));
+                        message = Some(Vec::with_capacity(expected.min(FIRST_MESSAGE_CAPACITY)));
                     }
                 }
                 Some(buffer) => {
@@ -493,8 +551,12 @@ async fn refuse_unread(respond: SendResponse<Bytes>, mut body: RecvStream, statu
     let _ = tokio::time::timeout(REFUSED_WAIT, drain).await;
 }
 
+/// One call: its message read (one of its connection's `reading` places held meanwhile, taken
+/// in turn within `--first-message-seconds`), then one of the front's places taken for as long
+/// as the model server has it (none free: RESOURCE_EXHAUSTED at once).
 async fn serve_call(
     front: Arc<Front>,
+    reading: Arc<Semaphore>,
     request: Request<RecvStream>,
     mut respond: SendResponse<Bytes>,
 ) {
@@ -505,16 +567,6 @@ async fn serve_call(
             let path = parts.uri.path().chars().take(120).collect::<String>();
             let status = Status::new(UNIMPLEMENTED, format!("no method {path}"));
             return refuse_unread(respond, body, status).await;
-        }
-    };
-    let permit = match front.calls.clone().try_acquire_owned() {
-        Ok(permit) => permit,
-        Err(_) => {
-            let message = format!(
-                "the server is running as many calls as it may ({})",
-                front.max_calls
-            );
-            return refuse_unread(respond, body, Status::new(RESOURCE_EXHAUSTED, message)).await;
         }
     };
     let encoding = parts
@@ -528,22 +580,49 @@ async fn serve_call(
         first_seconds: front.first_message.as_secs(),
         whole_seconds: front.whole_message.as_secs(),
     };
-    let (message, compressed) =
-        match read_message(&mut body, front.max_message_bytes, encoding, &deadlines).await {
-            Ok(read) => read,
-            Err(status) if status.code == DEADLINE_EXCEEDED => {
-                // A stalled call: its status, and its stream closed at once (no wait for a
-                // client that sends nothing).
-                drop(permit);
-                refuse(respond, status);
-                return;
-            }
-            Err(status) => {
-                drop(permit); // the call is over: what the client still sends is not held
-                return refuse_unread(respond, body, status).await;
-            }
-        };
+    let counted = Reading::new(&front.reading);
+    let turn = match tokio::time::timeout_at(deadlines.first, reading.acquire()).await {
+        Ok(Ok(turn)) => turn,
+        _ => {
+            let text = format!(
+                "the call's message was not read within {} s: its connection's other calls \
+                 held every place for reading ({})",
+                deadlines.first_seconds,
+                front.reading_per_connection()
+            );
+            refuse(respond, Status::new(DEADLINE_EXCEEDED, text));
+            return;
+        }
+    };
+    let read = read_message(&mut body, front.max_message_bytes, encoding, &deadlines).await;
+    drop(turn);
+    let (message, compressed) = match read {
+        Ok(read) => read,
+        Err(status) if status.code == DEADLINE_EXCEEDED => {
+            // A stalled call: its status, and its stream closed at once (no wait for a
+            // client that sends nothing).
+            refuse(respond, status);
+            return;
+        }
+        Err(status) => {
+            drop(counted); // the call is over: what the client still sends is not waited for
+            return refuse_unread(respond, body, status).await;
+        }
+    };
     drop(body);
+    // Its message whole, the call takes a place while the model server has it.
+    let permit = match front.calls.clone().try_acquire_owned() {
+        Ok(permit) => permit,
+        Err(_) => {
+            let message = format!(
+                "the server is running as many calls as it may ({})",
+                front.max_calls
+            );
+            refuse(respond, Status::new(RESOURCE_EXHAUSTED, message));
+            return;
+        }
+    };
+    drop(counted);
     let encoding = if compressed { encoding } else { None };
     // A client gone before the answer (cancelled, or past its deadline: it resets the stream)
     // ends the relayed request too: its connection closes, so the model server drops it (from
@@ -575,12 +654,11 @@ async fn serve_call(
     drop(permit);
 }
 
-async fn serve_connection(
-    front: Arc<Front>,
-    socket: TcpStream,
-    mut stopping: watch::Receiver<bool>,
-) {
-    let _ = socket.set_nodelay(true);
+async fn serve_connection<T>(front: Arc<Front>, socket: T, mut stopping: watch::Receiver<bool>)
+where
+    T: AsyncRead + AsyncWrite + Unpin,
+{
+    let reading = Arc::new(Semaphore::new(front.reading_per_connection()));
     let handshake = h2::server::Builder::new()
         .initial_window_size(1 << 20)
         .initial_connection_window_size(1 << 24)
@@ -601,7 +679,7 @@ async fn serve_connection(
         tokio::select! {
             next = connection.accept() => match next {
                 Some(Ok((request, respond))) => {
-                    tokio::spawn(serve_call(front.clone(), request, respond));
+                    tokio::spawn(serve_call(front.clone(), reading.clone(), request, respond));
                 }
                 _ => return,
             },
@@ -634,18 +712,12 @@ async fn run(settings: Settings, token: String) -> std::io::Result<()> {
         writeln!(out, "listening {port}")?;
         out.flush()?;
     }
-    let front = Arc::new(Front {
-        backend: Backend {
-            address: settings.backend,
-            token,
-            idle: Mutex::new(Vec::new()),
-        },
-        calls: Arc::new(Semaphore::new(settings.max_calls)),
-        max_calls: settings.max_calls,
-        max_message_bytes: settings.max_message_bytes,
-        first_message: settings.first_message,
-        whole_message: settings.whole_message,
-    });
+    let backend = Backend {
+        address: settings.backend,
+        token,
+        idle: Mutex::new(Vec::new()),
+    };
+    let front = Arc::new(Front::new(backend, &settings));
     let (stop, stopping) = watch::channel(false);
     // The end of standard input is the model server's word to stop (or its death). SIGTERM
     // and SIGINT, sent to the server's whole process group when it is stopped, start the same
@@ -668,6 +740,7 @@ async fn run(settings: Settings, token: String) -> std::io::Result<()> {
                         pause = Duration::ZERO;
                         eprintln!("modelforge-grpc-front: accepting connections again");
                     }
+                    let _ = socket.set_nodelay(true);
                     tokio::spawn(serve_connection(front.clone(), socket, stopping.clone()));
                 }
                 Err(error) => {
@@ -693,9 +766,14 @@ async fn run(settings: Settings, token: String) -> std::io::Result<()> {
     }
     drop(listener);
     let _ = stop.send(true);
-    // Let the calls running finish, for up to the grace period.
-    let all = settings.max_calls.min(u32::MAX as usize) as u32;
-    let _ = tokio::time::timeout(settings.grace, front.calls.acquire_many(all)).await;
+    // Let the calls running finish (those still reading their messages too), for up to the
+    // grace period.
+    let drained = async {
+        while !front.idle() {
+            tokio::time::sleep(DRAIN_POLL).await;
+        }
+    };
+    let _ = tokio::time::timeout(settings.grace, drained).await;
     Ok(())
 }
 
@@ -716,5 +794,215 @@ fn main() {
     if let Err(error) = runtime.block_on(run(settings, token)) {
         eprintln!("modelforge-grpc-front: {error}");
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::sync::Notify;
+
+    const LIVE: &str = "/inference.GRPCInferenceService/ServerLive";
+    /// ServerLiveResponse{live: true}.
+    const LIVE_ANSWER: &[u8] = b"\x08\x01";
+
+    /// A stand-in for the model server: every call answered live, once `release` allows
+    /// (at once when `held` is false); the number of calls it has taken.
+    async fn backend(held: bool) -> (SocketAddr, Arc<Notify>, Arc<AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let release = Arc::new(Notify::new());
+        let taken = Arc::new(AtomicUsize::new(0));
+        let (gate, count) = (release.clone(), taken.clone());
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                let (gate, count) = (gate.clone(), count.clone());
+                tokio::spawn(async move {
+                    let mut socket = BufReader::new(socket);
+                    loop {
+                        let mut length = 0;
+                        let mut line = String::new();
+                        loop {
+                            line.clear();
+                            if socket.read_line(&mut line).await.unwrap_or(0) == 0 {
+                                return;
+                            }
+                            if let Some(value) =
+                                line.to_ascii_lowercase().strip_prefix("content-length:")
+                            {
+                                length = value.trim().parse().unwrap();
+                            }
+                            if line == "\r\n" {
+                                break;
+                            }
+                        }
+                        let mut body = vec![0u8; length];
+                        socket.read_exact(&mut body).await.unwrap();
+                        count.fetch_add(1, Ordering::SeqCst);
+                        if held {
+                            gate.notified().await;
+                        }
+                        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n\x08\x01";
+                        if socket.get_mut().write_all(answer).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (address, release, taken)
+    }
+
+    fn front(backend: SocketAddr, max_calls: usize) -> Arc<Front> {
+        let settings = Settings {
+            listen: String::new(),
+            backend,
+            max_message_bytes: 1 << 20,
+            max_calls,
+            grace: Duration::from_secs(1),
+            first_message: Duration::from_secs(10),
+            whole_message: Duration::from_secs(20),
+        };
+        let backend = Backend {
+            address: backend,
+            token: "token".into(),
+            idle: Mutex::new(Vec::new()),
+        };
+        Arc::new(Front::new(backend, &settings))
+    }
+
+    /// A client connection to `front`, over an in-memory pipe.
+    async fn connect(front: &Arc<Front>) -> h2::client::SendRequest<Bytes> {
+        let (client, server) = tokio::io::duplex(1 << 20);
+        let (_stop, stopping) = watch::channel(false);
+        let front = front.clone();
+        tokio::spawn(async move {
+            let _stop = _stop;
+            serve_connection(front, server, stopping).await
+        });
+        let (sender, connection) = h2::client::handshake(client).await.unwrap();
+        tokio::spawn(connection);
+        sender
+    }
+
+    /// Open a call; its stream to send the message on, and its answer to come.
+    async fn open(
+        sender: h2::client::SendRequest<Bytes>,
+    ) -> (h2::SendStream<Bytes>, h2::client::ResponseFuture) {
+        let mut sender = sender.ready().await.unwrap();
+        let request = Request::post(format!("http://front{LIVE}"))
+            .header("content-type", "application/grpc")
+            .body(())
+            .unwrap();
+        let (answer, stream) = sender.send_request(request, false).unwrap();
+        (stream, answer)
+    }
+
+    /// The call's gRPC status (its trailers', or its trailers-only answer's) and message.
+    async fn status(answer: h2::client::ResponseFuture) -> (u32, Vec<u8>) {
+        let response = answer.await.unwrap();
+        let code = |headers: &HeaderMap| {
+            headers
+                .get("grpc-status")
+                .and_then(|value| value.to_str().ok()?.parse::<u32>().ok())
+        };
+        if let Some(code) = code(response.headers()) {
+            return (code, Vec::new());
+        }
+        let mut body = response.into_body();
+        let mut message = Vec::new();
+        while let Some(chunk) = body.data().await {
+            let chunk = chunk.unwrap();
+            let _ = body.flow_control().release_capacity(chunk.len());
+            message.extend_from_slice(&chunk);
+        }
+        let trailers = body.trailers().await.unwrap().unwrap();
+        (code(&trailers).unwrap(), message)
+    }
+
+    /// A whole call: an empty message.
+    async fn call(sender: h2::client::SendRequest<Bytes>) -> (u32, Vec<u8>) {
+        let (mut stream, answer) = open(sender).await;
+        stream.send_data(Bytes::from_static(&[0; 5]), true).unwrap();
+        status(answer).await
+    }
+
+    fn answered() -> (u32, Vec<u8>) {
+        let mut framed = vec![0, 0, 0, 0, 2];
+        framed.extend_from_slice(LIVE_ANSWER);
+        (0, framed)
+    }
+
+    #[tokio::test]
+    async fn calls_that_send_nothing_hold_no_place_of_the_fronts() {
+        let (address, _, _) = backend(false).await;
+        let front = front(address, 2);
+        // One client opens as many calls as the front runs at once, and sends nothing...
+        let stalled = connect(&front).await;
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            held.push(open(stalled.clone()).await);
+        }
+        // ...and one sends a prefix, then a trickle.
+        let trickling = connect(&front).await;
+        let (mut stream, _trickle) = open(trickling).await;
+        stream
+            .send_data(Bytes::from_static(&[0, 0, 0, 0, 100, 1]), false)
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Another client is served all the same, on connections of its own.
+        for _ in 0..3 {
+            let other = connect(&front).await;
+            let answer = tokio::time::timeout(Duration::from_secs(5), call(other)).await;
+            assert_eq!(answer.unwrap(), answered());
+        }
+        assert_eq!(front.calls.available_permits(), 2);
+        assert!(!front.idle()); // the drain would wait for those reading
+    }
+
+    #[tokio::test]
+    async fn calls_past_the_limit_running_at_once_are_refused_at_once() {
+        let (address, release, taken) = backend(true).await;
+        let front = front(address, 2);
+        let first = connect(&front).await;
+        let running = [
+            tokio::spawn(call(first.clone())),
+            tokio::spawn(call(first.clone())),
+        ];
+        while taken.load(Ordering::SeqCst) < 2 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let other = connect(&front).await;
+        let refused = tokio::time::timeout(Duration::from_secs(2), call(other)).await;
+        assert_eq!(refused.unwrap().0, RESOURCE_EXHAUSTED);
+        assert_eq!(taken.load(Ordering::SeqCst), 2);
+        release.notify_waiters();
+        for call in running {
+            assert_eq!(call.await.unwrap(), answered());
+        }
+        assert!(front.idle());
+    }
+
+    #[tokio::test]
+    async fn a_connections_calls_wait_their_turn_to_be_read() {
+        let (address, _, _) = backend(false).await;
+        let front = front(address, 4); // one call read at a time per connection
+        assert_eq!(front.reading_per_connection(), 1);
+        let sender = connect(&front).await;
+        let (mut slow, slow_answer) = open(sender.clone()).await;
+        slow.send_data(Bytes::from_static(&[0, 0, 0, 0, 2]), false)
+            .unwrap();
+        let (mut quick, quick_answer) = open(sender.clone()).await;
+        quick.send_data(Bytes::from_static(&[0; 5]), true).unwrap();
+        let quick_answer = tokio::spawn(status(quick_answer));
+        // The second waits while the first is read...
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!quick_answer.is_finished());
+        // ...and is read once the first's message is whole.
+        slow.send_data(Bytes::from_static(LIVE_ANSWER), true)
+            .unwrap();
+        assert_eq!(status(slow_answer).await, answered());
+        let answer = tokio::time::timeout(Duration::from_secs(5), quick_answer).await;
+        assert_eq!(answer.unwrap().unwrap(), answered());
     }
 }
