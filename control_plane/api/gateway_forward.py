@@ -22,7 +22,9 @@ which service and whether; this module, how).
   plane's own (the admin token, the replicas' signatures, a holder's transport failure), so a
   replica can neither read one nor make the gateway retry by sending one. Neither side's
   framing crosses (`Content-Length`, `Transfer-Encoding`), nor a replica's cookies or
-  `Clear-Site-Data` (`DROPPED_RESPONSE_HEADERS`; the request's rules: `gateway_headers.py`).
+  `Clear-Site-Data` (`DROPPED_RESPONSE_HEADERS`; the request's rules: `gateway_headers.py`),
+  but for an answer with no body for it to frame (to HEAD, or a 304): the replica's one
+  `Content-Length`, digits only, crosses then (`_passed_length`).
 
 It never logs a request's data, its headers or a token.
 """
@@ -311,7 +313,7 @@ async def open_exchange(
     except Exception as exc:  # TunnelUnavailable, or the tunnel refused the stream
         raise TransportFailed(type(exc).__name__) from None
     if whole is not None:
-        return await _answered(stream)
+        return await _answered(stream, request.method)
     pump = asyncio.ensure_future(_pump(stream, body))
     pump.add_done_callback(_retrieve)
     answered = asyncio.ensure_future(stream.response())
@@ -334,10 +336,11 @@ async def open_exchange(
         answered.cancel()
         pump.cancel()
         raise
-    return Exchange(stream=stream, status=int(status), headers=_headers_out(raw_headers), pump=pump)
+    headers = _headers_out(raw_headers, method=request.method, status=int(status))
+    return Exchange(stream=stream, status=int(status), headers=headers, pump=pump)
 
 
-async def _answered(stream: Stream) -> Exchange:
+async def _answered(stream: Stream, method: str) -> Exchange:
     """The exchange of a stream whose whole request went with its OPEN."""
     try:
         status, raw_headers = await stream.response()
@@ -345,15 +348,35 @@ async def _answered(stream: Stream) -> Exchange:
         raise TransportFailed(type(exc).__name__) from None
     sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     sent.set_result(None)
-    return Exchange(stream=stream, status=int(status), headers=_headers_out(raw_headers), pump=sent)
+    headers = _headers_out(raw_headers, method=method, status=int(status))
+    return Exchange(stream=stream, status=int(status), headers=headers, pump=sent)
 
 
-def _headers_out(raw_headers: Sequence[Sequence[str]]) -> list[tuple[bytes, bytes]]:
-    return [
+def _headers_out(
+    raw_headers: Sequence[Sequence[str]], *, method: str, status: int
+) -> list[tuple[bytes, bytes]]:
+    headers = [
         (name.encode("latin-1"), str(value).encode("latin-1"))
         for name, value in ((str(name).lower(), value) for name, value in raw_headers)
         if name not in DROPPED_RESPONSE_HEADERS and not name.startswith(INTERNAL_HEADER)
     ]
+    length = _passed_length(raw_headers, method=method, status=status)
+    if length is not None:
+        headers.append((b"content-length", length))
+    return headers
+
+
+def _passed_length(
+    raw_headers: Sequence[Sequence[str]], *, method: str, status: int
+) -> bytes | None:
+    """The replica's `Content-Length` where it frames no body (an answer to HEAD, a 304): its
+    one value, ASCII digits only; else None (dropped, as every other answer's is)."""
+    if method.upper() != "HEAD" and status != 304:
+        return None
+    lengths = [str(value) for name, value in raw_headers if str(name).lower() == "content-length"]
+    if len(lengths) != 1 or not lengths[0] or not all("0" <= c <= "9" for c in lengths[0]):
+        return None
+    return lengths[0].encode("ascii")
 
 
 async def _pump(stream: Stream, body: RequestBody) -> None:

@@ -9,6 +9,8 @@ request as it framed it, and answers some paths with framing that contradicts it
 - The replica gets a length the gateway checked, or a chunked body: never the client's framing.
 - A replica's answer whose framing contradicts itself is 502, the client's next answer on the
   same connection is its own, and the replica's connection is not used again.
+- A replica's one `Content-Length` reaches the client in an answer to HEAD (no body to frame);
+  two never do.
 - No `Set-Cookie`, `Set-Cookie2`, `Clear-Site-Data` or hop-by-hop header of a replica reaches the
   client; `X-Forwarded-For/-Host/-Proto` are the gateway's own, the client's dropped with
   `Forwarded` and `X-Real-IP`.
@@ -35,7 +37,8 @@ pytestmark = pytest.mark.e2e
 #: A replica that frames HTTP/1.1 by hand: each request it read is logged as a JSON line (its
 #: connection, method, target, headers and body); `/split` answers chunked with a
 #: `Content-Length: 0` (an attacker's page in the chunk), `/two-lengths` with two lengths,
-#: `/cookies` with cookies and hop-by-hop headers, anything else its request back as JSON.
+#: `/cookies` with cookies and hop-by-hop headers, `/sized` with 1234 bytes, anything else its
+#: request back as JSON; to HEAD, the same answer's head alone.
 PROBE = r"""
 import json, socketserver, sys, threading
 
@@ -79,7 +82,10 @@ class Probe(socketserver.StreamRequestHandler):
                     "headers": pairs, "body": body.decode("latin-1")}
             with LOCK, open(LOG, "a") as log:
                 log.write(json.dumps(seen) + "\n")
-            self.wfile.write(self.answer(target, seen))
+            answer = self.answer(target, seen)
+            if method == "HEAD":
+                answer = answer.partition(b"\r\n\r\n")[0] + b"\r\n\r\n"
+            self.wfile.write(answer)
 
     def answer(self, target, seen):
         if target == "/split":
@@ -89,6 +95,8 @@ class Probe(socketserver.StreamRequestHandler):
         if target == "/two-lengths":
             return (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 22\r\n\r\n"
                     + PAGE[-22:])
+        if target == "/sized":
+            return b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n" + b"x" * 1234
         if target == "/cookies":
             return (b"HTTP/1.1 200 OK\r\nSet-Cookie: modelforge_session=evil; Path=/\r\n"
                     b"Set-Cookie2: a=1\r\nClear-Site-Data: \"*\"\r\nKeep-Alive: timeout=5\r\n"
@@ -205,14 +213,17 @@ class _Reader:
         data, self.buffer = self.buffer[:size], self.buffer[size:]
         return data
 
-    def answer(self) -> tuple[int, list[tuple[str, str]], bytes]:
+    def answer(self, *, head: bool = False) -> tuple[int, list[tuple[str, str]], bytes]:
+        """The next answer; `head`: to a HEAD request, so without a body whatever it says."""
         status = int(self._line().split(b" ")[1])
         headers: list[tuple[str, str]] = []
         while line := self._line():
             name, _, value = line.decode("latin-1").partition(":")
             headers.append((name.strip().lower(), value.strip()))
         names = dict(headers)
-        if names.get("transfer-encoding", "").lower() == "chunked":
+        if head:
+            body = b""
+        elif names.get("transfer-encoding", "").lower() == "chunked":
             body = b""
             while size := int(self._line().split(b";")[0], 16):
                 body += self._exactly(size)
@@ -398,6 +409,36 @@ def test_a_replicas_answer_with_contradicting_framing_is_502_and_its_connection_
     split = {entry["peer"] for entry in seen if entry["target"] in ("/split", "/two-lengths")}
     later = {entry["peer"] for entry in seen if entry["target"] == "/after-split"}
     assert split and later and not split & later, seen
+
+
+def test_an_answer_to_head_keeps_the_replicas_one_length(fleet: Probed) -> None:
+    """An answer to HEAD frames no body: the replica's length (what a GET would get) reaches
+    the client, and the next answer on the connection is read where it begins; two lengths
+    never cross. A GET's length is the body's, as ever."""
+    for _ in range(2):  # the native front's fast path the second time
+        for path, kept in (("/sized", True), ("/two-lengths", False)):
+            sock = _connect(fleet)
+            try:
+                sock.sendall(_head(fleet, "HEAD", f"/services/probe{path}"))
+                reader = _Reader(sock)
+                status, headers, body = reader.answer(head=True)
+                lengths = [value for name, value in headers if name == "content-length"]
+                if kept:
+                    assert (status, lengths) == (200, ["1234"]), headers
+                elif status != 502:  # the agent's relay refuses the contradiction itself
+                    assert status == 200 and not {"5", "22"} & set(lengths), headers
+                sock.sendall(_head(fleet, "GET", "/v2/health/live"))
+                status, _, body = reader.answer()
+                assert (status, json.loads(body)) == (200, {"live": True})
+                sock.sendall(_head(fleet, "GET", "/services/probe/sized"))
+                status, headers, body = reader.answer()
+                assert (status, body) == (200, b"x" * 1234)
+                assert [value for name, value in headers if name == "content-length"] in (
+                    ["1234"],
+                    [],  # chunked
+                )
+            finally:
+                sock.close()
 
 
 def test_replica_cookies_and_hop_by_hop_headers_never_reach_the_client(fleet: Probed) -> None:

@@ -197,7 +197,9 @@ impl Fast {
         if matches!(expected, Some(length) if length > config.body_bytes) {
             return None; // refused 413 by the control plane, counted there
         }
-        let headers_json = crossing_headers(headers)?;
+        // The length checked (`declared_length`), where the client declared one.
+        let length = expected.filter(|_| headers.contains_key(header::CONTENT_LENGTH));
+        let headers_json = crossing_headers(headers, length)?;
         let mut state = self.state.lock().unwrap();
         let grant = state.grants.get(authorization)?;
         if grant.service != name || grant.until <= Instant::now() {
@@ -389,10 +391,11 @@ fn declared_length(headers: &HeaderMap) -> Option<Option<u64>> {
     }
 }
 
-/// The headers a replica gets (`gateway_forward.crossing`), as the OPEN frame's JSON value;
-/// None when a value is not visible ASCII or all pass the gateway's bound (the control plane
-/// answers those).
-fn crossing_headers(headers: &HeaderMap) -> Option<String> {
+/// The headers a replica gets (`gateway_forward.crossing`), as the OPEN frame's JSON value:
+/// the client's `Content-Length` (each, if it sent several) never crosses as sent, the one
+/// `length` checked goes last instead, as `gateway.py` appends it. None when a value is not
+/// visible ASCII or all pass the gateway's bound (the control plane answers those).
+fn crossing_headers(headers: &HeaderMap, length: Option<u64>) -> Option<String> {
     let mut total = 0;
     let mut out = String::with_capacity(32 * headers.len());
     out.push('[');
@@ -402,6 +405,7 @@ fn crossing_headers(headers: &HeaderMap) -> Option<String> {
         if frames::hop_by_hop(name)
             || name == "authorization"
             || name == "cookie"
+            || name == "content-length"
             || name.starts_with(INTERNAL_HEADER)
         {
             continue;
@@ -418,6 +422,14 @@ fn crossing_headers(headers: &HeaderMap) -> Option<String> {
     }
     if total > MAX_HEADER_BYTES {
         return None;
+    }
+    if let Some(length) = length {
+        if out.len() > 1 {
+            out.push(',');
+        }
+        out.push_str("[\"content-length\",\"");
+        out.push_str(&length.to_string());
+        out.push_str("\"]");
     }
     out.push(']');
     Some(out)
@@ -487,9 +499,51 @@ mod tests {
         assert_eq!(
             open["headers"],
             serde_json::json!([
-                ["content-length", "3"],
-                ["content-type", "application/octet-stream"]
+                ["content-type", "application/octet-stream"],
+                ["content-length", "3"]
             ])
+        );
+    }
+
+    fn crossing(headers: &[(&'static str, &'static str)], length: Option<u64>) -> Value {
+        let mut map = HeaderMap::new();
+        for (name, value) in headers {
+            map.append(*name, header::HeaderValue::from_static(value));
+        }
+        serde_json::from_str(&crossing_headers(&map, length).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn the_client_s_lengths_never_cross_as_sent_the_one_checked_does() {
+        let expected = serde_json::json!([["accept", "*/*"], ["content-length", "5"]]);
+        for sent in [
+            &[("content-length", "5"), ("content-length", "5")][..],
+            &[("content-length", "5")],
+            &[("content-length", "05")],
+        ] {
+            let mut headers = vec![("accept", "*/*")];
+            headers.extend_from_slice(sent);
+            assert_eq!(crossing(&headers, Some(5)), expected, "{sent:?}");
+        }
+        // No length declared (nothing, or chunked: the transfer coding never crosses either).
+        let chunked = [("transfer-encoding", "chunked"), ("accept", "*/*")];
+        assert_eq!(
+            crossing(&chunked, None),
+            serde_json::json!([["accept", "*/*"]])
+        );
+        // A request with duplicate equal lengths still takes the fast path, with one.
+        let fast = fast_with_route();
+        let twice = Request::post("/v2/models/mlp/infer")
+            .header("authorization", "Bearer mfs_good")
+            .header("content-length", "3")
+            .header("content-length", "3")
+            .body(Body::from("abc"))
+            .unwrap();
+        let plan = fast.plan(&twice, &config()).unwrap();
+        let open: Value = serde_json::from_slice(&fast.choose(&plan, &[]).unwrap().open).unwrap();
+        assert_eq!(
+            open["headers"],
+            serde_json::json!([["content-length", "3"]])
         );
     }
 

@@ -28,7 +28,9 @@
 //!   (`set_forwarding`), before the fast path or the control plane sees the request.
 //! - No header of one hop, of the replica's framing (`Content-Length`: hyper frames the answer
 //!   by its real body), `Set-Cookie`, `Set-Cookie2`, `Clear-Site-Data` or `x-modelforge-...`
-//!   crosses from a replica to a client (`reaches_client`).
+//!   crosses from a replica to a client (`reaches_client`). An answer to HEAD, and a 304, has
+//!   no body for a length to frame: the replica's one `Content-Length`, digits only, crosses
+//!   (`passed_length`), as it does through the control plane.
 //!
 //! Nothing of a request (its headers, a token, its body) is logged.
 
@@ -39,7 +41,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use hyper::body::HttpBody;
 use hyper::header::{self, HeaderName, HeaderValue};
-use hyper::{Body, HeaderMap, Request, Response, StatusCode};
+use hyper::{Body, HeaderMap, Method, Request, Response, StatusCode};
 use serde_json::Value;
 use tokio::sync::mpsc;
 
@@ -83,6 +85,7 @@ pub async fn handle(
         return crate::error_answer(front, StatusCode::BAD_REQUEST, AMBIGUOUS_FRAMING, true);
     }
     set_forwarding(request.headers_mut(), peer, front.config.scheme());
+    let head = request.method() == Method::HEAD;
     if let Some(plan) = front.fast.plan(&request, &front.config) {
         return fast_path(front, plan, request).await;
     }
@@ -115,7 +118,7 @@ pub async fn handle(
     };
     let mut body = RequestBody::new(request.into_body(), &front.config);
     loop {
-        let cause = match attempt(front, &mut reply, &mut body, &mut done).await {
+        let cause = match attempt(front, &mut reply, &mut body, &mut done, head).await {
             Attempt::Answered(response) => return response,
             Attempt::Started(stream, response) => return start_relay(stream, response, body, done),
             Attempt::Failed(cause) => cause,
@@ -155,6 +158,7 @@ pub async fn handle(
 /// after a transport failure while the body can be replayed, else 502, as the control plane
 /// does; what happened is counted for its next report.
 async fn fast_path(front: &Arc<Front>, plan: Plan, request: Request<Body>) -> Response<FrontBody> {
+    let head = request.method() == Method::HEAD;
     let mut done = Done {
         control: front.control.clone(),
         ticket: Value::Null,
@@ -182,7 +186,7 @@ async fn fast_path(front: &Arc<Front>, plan: Plan, request: Request<Body>) -> Re
             "open": String::from_utf8(choice.open).unwrap_or_default(),
             "whole": plan.whole,
         });
-        match attempt(front, &mut grant, &mut body, &mut done).await {
+        match attempt(front, &mut grant, &mut body, &mut done, head).await {
             Attempt::Answered(response) => return response,
             Attempt::Started(stream, response) => return start_relay(stream, response, body, done),
             Attempt::Failed(failed) => cause = failed,
@@ -454,12 +458,14 @@ enum Attempt {
     Failed(String),
 }
 
-/// Open the granted stream, send the body, wait for the response to begin.
+/// Open the granted stream, send the body, wait for the response to begin (`head_request`:
+/// the request's method is HEAD).
 async fn attempt(
     front: &Front,
     grant: &mut Value,
     body: &mut RequestBody,
     done: &mut Done,
+    head_request: bool,
 ) -> Attempt {
     let open = match grant.get_mut("open").map(Value::take) {
         Some(Value::String(open)) => open.into_bytes(),
@@ -519,9 +525,37 @@ async fn attempt(
     };
     let mut response = Response::new(FrontBody::from(Bytes::new()));
     *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let length = passed_length(head_request, response.status(), &pairs);
     response_headers(front, response.headers_mut(), pairs);
+    if let Some(length) = length {
+        response
+            .headers_mut()
+            .insert(header::CONTENT_LENGTH, length);
+    }
     done.set(response.status().as_u16(), "");
     Attempt::Started(stream, response)
+}
+
+/// The replica's `Content-Length` where it crosses: an answer to HEAD (`head`) or a 304 frames
+/// no body by it, so its one value, digits only, goes to the client; None otherwise (several,
+/// or not a number: dropped, as every other answer's is).
+fn passed_length(
+    head: bool,
+    status: StatusCode,
+    pairs: &[(String, String)],
+) -> Option<HeaderValue> {
+    if !head && status != StatusCode::NOT_MODIFIED {
+        return None;
+    }
+    let mut lengths = pairs
+        .iter()
+        .filter(|(name, _)| name.eq_ignore_ascii_case("content-length"));
+    let (_, value) = lengths.next()?;
+    if lengths.next().is_some() || value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    value.parse::<u64>().ok()?;
+    HeaderValue::from_str(value).ok()
 }
 
 /// The response's headers: the replica's that reach a client (`reaches_client`), then the
@@ -604,6 +638,10 @@ fn start_relay(
         // Answered: the rest of the request (if any) is not wanted; the ticket ends here.
         drop(stream);
         drop(done);
+        // A length passed (HEAD, 304) frames no body: none goes.
+        if response.headers().contains_key(header::CONTENT_LENGTH) {
+            return response;
+        }
         return response.map(|_| FrontBody::from(whole));
     }
     body.forget();
@@ -771,6 +809,44 @@ mod tests {
         }
         for kept in ["content-type", "x-replica", "cache-control", "etag"] {
             assert!(reaches_client(kept), "{}", kept);
+        }
+    }
+
+    #[test]
+    fn a_replicas_length_crosses_only_where_it_frames_no_body() {
+        let pairs = |lengths: &[&str]| -> Vec<(String, String)> {
+            let mut pairs = vec![("content-type".to_string(), "text/plain".to_string())];
+            for length in lengths {
+                pairs.push(("Content-Length".into(), length.to_string()));
+            }
+            pairs
+        };
+        let (ok, not_modified) = (StatusCode::OK, StatusCode::NOT_MODIFIED);
+        assert_eq!(passed_length(true, ok, &pairs(&["1234"])).unwrap(), "1234");
+        assert_eq!(
+            passed_length(false, not_modified, &pairs(&["0"])).unwrap(),
+            "0"
+        );
+        assert_eq!(passed_length(true, ok, &pairs(&[])), None);
+        // Any other answer's is the replica's framing: hyper frames by the real body.
+        assert_eq!(passed_length(false, ok, &pairs(&["1234"])), None);
+        assert_eq!(
+            passed_length(false, StatusCode::NO_CONTENT, &pairs(&["0"])),
+            None
+        );
+        // Never one that is not a single number.
+        for bad in [
+            &["12", "12"][..],
+            &["12", "13"],
+            &["12, 12"],
+            &[" 12"],
+            &["+12"],
+            &["-1"],
+            &["0x10"],
+            &[""],
+            &["99999999999999999999999"],
+        ] {
+            assert_eq!(passed_length(true, ok, &pairs(bad)), None, "{bad:?}");
         }
     }
 }

@@ -62,6 +62,33 @@ const KEY_HEADER: HeaderName = HeaderName::from_static("x-modelforge-front-key")
 const SCHEME_HEADER: HeaderName = HeaderName::from_static("x-modelforge-scheme");
 /// RFC 6455's GUID, from which the handshake's Sec-WebSocket-Accept is made.
 const WEBSOCKET_GUID: &str = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11";
+/// The pause after a failed `accept()`, doubled at each next failure up to the longest.
+const ACCEPT_PAUSE_MIN: Duration = Duration::from_millis(10);
+const ACCEPT_PAUSE_MAX: Duration = Duration::from_secs(1);
+
+/// The pause between failed `accept()`s (EMFILE: no descriptor left), as the gRPC front
+/// keeps it: `ACCEPT_PAUSE_MIN` after the first, doubling up to `ACCEPT_PAUSE_MAX`, none
+/// again once one succeeds; never a spin, and one log line each way.
+#[derive(Default)]
+struct AcceptPause {
+    pause: Duration,
+}
+
+impl AcceptPause {
+    /// After a failure: the pause to take, and whether it begins a run of failures.
+    fn failed(&mut self) -> (Duration, bool) {
+        let first = self.pause.is_zero();
+        self.pause = (self.pause * 2).clamp(ACCEPT_PAUSE_MIN, ACCEPT_PAUSE_MAX);
+        (self.pause, first)
+    }
+
+    /// After a success: whether it ends a run of failures.
+    fn succeeded(&mut self) -> bool {
+        let recovered = !self.pause.is_zero();
+        self.pause = Duration::ZERO;
+        recovered
+    }
+}
 
 /// What `main` reads from stdin (see the module's docstring).
 pub struct Config {
@@ -607,16 +634,23 @@ async fn serve(config: Config) {
             front.config.scheme()
         ),
     );
+    let mut pause = AcceptPause::default();
     loop {
         let (socket, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(error) => {
-                // Out of descriptors, most likely: wait a moment rather than spin.
-                log("warning", &format!("accept failed: {}", error));
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                // Out of descriptors, most likely: wait, longer each time, rather than spin.
+                let (wait, first) = pause.failed();
+                if first {
+                    log("warning", &format!("accept failed ({}); pausing", error));
+                }
+                tokio::time::sleep(wait).await;
                 continue;
             }
         };
+        if pause.succeeded() {
+            log("info", "accepting connections again");
+        }
         let _ = socket.set_nodelay(true);
         let front = front.clone();
         let http = http.clone();
@@ -641,5 +675,29 @@ async fn serve(config: Config) {
                 }
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_accepts_pause_longer_each_time_and_log_once_each_way() {
+        let mut pause = AcceptPause::default();
+        assert!(!pause.succeeded());
+        let waits: Vec<(Duration, bool)> = (0..10).map(|_| pause.failed()).collect();
+        let millis: Vec<u128> = waits.iter().map(|(wait, _)| wait.as_millis()).collect();
+        assert_eq!(millis, [10, 20, 40, 80, 160, 320, 640, 1000, 1000, 1000]);
+        // The first failure of a run is logged; the rest are not.
+        let logged: Vec<bool> = waits.iter().map(|(_, first)| *first).collect();
+        assert_eq!(
+            logged,
+            [true, false, false, false, false, false, false, false, false, false]
+        );
+        // The recovery is logged once, and the next failure begins again at the shortest.
+        assert!(pause.succeeded());
+        assert!(!pause.succeeded());
+        assert_eq!(pause.failed(), (ACCEPT_PAUSE_MIN, true));
     }
 }
