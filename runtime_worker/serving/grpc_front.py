@@ -18,8 +18,10 @@ one that does not fit is refused at once (UNAVAILABLE). What it takes is read fr
 top-level fields: all length-delimited, at most as many tensors as the model has and a few
 others, so the scan is short whatever the size, and a message breaking either is refused
 (INVALID_ARGUMENT) before it is parsed. Since gRPC receives a whole message before the budget
-sees it, the front takes at most as many calls at once as the budget holds messages of the
-largest size (`max_calls`); one more is RESOURCE_EXHAUSTED at once. It never logs request data.
+sees it, the front runs at most as many calls at once as the budget holds messages of the
+largest size (`max_calls`): a call takes its place once its message has arrived whole (a call
+still sending holds none), and one more than that is RESOURCE_EXHAUSTED at once. It never logs
+request data.
 """
 
 from __future__ import annotations
