@@ -103,6 +103,7 @@ _TIMING = (
     "tests/runtime_worker/test_grpc_floods.py::",
     "tests/e2e/test_gpu_health.py::test_xid79_reaches_the_control_plane_within_2_s_p99",
     "tests/runtime_worker/test_serving.py::test_100_sequential_requests_on_one_kept_alive",
+    "tests/runtime_worker/test_serving_hostile.py::test_clients_slow_to_send_large_bodies_leave",
     "tests/e2e/test_node_agent.py::test_control_plane_outage_backs_off_and_recovers",
     "tests/e2e/test_node_agent.py::test_an_incompatible_runtime_worker_marks_the_node",
 )

@@ -26,7 +26,7 @@ from control_plane.local_node import LocalNode, LocalNodeError
 from control_plane.models import AuditEntry, NodeEnrollment
 from control_plane.security import sha256_hex
 from control_plane.settings import Settings
-from tests.e2e.server import control_plane_executable
+from tests.e2e.server import control_plane_executable, free_port
 from tests.node_agent.conftest import RecordingServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,9 +145,7 @@ def test_a_child_that_exits_is_started_again_after_a_growing_backoff(tmp_path: P
 
 def test_one_control_plane_at_a_time_runs_the_local_node_of_a_data_dir(tmp_path: Path) -> None:
     # A port nothing listens on: the supervisors wait for a server that never answers.
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     first = LocalNode(_settings(tmp_path, port=port))
     first.start()
     try:

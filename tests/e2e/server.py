@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import shutil
@@ -40,10 +41,30 @@ def control_plane_executable() -> str:
     return found
 
 
+#: Ports the tests' own servers listen on: each pytest-xdist worker (`PYTEST_XDIST_WORKER`,
+#: gw0, gw1, ...) takes its own slice of [12000, 32000), below the kernel's ephemeral range
+#: (32768 up, where bind(0), and so the product's own choices, land). Granian binds with
+#: SO_REUSEPORT, so two servers handed one port by bind(0) in two workers both start and the
+#: kernel splits the clients between them: a test then talks to another test's control plane.
+_PORT_SLICE = 2000
+_PORT_BASE = 12000 + _PORT_SLICE * (
+    int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % 10
+)
+_port_turn = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port of this worker's slice that nothing listens on now (on any address), each handed
+    out once before the slice wraps around."""
+    for _ in range(_PORT_SLICE):
+        port = _PORT_BASE + next(_port_turn) % _PORT_SLICE
+        with socket.socket() as probe:
+            try:
+                probe.bind(("0.0.0.0", port))  # noqa: S104 - taken on any address, taken here
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {_PORT_BASE}-{_PORT_BASE + _PORT_SLICE - 1}")
 
 
 @dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,9 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+
+# The tests' one port allocator, re-exported for the serving tests.
+from tests.e2e.server import free_port as free_port
 
 NAME = "relu"
 
@@ -38,12 +40,6 @@ class Served:
         """The resident memory of the server's processes (Granian's main and its worker)."""
         main = psutil.Process(self.process.pid)
         return sum(process.memory_info().rss for process in [main, *main.children(True)])
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def start_server(
