@@ -11,11 +11,12 @@ CONSOLE_SOURCES := $(wildcard $(CONSOLE)/src/*) $(CONSOLE)/index.html $(CONSOLE)
 
 .PHONY: install run test check lint lint-rust e2e console browser
 
-## Tests run in parallel (pytest-xdist): each test file on one worker, files that share a machine-wide
-## resource together (tests/conftest.py). The tests mostly wait on processes, so more workers than
-## cores pays; PYTEST_WORKERS=1 runs them one after another.
+## Tests run in parallel (pytest-xdist, --dist loadfile): each test file on one worker; the tests
+## marked alone (tests/conftest.py: timing bounds, the shared Slurm cluster) after, one at a time.
+## The tests mostly wait on processes, so more workers than cores pays; PYTEST_WORKERS=1 runs
+## everything one after another.
 PYTEST_WORKERS ?= 4
-PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -100,13 +101,13 @@ test: lint
 	./scripts/ensure-wrk
 	./scripts/ensure-slurm
 	cd native && cargo test -q --locked --workspace
-	$(VENV)/bin/pytest $(PYTEST_PARALLEL) --ignore=tests/e2e_docker -m "not timing" --durations=30
-	$(VENV)/bin/pytest --ignore=tests/e2e_docker -m timing --durations=10
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) --ignore=tests/e2e_docker -m "not alone" --durations=30
+	$(VENV)/bin/pytest --ignore=tests/e2e_docker -m alone --durations=10
 
 ## The developers' inner loop: lint, types and the tests that start no real process (`-m "not e2e"`).
 check: lint
 	./scripts/ensure-postgres
-	$(VENV)/bin/pytest $(PYTEST_PARALLEL) --ignore=tests/e2e_docker -m "not e2e and not timing" \
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) --ignore=tests/e2e_docker -m "not e2e and not alone" \
 		--durations=10
 
 ## The heavier end-to-end suite against a real Docker engine (installed and started if needed):

@@ -85,19 +85,15 @@ def admin_token() -> str:
     return ADMIN_TOKEN
 
 
-#: Test files that share one machine-wide resource, run one after another on one worker: the
-#: Slurm cluster of scripts/ensure-slurm (its tests cancel every job of its one user).
-_SHARED = {
-    "tests/e2e/test_console_browser.py": "slurm",
-    "tests/e2e/test_provisioning.py": "slurm",
-    "tests/e2e/test_slurm_cluster.py": "slurm",
-}
-
-
-#: Tests that hold a measured time or rate to a bound (a latency, a backoff's sequence of waits, a
-#: rate limiter's rate, CPU time): marked `timing`, they run alone after the parallel run
-#: (`make test`), where no other test's processes take the two cores from under them.
-_TIMING = (
+#: Tests that run alone, after the parallel run (`make test`), marked `alone`: those that hold a
+#: measured time or rate to a bound (a latency, a backoff's sequence of waits, a rate limiter's
+#: rate, CPU time), where no other test's processes may take the two cores from under them, and
+#: the files that share one machine-wide resource, the Slurm cluster of scripts/ensure-slurm
+#: (their tests cancel every job of its one user).
+_ALONE = (
+    "tests/e2e/test_console_browser.py::",
+    "tests/e2e/test_provisioning.py::",
+    "tests/e2e/test_slurm_cluster.py::",
     "tests/e2e/test_burst.py::",
     "tests/e2e/test_tunnel_floods.py::",
     "tests/runtime_worker/test_grpc_floods.py::",
@@ -111,13 +107,9 @@ _TIMING = (
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under `pytest -n N --dist loadgroup` (make test): each file's tests go to one worker, so a
-    module's fixtures (a fleet, a live server) are built once, and files sharing a machine-wide
-    resource (`_SHARED`) go to the same worker. `_TIMING`'s tests are marked `timing`. Runs
-    before xdist reads the groups and before `-m` selects."""
+    """`_ALONE`'s tests are marked `alone` (before `-m` selects). The parallel run
+    (`pytest -n 4 --dist loadfile`) gives each file's tests to one worker, so a module's fixtures
+    (a fleet, a live server) are built once and its tests run in their order."""
     for item in items:
-        if item.nodeid.startswith(_TIMING):
-            item.add_marker(pytest.mark.timing)
-        if item.get_closest_marker("xdist_group") is None:
-            path = item.nodeid.split("::", 1)[0]
-            item.add_marker(pytest.mark.xdist_group(_SHARED.get(path, path)))
+        if item.nodeid.startswith(_ALONE):
+            item.add_marker(pytest.mark.alone)
