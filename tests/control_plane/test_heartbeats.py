@@ -4,6 +4,7 @@ a bounded number of statements, and a failed flush losing nothing. SQLite and Po
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
@@ -97,10 +98,14 @@ def _heartbeat(at: datetime, index: int) -> PendingHeartbeat:
 
 @contextmanager
 def _statements(engine: Engine) -> Iterator[list[str]]:
+    """The statements `engine` runs in this thread meanwhile: the control plane's own tasks
+    (the scheduler's first read of the queue, a tick after its start) run in others."""
     seen: list[str] = []
+    here = threading.get_ident()
 
     def count(*args: Any) -> None:
-        seen.append(args[2])
+        if threading.get_ident() == here:
+            seen.append(args[2])
 
     event.listen(engine, "before_cursor_execute", count)
     try:
