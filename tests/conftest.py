@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
+from xdist.scheduler import LoadFileScheduling
 
 from control_plane.db import make_engine, migrate
 from control_plane.models import Base
@@ -87,13 +90,8 @@ def admin_token() -> str:
 
 #: Tests that run alone, after the parallel run (`make test`), marked `alone`: those that hold a
 #: measured time or rate to a bound (a latency, a backoff's sequence of waits, a rate limiter's
-#: rate, CPU time), where no other test's processes may take the two cores from under them, and
-#: the files that share one machine-wide resource, the Slurm cluster of scripts/ensure-slurm
-#: (their tests cancel every job of its one user).
+#: rate, CPU time), where no other test's processes may take the two cores from under them.
 _ALONE = (
-    "tests/e2e/test_console_browser.py::",
-    "tests/e2e/test_provisioning.py::",
-    "tests/e2e/test_slurm_cluster.py::",
     "tests/e2e/test_burst.py::",
     "tests/e2e/test_tunnel_floods.py::",
     "tests/runtime_worker/test_grpc_floods.py::",
@@ -103,6 +101,49 @@ _ALONE = (
     "tests/e2e/test_node_agent.py::test_control_plane_outage_backs_off_and_recovers",
     "tests/e2e/test_node_agent.py::test_an_incompatible_runtime_worker_marks_the_node",
 )
+
+
+#: Files that share one machine-wide resource: in the parallel run they make one unit of work,
+#: run on one worker one file after another. The Slurm cluster of scripts/ensure-slurm: each of
+#: these files' tests cancels every job of its one user.
+_SHARING = {
+    "tests/e2e/test_console_browser.py": "slurm cluster",
+    "tests/e2e/test_provisioning.py": "slurm cluster",
+    "tests/e2e/test_slurm_cluster.py": "slurm cluster",
+}
+
+#: The longest units of work, in seconds on CI's two cores (`--durations=0` of a parallel run,
+#: summed per file): handed out first, so that no worker starts one while the others finish
+#: (the rest go by their number of tests, most first).
+_LONGEST: dict[str, float] = {}
+
+
+class _FileScheduling(LoadFileScheduling):
+    """xdist's `--dist loadfile` (each file's tests on one worker, in their order, its module
+    fixtures built once), but for `_SHARING`'s files, one unit together, and the units handed out
+    longest first."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = nodeid.split("::", 1)[0]
+        return _SHARING.get(path, path)
+
+    def schedule(self) -> None:
+        if self.collection is None and self.collection_is_completed:
+            self.config.option.loadscopereorder = False
+            for collection in self.registered_collections.values():
+                counts = Counter(map(self._split_scope, collection))
+                collection.sort(key=lambda nodeid: self._weight(nodeid, counts))
+        super().schedule()
+
+    def _weight(self, nodeid: str, counts: Counter[str]) -> tuple[float, int]:
+        scope = self._split_scope(nodeid)
+        return (-_LONGEST.get(scope, 0.0), -counts[scope])
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LoadFileScheduling | None:
+    if config.getvalue("dist") != "loadfile":
+        return None  # another --dist asked for: xdist's own
+    return _FileScheduling(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)
