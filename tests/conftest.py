@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -115,7 +114,17 @@ _SHARING = {
 #: The longest units of work, in seconds on CI's two cores (`--durations=0` of a parallel run,
 #: summed per file): handed out first, so that no worker starts one while the others finish
 #: (the rest go by their number of tests, most first).
-_LONGEST: dict[str, float] = {}
+_LONGEST: dict[str, float] = {
+    "slurm cluster": 300,
+    "tests/e2e/test_control_plane_restart.py": 160,
+    "tests/e2e/test_gateway.py": 155,
+    "tests/control_plane/test_tunnel.py": 140,
+    "tests/e2e/test_api_schema_fuzz.py": 100,
+    "tests/e2e/test_gateway_peers.py": 90,
+    "tests/e2e/test_liveness_realtime.py": 80,
+    "tests/e2e/test_jobs.py": 70,
+    "tests/e2e/test_bench_gateway.py": 70,
+}
 
 
 class _FileScheduling(LoadFileScheduling):
@@ -127,17 +136,19 @@ class _FileScheduling(LoadFileScheduling):
         path = nodeid.split("::", 1)[0]
         return _SHARING.get(path, path)
 
-    def schedule(self) -> None:
-        if self.collection is None and self.collection_is_completed:
-            self.config.option.loadscopereorder = False
-            for collection in self.registered_collections.values():
-                counts = Counter(map(self._split_scope, collection))
-                collection.sort(key=lambda nodeid: self._weight(nodeid, counts))
-        super().schedule()
-
-    def _weight(self, nodeid: str, counts: Counter[str]) -> tuple[float, int]:
-        scope = self._split_scope(nodeid)
-        return (-_LONGEST.get(scope, 0.0), -counts[scope])
+    def _assign_work_unit(self, node: Any) -> None:
+        # The units are queued (`schedule`) before the first is handed out: order them once.
+        # Only the queue: the collection's order is the workers' own, which the tests sent are
+        # indexes into.
+        if not getattr(self, "_ordered", False):
+            self._ordered = True
+            units = sorted(
+                self.workqueue.items(),
+                key=lambda unit: (-_LONGEST.get(unit[0], 0.0), -len(unit[1])),
+            )
+            self.workqueue.clear()
+            self.workqueue.update(units)
+        super()._assign_work_unit(node)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LoadFileScheduling | None:
