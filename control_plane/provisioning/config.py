@@ -14,10 +14,12 @@ and the fix, and the control plane refuses to start. Example:
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -26,6 +28,7 @@ from pydantic import (
     StringConstraints,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from control_plane.schemas import Labels, Line
@@ -78,7 +81,39 @@ class SlurmProvisioner(_Strict):
     engine_url: Annotated[str, StringConstraints(pattern=r"^https?://[^\s/]+(:[0-9]+)?/?$")]
     max_idle_s: Annotated[float, Field(ge=0, le=7 * 86400)] = 600
     provision_timeout_s: Annotated[float, Field(ge=0, le=7 * 86400)] = 600
+    #: A trusted LAN: the agents it starts may reach `engine_url` over plain `http://` at a
+    #: private address (the agent's MODELFORGE_AGENT_ALLOW_INSECURE_HTTP). Their credential then
+    #: crosses that network unencrypted; loopback needs no opt-in.
+    allow_insecure_http: bool = False
     profiles: Annotated[list[Profile], Field(min_length=1, max_length=100)]
+
+    @model_validator(mode="after")
+    def _plain_http(self) -> SlurmProvisioner:
+        parts = urlsplit(self.engine_url)
+        if parts.scheme != "http":
+            if self.allow_insecure_http:
+                raise ValueError(
+                    "allow_insecure_http is for an http:// engine_url; this one is https://: "
+                    "remove allow_insecure_http"
+                )
+            return self
+        address = _ip(parts.hostname or "")
+        if address is not None and address.is_loopback:
+            return self
+        if not self.allow_insecure_http:
+            raise ValueError(
+                f"engine_url {self.engine_url} is plain http:// beyond this host: the agents "
+                "would refuse it (their credential would cross the network unencrypted). Use "
+                "https://, or on a trusted LAN set allow_insecure_http: true with the control "
+                "plane's private IP address"
+            )
+        if address is None or not address.is_private or address.is_unspecified:
+            raise ValueError(
+                f"allow_insecure_http needs engine_url at a private IP address (10/8, "
+                f"172.16/12, 192.168/16, fc00::/7, link-local), not {parts.hostname!r}: a name "
+                "or a public address may lead anywhere. Use the address itself, or https://"
+            )
+        return self
 
     @field_validator("login")
     @classmethod
@@ -106,6 +141,13 @@ class SlurmProvisioner(_Strict):
     @property
     def port(self) -> int:
         return login_parts(self.login)[2]
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
 
 
 def login_parts(login: str) -> tuple[str, str, int]:

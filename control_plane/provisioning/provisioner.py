@@ -12,6 +12,12 @@ Every few seconds, in a thread, never holding a transaction across an SSH call:
   with a credential the provisioner issues, valid 24 h (CR-3); then over SSH the credential goes
   to a 0600 file on the cluster and `sbatch` gets the job script (control_plane.provisioning.slurm).
 - **attach**: the request's node reported (a heartbeat) → `attached`.
+- **ended early**: a pending request's Slurm job ended without its agent attaching (a `prerun`
+  that failed, a node that failed to boot, an operator's scancel) → `failed` at once, its state
+  and the tail of its output in its events, rather than holding the profile's one outstanding
+  request until `provision_timeout_s` (or for ever, with `0`). Asked of squeue (sacct for the
+  jobs it no longer lists) at most every `_JOB_CHECK_S` per provisioner, only while requests
+  are pending.
 - **timeout**: not attached within `provision_timeout_s` → `scancel`, `cancelled`, its credential
   revoked and its node forgotten.
 - **idle**: an attached node without running jobs or deployed services for `max_idle_s` → its
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import threading
 from collections.abc import Callable
@@ -70,6 +77,9 @@ _RETRY_AFTER_FAILURE = timedelta(seconds=60)
 #: new node would answer, and a second node would be asked for. Its agent then reports its
 #: inventory and claims the work within a few seconds.
 _SETTLING = timedelta(seconds=10)
+#: How often, at most, one provisioner's pending Slurm jobs are checked (one SSH call, two when
+#: some left squeue); on the control plane's monotonic clock.
+_JOB_CHECK_S = 10.0
 #: How many queued jobs' shapes one round looks at.
 _SHAPES_FROM = 2000
 
@@ -100,6 +110,8 @@ class Provisioner:
         self._fleet = fleet
         self._task: asyncio.Task[None] | None = None
         self._lock = threading.Lock()
+        #: When each provisioner's pending jobs were last asked of Slurm (clock.monotonic).
+        self._checked: dict[str, float] = {}
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -131,6 +143,7 @@ class Provisioner:
         """One round: attach, time out, release, then ask for what is wanted."""
         with self._lock:
             self._attach()
+            self._fail_ended()
             self._time_out()
             self._release_idle()
             for wanted in self._wanted():
@@ -152,6 +165,46 @@ class Provisioner:
                     continue
                 request.state, request.attached_at, request.updated_at = "attached", now, now
                 _event(session, request, now, "state", {"state": "attached"})
+
+    def _fail_ended(self) -> None:
+        """Fail the pending requests whose Slurm job ended before its agent attached."""
+        with self._session_factory() as session:
+            pending: dict[str, dict[str, str]] = {}
+            for row in session.scalars(
+                select(ProvisionRequest).where(
+                    ProvisionRequest.state == "pending", ProvisionRequest.slurm_job_id.is_not(None)
+                )
+            ):
+                if row.provisioner in self.provisioners and row.slurm_job_id is not None:
+                    pending.setdefault(row.provisioner, {})[row.slurm_job_id] = row.id
+        now = self._clock.monotonic()
+        for name, requests in pending.items():
+            if now - self._checked.get(name, -math.inf) < _JOB_CHECK_S:
+                continue
+            self._checked[name] = now
+            provisioner = self.provisioners[name]
+            states, failed = slurm.job_states(provisioner, sorted(requests))
+            for outcome in failed:  # on the requests it was about: the operator sees why
+                for request_id in requests.values():
+                    self._record(request_id, "ssh", outcome.event())
+            for job_id, state in states.items():
+                if not state.ended:
+                    continue
+                request_id = requests[job_id]
+                output = slurm.output_tail(provisioner, request_id)
+                self._record(
+                    request_id,
+                    "slurm",
+                    {"job": job_id, "state": state.state, "detail": state.detail, "output": output},
+                )
+                self._end(
+                    request_id,
+                    "failed",
+                    f"its Slurm job {job_id} ended {state.describe()} before its agent attached "
+                    "(the tail of its output is in the request's events)",
+                    only_from="pending",
+                    job_ended=True,
+                )
 
     def _time_out(self) -> None:
         now = self._clock.now()
@@ -327,13 +380,26 @@ class Provisioner:
         )
         return node_id, credential
 
-    def _end(self, request_id: str, state: str, reason: str, *, only_if_idle: bool = False) -> None:
+    def _end(
+        self,
+        request_id: str,
+        state: str,
+        reason: str,
+        *,
+        only_if_idle: bool = False,
+        only_from: str | None = None,
+        job_ended: bool = False,
+    ) -> None:
         """End a request: its credential revoked and its node forgotten (one transaction),
-        then its Slurm job cancelled and its credential file removed (SSH, outside it)."""
+        then its Slurm job cancelled and its credential file removed (SSH, outside it). With
+        `only_from`, only a request still in that state (another replica may have moved it);
+        with `job_ended`, its Slurm job is known to have ended: nothing to cancel."""
         now = self._clock.now()
         with self._session_factory.begin() as session:
             request = session.get(ProvisionRequest, request_id, with_for_update=True)
             if request is None or request.state in ("released", "cancelled", "failed"):
+                return
+            if only_from is not None and request.state != only_from:
                 return
             if request.node_id is not None:
                 # The node's row lock: a job batch placing work there finishes first.
@@ -358,9 +424,11 @@ class Provisioner:
         provisioner = self.provisioners.get(name)
         if provisioner is None:
             return
-        if job_id is not None:
+        if job_id is not None and not job_ended:
             self._record(request_id, "ssh", slurm.cancel(provisioner, job_id).event())
-        if was in OUTSTANDING and state != "failed":
+        # A request that failed before sbatch took its job has no file left; one whose job ended
+        # unattached may (the job never started, or failed before taking the file).
+        if was in OUTSTANDING and (state != "failed" or job_id is not None):
             self._record(
                 request_id, "ssh", slurm.remove_credential(provisioner, request_id).event()
             )

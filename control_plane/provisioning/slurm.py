@@ -139,6 +139,95 @@ def cancel(provisioner: SlurmProvisioner, slurm_job_id: str) -> Outcome:
     return run(provisioner, f"scancel {shlex.quote(slurm_job_id)}")
 
 
+#: Slurm job states after which the job runs no more (squeue's `%T`, sacct's State). Any other
+#: (PENDING, RUNNING, COMPLETING, SUSPENDED, REQUEUED, …, or one a later Slurm adds) is taken as
+#: not ended: a request is never failed on a state not understood.
+ENDED_STATES = frozenset(
+    {
+        "BOOT_FAIL",
+        "CANCELLED",
+        "COMPLETED",
+        "DEADLINE",
+        "FAILED",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "PREEMPTED",
+        "REVOKED",
+        "SPECIAL_EXIT",
+        "TIMEOUT",
+    }
+)
+#: What squeue says when its one `-j` id is one slurmctld no longer holds.
+_UNKNOWN_JOB = "Invalid job id specified"
+
+
+@dataclass(frozen=True)
+class JobState:
+    """A Slurm job's state as squeue or sacct gave it: `state` (`%T`; sacct's first word) and
+    `detail` (squeue's reason, or sacct's exit code)."""
+
+    state: str
+    detail: str
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED_STATES
+
+    def describe(self) -> str:
+        return f"{self.state} ({self.detail})" if self.detail else self.state
+
+
+def job_states(
+    provisioner: SlurmProvisioner, job_ids: list[str]
+) -> tuple[dict[str, JobState], list[Outcome]]:
+    """The state of each of `job_ids` Slurm can still tell: squeue for the jobs slurmctld holds
+    (pending, running, and ended ones for its `MinJobAge`), then sacct for those squeue no longer
+    lists. A job both leave out is `GONE` (ended, purged, and no accounting records it). A call
+    that fails decides nothing: its jobs are left out, and its outcome is returned."""
+    failed: list[Outcome] = []
+    ids = ",".join(shlex.quote(job_id) for job_id in job_ids)
+    queued = run(provisioner, f"squeue --noheader --states=all --format='%i|%T|%r' --jobs={ids}")
+    unknown_one = len(job_ids) == 1 and _UNKNOWN_JOB in queued.stderr_tail
+    if not queued.ok and not unknown_one:
+        return {}, [queued]
+    states: dict[str, JobState] = {}
+    for line in queued.stdout.splitlines():
+        job_id, _, rest = line.strip().partition("|")
+        state, _, reason = rest.partition("|")
+        if job_id in job_ids and state:
+            states[job_id] = JobState(state.strip(), "" if reason == "None" else reason.strip())
+    missing = [job_id for job_id in job_ids if job_id not in states]
+    if not missing:
+        return states, failed
+    accounted = run(
+        provisioner,
+        "sacct --noheader --parsable2 --allocations --format=JobID,State,ExitCode "
+        f"--jobs={','.join(shlex.quote(job_id) for job_id in missing)}",
+    )
+    if accounted.ok:
+        for line in accounted.stdout.splitlines():
+            job_id, _, rest = line.strip().partition("|")
+            state, _, exit_code = rest.partition("|")
+            if job_id in missing and state:
+                # sacct writes "CANCELLED by 1000": the state is the first word.
+                states[job_id] = JobState(state.split()[0], f"exit code {exit_code.strip()}")
+    elif "accounting storage is disabled" not in accounted.stderr_tail:
+        failed.append(accounted)
+        return states, failed
+    for job_id in missing:
+        states.setdefault(job_id, JobState("GONE", "no longer known to squeue or sacct"))
+    return states, failed
+
+
+def output_tail(provisioner: SlurmProvisioner, request_id: str) -> str:
+    """The last `_TAIL` characters of the request's Slurm job output (its `--output` file), or
+    why they could not be read."""
+    read = run(provisioner, f"tail -c {_TAIL} {shlex.quote(log_path(request_id))}")
+    if not read.ok:
+        return f"(its output could not be read: exit {read.exit_code}: {read.stderr_tail})"
+    return read.stdout
+
+
 def parse_job_id(stdout: str) -> str | None:
     """`sbatch --parsable` prints `<id>` or `<id>;<cluster>`."""
     job_id = stdout.strip().split(";", 1)[0]
@@ -154,6 +243,12 @@ def job_script(provisioner: SlurmProvisioner, profile: Profile, request_id: str)
     mode = "nvidia" if profile.gpus else "cpu"
     credential = shlex.quote(credential_path(request_id))
     prerun = "\n".join(profile.prerun)
+    # A trusted LAN's plain http:// (config.py checked the address is a private one).
+    insecure = (
+        "export MODELFORGE_AGENT_ALLOW_INSECURE_HTTP=true\n"
+        if provisioner.allow_insecure_http
+        else ""
+    )
     return f"""#!/bin/bash
 # ModelForge provision request {request_id} ({provisioner.name}/{profile.name})
 set -uo pipefail
@@ -168,7 +263,7 @@ if ! mv "$HOME"/{credential} "$state/identity.json"; then
 fi
 {prerun}
 export MODELFORGE_AGENT_CONTROL_PLANE_URL={shlex.quote(provisioner.engine_url.rstrip("/"))}
-export MODELFORGE_AGENT_STATE_VOLUME="$state"
+{insecure}export MODELFORGE_AGENT_STATE_VOLUME="$state"
 export MODELFORGE_AGENT_ACCELERATOR_MODE={mode}
 export MODELFORGE_AGENT_WORKER_SOCKET="$state/worker.sock"
 export MODELFORGE_WORKER_SOCKET="$state/worker.sock"

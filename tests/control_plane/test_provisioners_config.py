@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from control_plane.provisioning.config import load_provisioners
+from control_plane.provisioning.slurm import job_script
 from tests.e2e.server import control_plane_executable
 from tests.factories import ADMIN_TOKEN, control_plane
 
@@ -82,6 +84,23 @@ def _broken(tmp_path: Path, change: Any) -> list[dict[str, Any]]:
             "set by ModelForge",
         ),
         (lambda p: p[0].update(ssh_key="/nonexistent/key"), "$[0].ssh_key", "does not exist"),
+        # Plain http:// beyond this host: only on a trusted LAN, said so, at a private address.
+        (lambda p: p[0].update(engine_url="http://10.1.2.3:8000"), "$[0]", "allow_insecure_http"),
+        (
+            lambda p: p[0].update(engine_url="http://cp.lan:8000", allow_insecure_http=True),
+            "$[0]",
+            "private IP address",
+        ),
+        (
+            lambda p: p[0].update(engine_url="http://8.8.8.8:8000", allow_insecure_http=True),
+            "$[0]",
+            "private IP address",
+        ),
+        (
+            lambda p: p[0].update(engine_url="https://10.1.2.3:8000", allow_insecure_http=True),
+            "$[0]",
+            "remove allow_insecure_http",
+        ),
     ],
 )
 def test_an_invalid_file_refuses_the_start_naming_the_path(
@@ -114,3 +133,17 @@ def test_a_valid_file_is_listed(tmp_path: Path, database_url: str) -> None:
             'modelforge_provision_requests_outstanding{profile="cpu",provisioner="hpc"} 0.0'
             in metrics
         )
+
+
+def test_a_trusted_lan_provisioner_starts_agents_that_accept_plain_http(tmp_path: Path) -> None:
+    lan = _valid(tmp_path)
+    lan[0].update(engine_url="http://192.168.20.5:8000", allow_insecure_http=True)
+    path = tmp_path / "provisioners.json"
+    path.write_text(json.dumps(lan + [_valid(tmp_path)[0] | {"name": "local"}]))
+    trusted, local = load_provisioners(path)
+    profile = trusted.profiles[0]
+    script = job_script(trusted, profile, "prq_1")
+    assert "export MODELFORGE_AGENT_CONTROL_PLANE_URL=http://192.168.20.5:8000\n" in script
+    assert "export MODELFORGE_AGENT_ALLOW_INSECURE_HTTP=true\n" in script
+    # Loopback (and https://) needs no opt-in, and gets none.
+    assert "ALLOW_INSECURE_HTTP" not in job_script(local, local.profiles[0], "prq_2")

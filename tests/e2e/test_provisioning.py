@@ -10,6 +10,9 @@ environment of the agent's locked dependencies that `mfslurm` can read.
 - A batch script that never attaches (prerun `sleep 3600`) is cancelled after
   `provision_timeout_s`, and a burst of 50 jobs for its profile never makes more than one
   outstanding request.
+- A batch script whose `prerun` fails fails its request as soon as squeue shows its job
+  ended, with the job's state and the tail of its output, though its provisioner never times
+  out (`provision_timeout_s: 0`).
 - The credential is in no process's arguments, no `squeue`/`scontrol show job` output, no log.
 """
 
@@ -59,6 +62,15 @@ NEVER = {
     "prerun": ["sleep 3600"],
 }
 
+#: A profile whose job script fails before it starts an agent, as a missing module would.
+BROKEN = {
+    "name": "broken",
+    "cpus": 1,
+    "ram_mb": 64,
+    "labels": {"site": "broken"},
+    "prerun": ["echo 'prerun: the module cuda/12.4 is not installed' >&2", "exit 3"],
+}
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, SshLogin]]:
@@ -72,6 +84,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServ
         ),
         slurm_provisioner(
             login, port, "stuck", max_idle_s=0, provision_timeout_s=TIMEOUT_S, profile=NEVER
+        ),
+        slurm_provisioner(
+            login, port, "broken", max_idle_s=0, provision_timeout_s=0, profile=BROKEN
         ),
     ]
     path = root / "provisioners.json"
@@ -224,6 +239,38 @@ def test_a_request_that_never_attaches_is_cancelled_and_a_burst_asks_once(
 
     wait_until(scancel_events, 30, "the scancel call's event")
     assert scancel_events()[0]["data"]["exit_code"] == 0
+
+
+def test_a_job_that_ends_before_its_agent_attaches_fails_its_request_at_once(
+    cluster: tuple[LiveServer, SshLogin],
+) -> None:
+    server, login = cluster
+    job_id = _submit(server, {"site": "broken"})
+    try:
+        wait_until(lambda: _requests(server, "broken"), 30, "a provision request")
+        # provision_timeout_s is 0 (never): only the check of its Slurm job can end it.
+        wait_until(
+            lambda: _requests(server, "broken")[0]["state"] not in ("submitting", "pending"),
+            60,
+            "the request to end",
+        )
+    finally:
+        with server.client() as client:  # no second request for it 60 s from now
+            client.post(f"/api/v1/jobs/{job_id}/cancel", headers=server.admin)
+    (request,) = _requests(server, "broken")
+    slurm_job = request["slurm_job_id"]
+    assert request["state"] == "failed", request
+    assert f"Slurm job {slurm_job} ended FAILED (NonZeroExitCode)" in request["reason"], request
+    (ended,) = [e["data"] for e in request["events"] if e["kind"] == "slurm"]
+    assert ended["job"] == slurm_job and ended["state"] == "FAILED"
+    assert "prerun: the module cuda/12.4 is not installed" in ended["output"]
+    # Its job ended by itself: nothing to scancel. The credential file went with the script.
+    commands = [e["data"]["command"] for e in request["events"] if e["kind"] == "ssh"]
+    assert not [c for c in commands if c.startswith("scancel")], commands
+    home = Path(f"~{login.login.split('@')[0]}").expanduser()
+    assert not (home / ".modelforge" / "provision" / f"{request['request_id']}.json").exists()
+    (provisioner,) = [p for p in server.get("/api/v1/admin/provisioners") if p["name"] == "broken"]
+    assert not [r for r in provisioner["requests"] if r["state"] in ("submitting", "pending")]
 
 
 def test_a_clean_shutdown_cancels_the_requests_not_attached_yet(
