@@ -75,6 +75,7 @@ def setup_for_enrollment(
     own origin (`request_origin`: the browser's `Origin` header); changes nothing."""
     enrollment = get_enrollment(session=session, enrollment_id=enrollment_id)
     origin = check_api_origin(request.api_origin, request_origin)
+    insecure = check_plain_http(origin, confirmed=request.allow_insecure_http)
     image = _image_for(request, release_manifest)
     env_file, start, recreate = render(
         enrollment_id=enrollment.id,
@@ -89,10 +90,12 @@ def setup_for_enrollment(
             ram_mb=request.ram_mb,
             max_idle_seconds=request.max_idle_seconds,
         ),
+        allow_insecure_http=insecure,
     )
     return NodeSetup(
         enrollment_id=enrollment.id,
         node_id=enrollment.node_id,
+        insecure_http=insecure,
         image=image.reference,
         checked_against=image.checked_against,
         env_file=env_file,
@@ -129,6 +132,52 @@ def check_api_origin(api_origin: str, request_origin: str | None) -> str:
             code="API_ORIGIN_MISMATCH",
         )
     return origin
+
+
+def check_plain_http(origin: str, *, confirmed: bool) -> bool:
+    """Whether the node's `.env` lets its agent use plain http:// to `origin` (a canonical
+    origin): only for `http://` beyond loopback (the agent takes loopback without it), only once
+    the operator has confirmed the network is a trusted LAN, and never at a public IP address."""
+    scheme, _, rest = origin.partition("://")
+    host = rest.rsplit(":", 1)[0] if not rest.endswith("]") and ":" in rest else rest
+    address = _ip(host.strip("[]"))
+    beyond_loopback = host != "localhost" and not (address is not None and address.is_loopback)
+    needed = scheme == "http" and beyond_loopback
+    if not needed:
+        if confirmed:
+            raise InvalidRequest(
+                f"allow_insecure_http is only for a plain http:// origin beyond this host; the "
+                f"nodes reach {origin} without it.",
+                "Leave allow_insecure_http out.",
+                code="INSECURE_HTTP_NOT_NEEDED",
+            )
+        return False
+    if address is not None and not address.is_private:
+        raise InvalidRequest(
+            f"The console is open at {origin}: plain http:// to a public address. The node's "
+            "one-time token, its credential and every call would cross the internet "
+            "unencrypted.",
+            "Serve the control plane over https:// (docs/operations.md) and open the console "
+            "there.",
+            code="INSECURE_HTTP_PUBLIC",
+        )
+    if not confirmed:
+        raise InvalidRequest(
+            f"The console is open at {origin}: plain http://. The node's one-time token, its "
+            "credential and every call would cross the network unencrypted, readable and "
+            "changeable by anyone on it.",
+            "Serve the control plane over https://, or, on a trusted LAN only, confirm with "
+            "allow_insecure_http: true (the console asks).",
+            code="INSECURE_HTTP_NOT_CONFIRMED",
+        )
+    return True
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
 
 
 def canonical_origin(text: str) -> str | None:
@@ -299,6 +348,7 @@ def render(
     accelerator_mode: str,
     image: ImageChoice,
     offer: start_script.AgentOffer | None = None,
+    allow_insecure_http: bool = False,
 ) -> tuple[str, str, str]:
     """The `.env` (non-secret), the start command and the token-removing recreation command."""
     start = start_script.NodeStart(
@@ -310,6 +360,7 @@ def render(
         entry=image.entry,
         worker_image=image.worker_image,
         offer=offer or start_script.AgentOffer(),
+        allow_insecure_http=allow_insecure_http,
     )
     return (
         start_script.env_file(start),

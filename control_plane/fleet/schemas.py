@@ -444,6 +444,10 @@ class NodeSetupRequest(NodeImageRequest):
     #: The console's own origin; the node agent is pointed at exactly this.
     api_origin: Annotated[str, StringConstraints(min_length=1, max_length=300)]
     accelerator_mode: Literal["nvidia", "cpu"] = "nvidia"
+    #: The operator's confirmation that a plain `http://` origin beyond loopback is a trusted
+    #: LAN: the node's token, credential and calls cross it unencrypted
+    #: (MODELFORGE_AGENT_ALLOW_INSECURE_HTTP). Refused where the origin needs none.
+    allow_insecure_http: Annotated[bool, Field(strict=True)] = False
     # What the node offers and its idle exit: the agent's MODELFORGE_AGENT_* variables, within
     # the agent's own bounds (docs/nodes.md). Each left out is left to the agent (detected, or
     # its default), so the `.env` gets no line for it. Strict: `"3"`, `true` or `3.5` is refused.
@@ -464,6 +468,8 @@ class NodeSetupRequest(NodeImageRequest):
 class NodeSetup(NodeImage):
     enrollment_id: str
     node_id: str
+    #: The `.env` lets the agent use plain http:// (confirmed with `allow_insecure_http`).
+    insecure_http: bool
     env_file: str
     start_command: str
     recreate_command: str

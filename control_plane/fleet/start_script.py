@@ -136,6 +136,8 @@ class NodeStart:
     worker_image: str | None
     #: What the node offers and its idle exit; by default all left to the agent.
     offer: AgentOffer = AgentOffer()
+    #: A trusted LAN's plain http:// origin, confirmed by the operator (node_setup).
+    allow_insecure_http: bool = False
 
     def __post_init__(self) -> None:
         if not _SAFE_ORIGIN.fullmatch(self.api_origin):
@@ -196,6 +198,15 @@ def env_file(start: NodeStart) -> str:
         f"MODELFORGE_AGENT_CONTROL_PLANE_URL={start.api_origin}",
         f"MODELFORGE_AGENT_ACCELERATOR_MODE={start.accelerator_mode}",
         "MODELFORGE_AGENT_TLS_VERIFY=true",
+        *(
+            [
+                "# Plain http:// on a trusted LAN, confirmed in the wizard: the credential and",
+                "# every call cross this network unencrypted.",
+                "MODELFORGE_AGENT_ALLOW_INSECURE_HTTP=true",
+            ]
+            if start.allow_insecure_http
+            else []
+        ),
         *start.offer.env_lines(),
         "",
     ]

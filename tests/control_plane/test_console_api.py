@@ -135,11 +135,16 @@ def test_session_expires(tmp_path: Path, database_url: str) -> None:
         assert prune(cp.ctx) >= 1  # the expired row is swept
 
 
-def setup_request(cp: ControlPlane, enrollment_id: str, **body: Any) -> Any:
-    payload = {"api_origin": ORIGIN, "accelerator_mode": "cpu", **body}
+def setup_request(
+    cp: ControlPlane, enrollment_id: str, *, origin: str = ORIGIN, **body: Any
+) -> Any:
+    """The wizard's node-setup call from a console at `origin`. The test client's own origin,
+    http://testserver, is plain http:// beyond loopback: confirmed as a trusted LAN unless the
+    body says otherwise (test_plain_http_*)."""
+    payload = {"api_origin": origin, "accelerator_mode": "cpu", "allow_insecure_http": True, **body}
     return cp.client.post(
         f"/api/v1/admin/node-enrollments/{enrollment_id}/node-setup",
-        headers={**cp.admin, "Origin": ORIGIN},
+        headers={**cp.admin, "Origin": origin},
         json=payload,
     )
 
@@ -253,6 +258,43 @@ def test_a_valid_api_origin_is_written_in_canonical_form(
         )
         assert response.status_code == 200, response.text
         assert f"MODELFORGE_AGENT_CONTROL_PLANE_URL={written}\n" in response.json()["env_file"]
+
+
+def test_plain_http_beyond_loopback_is_written_only_once_the_operator_confirms(
+    tmp_path: Path, database_url: str
+) -> None:
+    entry = json.dumps(node_agent_entry())
+    with control_plane(tmp_path, database_url) as cp:
+        enrollment_id = cp.mint()["enrollment_id"]
+        refused = setup_request(cp, enrollment_id, manifest_entry=entry, allow_insecure_http=False)
+        assert refused.status_code == 422
+        error = refused.json()["error"]
+        assert error["code"] == "INSECURE_HTTP_NOT_CONFIRMED"
+        assert "unencrypted" in error["message"] and "https://" in error["next_step"]
+
+        confirmed = setup_request(cp, enrollment_id, manifest_entry=entry)
+        assert confirmed.status_code == 200, confirmed.text
+        assert confirmed.json()["insecure_http"] is True
+        assert "\nMODELFORGE_AGENT_ALLOW_INSECURE_HTTP=true\n" in confirmed.json()["env_file"]
+
+        # Loopback and https:// need no opt-in: none is written, and a confirmation is refused.
+        for origin in ("http://127.0.0.1:8000", "https://cp.lan:8443", "http://[::1]:8000"):
+            plain = setup_request(
+                cp, enrollment_id, origin=origin, manifest_entry=entry, allow_insecure_http=False
+            )
+            assert plain.status_code == 200, plain.text
+            assert plain.json()["insecure_http"] is False
+            assert "ALLOW_INSECURE_HTTP" not in plain.json()["env_file"]
+            needless = setup_request(cp, enrollment_id, origin=origin, manifest_entry=entry)
+            assert needless.status_code == 422
+            assert needless.json()["error"]["code"] == "INSECURE_HTTP_NOT_NEEDED"
+
+        # A public address is no LAN: refused even when confirmed.
+        public = setup_request(
+            cp, enrollment_id, origin="http://8.8.8.8:8000", manifest_entry=entry
+        )
+        assert public.status_code == 422
+        assert public.json()["error"]["code"] == "INSECURE_HTTP_PUBLIC"
 
 
 #: Out of the agent's bounds, or not a whole number: each refused, naming the field.

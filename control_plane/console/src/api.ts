@@ -114,7 +114,7 @@ export type NodeOfferRequest = Partial<
   Record<"parallel" | "cpus" | "gpus" | "ram_mb" | "max_idle_seconds", number>
 >;
 export type NodeSetupRequest = ImageChoice &
-  NodeOfferRequest & { api_origin: string; accelerator_mode: "nvidia" | "cpu" };
+  NodeOfferRequest & { api_origin: string; accelerator_mode: "nvidia" | "cpu"; allow_insecure_http?: boolean };
 
 // Every endpoint the console calls. Path segments are IDs the control plane issued.
 export const api = {
@@ -236,6 +236,7 @@ export interface NodeImage {
 export interface NodeSetup extends NodeImage {
   enrollment_id: string;
   node_id: string;
+  insecure_http: boolean;
   env_file: string;
   start_command: string;
   recreate_command: string;

@@ -2,8 +2,11 @@
 // open wizard, and is cleared by closing, revoking, checking readiness and expiry.
 import assert from "node:assert/strict";
 import { after, before, test } from "node:test";
+import { chromium } from "playwright-core";
 import {
+  ADMIN_TOKEN,
   BASE_URL,
+  CHROMIUM_ARGS,
   NODE_AGENT_ENTRY,
   admin,
   assertNowhere,
@@ -96,6 +99,54 @@ test("what the node offers, set under Advanced, is written into the .env: jobs a
     assert.ok(!env.some((line) => line.startsWith(`MODELFORGE_AGENT_${name}=`)), name);
   }
   assert.deepEqual(page.problems, []);
+  await page.context().close();
+});
+
+test("over plain http:// on a LAN the wizard warns, and writes the opt-in only once confirmed", async () => {
+  // The console at a LAN name (lan.test, resolved to this loopback by Chromium's own rules):
+  // plain http:// beyond loopback. At 127.0.0.1 (every other test) no warning is shown.
+  const lan = await chromium.launch({
+    executablePath: "/usr/bin/chromium",
+    headless: true,
+    args: [...CHROMIUM_ARGS, "--host-resolver-rules=MAP lan.test 127.0.0.1"],
+  });
+  try {
+    const lanUrl = BASE_URL.replace("127.0.0.1", "lan.test");
+    const page = await newPage(lan);
+    await page.goto(lanUrl + "/");
+    await page.getByLabel("Admin token").fill(ADMIN_TOKEN);
+    await page.getByRole("button", { name: "Sign in" }).click();
+    await page.getByRole("heading", { name: "Hardware" }).waitFor();
+    await page.getByRole("button", { name: "Enroll node" }).click();
+    const wizard = page.getByRole("dialog", { name: "Enroll node" });
+    const warning = wizard.getByRole("alert", { name: "Plain HTTP" });
+    assert.match(await warning.textContent(), /unencrypted/);
+    await wizard.getByLabel("Display name").fill("lan-node");
+    await wizard.getByRole("radio", { name: "CPU only" }).check();
+    // Not confirmed: the step does not move on.
+    await wizard.getByRole("button", { name: "Next: image" }).click();
+    assert.equal(await wizard.getByLabel("Node-agent entry of the release manifest").count(), 0);
+    await screenshot(page, "wizard-plain-http");
+    await wizard.getByLabel("This is a trusted LAN: let the node use plain http://").check();
+    await wizard.getByRole("button", { name: "Next: image" }).click();
+    await wizard.getByLabel("Node-agent entry of the release manifest").fill(entryText());
+    await wizard.getByRole("button", { name: "Check image" }).click();
+    await wizard.getByRole("button", { name: "Create enrollment token" }).click();
+    await wizard.getByTestId("enrollment-token").waitFor();
+    const env = (await wizard.getByLabel(/Generated/).inputValue()).split("\n");
+    assert.ok(env.includes(`MODELFORGE_AGENT_CONTROL_PLANE_URL=${lanUrl}`), env.join("\n"));
+    assert.ok(env.includes("MODELFORGE_AGENT_ALLOW_INSECURE_HTTP=true"), env.join("\n"));
+    assert.deepEqual(page.problems, []);
+  } finally {
+    await lan.close();
+  }
+  // At loopback: no warning, and no opt-in in the .env.
+  const page = await newPage(browser);
+  await signIn(page);
+  const wizard = await openWizardToToken(page, { name: "loopback-node", expiry: "5 min" });
+  assert.equal(await wizard.getByRole("alert", { name: "Plain HTTP" }).count(), 0);
+  const env = await wizard.getByLabel(/Generated/).inputValue();
+  assert.ok(!env.includes("ALLOW_INSECURE_HTTP"), env);
   await page.context().close();
 });
 

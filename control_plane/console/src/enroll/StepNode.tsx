@@ -57,6 +57,25 @@ export function StepNode({ wizard }: { wizard: EnrollWizardState }) {
       <p id="api-origin-help" className="help">
         The node agent connects out to exactly this origin; the control plane never dials the node.
       </p>
+      {wizard.insecure && (
+        <div className="warning" role="alert" aria-label="Plain HTTP">
+          <p>
+            This console is open over plain <code>http://</code>. The node's one-time token, its
+            credential and every call it makes would cross the network <strong>unencrypted</strong>,
+            readable and changeable by anyone on it. Serve the control plane over <code>https://</code>
+            and open the console there, unless this network is a LAN you trust.
+          </p>
+          <label className="choice">
+            <input
+              type="checkbox"
+              required
+              checked={wizard.trustedLan}
+              onChange={(event) => wizard.setTrustedLan(event.target.checked)}
+            />
+            This is a trusted LAN: let the node use plain http://
+          </label>
+        </div>
+      )}
       <p className="facts">
         <span>Production eligible:</span> <output aria-label="Production eligible">false</output>{" "}
         <span className="help">(release-candidate enrollment: production_eligible=false)</span>

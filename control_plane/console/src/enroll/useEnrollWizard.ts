@@ -50,8 +50,19 @@ function clearClipboard() {
   void navigator.clipboard?.writeText("").catch(() => undefined);
 }
 
+// Plain http:// to anything but this machine's loopback: the node's token, its credential and
+// every call would cross the network unencrypted. The control plane writes the agent's opt-in
+// (MODELFORGE_AGENT_ALLOW_INSECURE_HTTP) only when the operator confirms a trusted LAN.
+export function plainHttpBeyondLoopback(location: Location): boolean {
+  const host = location.hostname.replace(/^\[|\]$/g, "");
+  const loopback = host === "localhost" || host === "::1" || /^127\./.test(host);
+  return location.protocol === "http:" && !loopback;
+}
+
 export function useEnrollWizard() {
   const origin = window.location.origin;
+  const insecure = plainHttpBeyondLoopback(window.location);
+  const [trustedLan, setTrustedLan] = useState(false);
 
   const [step, setStep] = useState<Step>("node");
   const [displayName, setDisplayName] = useState("");
@@ -168,6 +179,7 @@ export function useEnrollWizard() {
         ...offered(),
         api_origin: origin,
         accelerator_mode: accelerator,
+        ...(insecure ? { allow_insecure_http: trustedLan } : {}),
       }),
     );
   }
@@ -210,6 +222,9 @@ export function useEnrollWizard() {
 
   return {
     origin,
+    insecure,
+    trustedLan,
+    setTrustedLan,
     step,
     goTo: setStep,
     displayName,
