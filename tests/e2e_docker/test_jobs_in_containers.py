@@ -7,8 +7,8 @@ here; and an ONNX service deployed from a model, served by the runtime worker's 
 Inference Protocol server in its container and called with the standard tritonclient; and
 three jobs running at once on the node, started with MODELFORGE_AGENT_PARALLEL=3 on the host.
 
-The images get a version of their own, so this module never shares tags with another build
-in the same engine."""
+The release is the one `make e2e` builds once (`conftest.release_bundle`); this module removes
+its images from the engine when it is done, so the next module loads them itself."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from release.cli import main as release
 from release.docker import compose_command
 from release.state import STATE_DIR_VARIABLE
 from tests.e2e.server import free_port
+from tests.e2e_docker.conftest import VERSION
 from tests.e2e_docker.test_release_docker import (
     CP_FILES,
     NODE_FILES,
@@ -43,7 +44,6 @@ from tests.onnx_models import relu_matmul
 
 pytestmark = pytest.mark.e2e
 
-VERSION = "0.1.0-jobs"
 #: The node's MODELFORGE_AGENT_PARALLEL, set on the host for `up`.
 PARALLEL = 3
 #: The node with services enabled: the runtime worker on the host's network.
@@ -114,16 +114,12 @@ def _down(project: str, files: list[Path]) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str]]:
+def stack(
+    release_bundle: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Stack, str]]:
     """The released stack, up and with its node ready; torn down, images removed, afterwards."""
     root = tmp_path_factory.mktemp("jobs-release")
-    bundle, private, public = root / "bundle", root / "cosign.key", root / "cosign.pub"
-    work = Path(os.environ.get("MODELFORGE_RELEASE_WORK_DIR", REPO / "build" / "release"))
-    build = ["build", "--out", str(bundle), "--work-dir", str(work), "--worker-flavour", "cpu"]
-    assert release([*build, "--version", VERSION]) == 0
-    assert release(["bundle", str(bundle)]) == 0
-    assert release(["keygen", "--private", str(private), "--public", str(public)]) == 0
-    assert release(["sign", str(bundle), "--key", str(private)]) == 0
+    bundle, public = release_bundle
     port = free_port()
     cp_project, node_project = f"mfjobscp{port}", f"mfjobsnode{port}"
     with pytest.MonkeyPatch.context() as env:

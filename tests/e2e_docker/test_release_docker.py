@@ -24,6 +24,7 @@ from release.cli import main as release
 from release.docker import compose_command
 from release.state import STATE_DIR_VARIABLE, record_path
 from tests.e2e.server import free_port
+from tests.e2e_docker.conftest import VERSION
 from tests.release import crafted
 from tests.release.synthetic import resign
 
@@ -37,7 +38,6 @@ NODE_FILES = [
     COMPOSE / "docker-compose.runtime-worker.yml",
     Path(__file__).with_name("compose.node-host-network.yml"),
 ]
-VERSION = "0.1.0"
 RELEASE_TAGS = [
     f"{name}:{VERSION}"
     for name in ("modelforge-control-plane", "modelforge-node-agent", "modelforge-runtime-worker")
@@ -74,21 +74,6 @@ def read_only_bundle(
         yield mounted, public
     finally:
         subprocess.run(["umount", str(mounted)], check=False)
-
-
-@pytest.fixture(scope="module")
-def release_bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
-    root = tmp_path_factory.mktemp("release")
-    bundle, private, public = root / "bundle", root / "cosign.key", root / "cosign.pub"
-    work = Path(os.environ.get("MODELFORGE_RELEASE_WORK_DIR", REPO / "build" / "release"))
-    assert (
-        release(["build", "--out", str(bundle), "--work-dir", str(work), "--worker-flavour", "cpu"])
-        == 0
-    )
-    assert release(["bundle", str(bundle)]) == 0
-    assert release(["keygen", "--private", str(private), "--public", str(public)]) == 0
-    assert release(["sign", str(bundle), "--key", str(private)]) == 0
-    yield bundle, public
 
 
 def _env(**extra: str) -> dict[str, str]:
