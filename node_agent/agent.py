@@ -75,6 +75,9 @@ log = logging.getLogger("modelforge.node_agent")
 _WORKER_WATCH_EVERY = 1.0
 #: How often the idle watch looks: an idle exit comes at most this late.
 _IDLE_WATCH_EVERY = 0.5
+#: How long a stopping agent waits for its jobs to end and be reported: the worker kills a job's
+#: process group at once, and each report is one call (Docker's stop grace is 10 s).
+_STOP_JOBS_SECONDS = 5.0
 #: The control plane takes a health message of at most this many characters.
 _HEALTH_MESSAGE_MAX = 500
 
@@ -255,7 +258,7 @@ class Agent:
             # Idle is counted from here: time spent enrolling or waiting for the control plane
             # is not time the node could have worked.
             self.activity = Activity()
-            WorkRunner(
+            runner = WorkRunner(
                 control_plane=self.control_plane,
                 worker_socket=self.settings.worker_socket,
                 agent_socket=self.settings.socket,
@@ -266,7 +269,8 @@ class Agent:
                 worker=self.worker,
                 activity=self.activity,
                 job_python=self.settings.python,
-            ).start()
+            )
+            runner.start()
             control_plane = self.control_plane
             keeper = ServiceKeeper(
                 control_plane=control_plane,
@@ -313,6 +317,15 @@ class Agent:
                 self._loop("idle watch", self._idle_watch, lambda: _IDLE_WATCH_EVERY)
             while not self.stop.wait(1.0):
                 pass
+            # Stopping: the jobs it runs end with it, reported as such (work.py).
+            unreported = runner.stop_jobs(_STOP_JOBS_SECONDS)
+            if unreported:
+                log.warning(
+                    "stopping without reporting the end of %d job(s) (%s): the control plane "
+                    "fails them JOB_CONTACT_LOST once they stop reporting",
+                    len(unreported),
+                    ", ".join(unreported),
+                )
         finally:
             local.shutdown()
             local.server_close()

@@ -17,6 +17,11 @@ does not answer is reported lost at once, one that answers is not (one stream br
 A record that is not strict JSON fails its job (`JOB_RESULT_NOT_JSON`) instead of reaching the
 control plane. A work thread never ends on an unexpected error: it logs it with the job id and
 keeps serving. Only a terminal outcome (`AgentStopped`) or the agent stopping ends it.
+
+An agent stopping (SIGTERM, SIGINT, its idle exit) ends its jobs itself (`stop_jobs`): it closes
+each stream, so the worker kills the job's process group, and reports each job failed
+`JOB_AGENT_STOPPED` before it exits — one attempt each, within a few seconds — rather than
+leaving the control plane to fail it `JOB_CONTACT_LOST` a minute and a half later.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,6 +125,11 @@ class WorkRunner:
             self.worker_compatible.set()
         self._active: dict[str, _Running] = {}
         self._lock = threading.Lock()
+        #: Set by `stop_jobs`: a job ended by a closed stream was ended by the agent stopping.
+        self._stopping = False
+        #: Jobs ended whose outcome is being reported; notified as each is done (or given up).
+        self._reporting: set[str] = set()
+        self._ended = threading.Condition(self._lock)
         self._changed = threading.Event()
         self.threads: list[threading.Thread] = []
 
@@ -198,6 +209,24 @@ class WorkRunner:
                 log.info("job %s was cancelled (or is no longer ours): stopping it", job_id)
                 running.cancel()
 
+    # -- stopping ---------------------------------------------------------------------------
+
+    def stop_jobs(self, timeout: float) -> list[str]:
+        """The agent stops: end every running job (its stream closed, so the worker kills its
+        process group) and wait, at most `timeout` seconds, for each to be reported failed
+        `JOB_AGENT_STOPPED`. Returns the jobs still unreported when the time ran out."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._stopping = True
+            running = list(self._active.values())
+        for job in running:
+            log.info("job %s: the agent is stopping; ending it", job.job_id)
+            job.cancel()
+        with self._ended:
+            while (self._active or self._reporting) and (left := deadline - time.monotonic()) > 0:
+                self._ended.wait(left)
+            return sorted({*self._active, *self._reporting})
+
     # -- running ----------------------------------------------------------------------------
 
     def _run(self, job_id: str, assignment: dict[str, Any]) -> None:
@@ -267,14 +296,27 @@ class WorkRunner:
             connection.close()
             with self._lock:
                 self._active.pop(job_id, None)
+                self._reporting.add(job_id)
+        try:
             spool.close()  # every event is reported before the outcome
-        if final is None:
-            final = (
-                records.failed("JOB_KILLED", "stopped on cancellation")
-                if running.cancelled.is_set()
-                else records.failed(
-                    "JOB_WORKER_LOST", "the runtime worker ended the job without a result"
-                )
+            if final is None:
+                final = self._ended_without_result(running)
+            self.control_plane.complete(job_id, outcome_body(final))
+            log.info("job %s ended: %s", job_id, final.state)
+        finally:
+            with self._ended:
+                self._reporting.discard(job_id)
+                self._ended.notify_all()
+
+    def _ended_without_result(self, running: _Running) -> records.ExitRecord:
+        if running.cancelled.is_set() and self._stopping:
+            return records.failed(
+                "JOB_AGENT_STOPPED",
+                "the node agent stopped (SIGTERM, SIGINT or its idle exit) while it ran: the "
+                "job was killed",
             )
-        self.control_plane.complete(job_id, outcome_body(final))
-        log.info("job %s ended: %s", job_id, final.state)
+        if running.cancelled.is_set():
+            return records.failed("JOB_KILLED", "stopped on cancellation")
+        return records.failed(
+            "JOB_WORKER_LOST", "the runtime worker ended the job without a result"
+        )
