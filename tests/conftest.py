@@ -97,6 +97,7 @@ _ALONE = (
     "tests/e2e/test_gpu_health.py::test_xid79_reaches_the_control_plane_within_2_s_p99",
     "tests/runtime_worker/test_serving.py::test_100_sequential_requests_on_one_kept_alive",
     "tests/runtime_worker/test_serving_hostile.py::test_clients_slow_to_send_large_bodies_leave",
+    "tests/runtime_worker/test_serving_hostile.py::test_slow_clients_holding_200_connections_cost",
     "tests/e2e/test_node_agent.py::test_control_plane_outage_backs_off_and_recovers",
     "tests/e2e/test_node_agent.py::test_an_incompatible_runtime_worker_marks_the_node",
 )
@@ -111,26 +112,17 @@ _SHARING = {
     "tests/e2e/test_slurm_cluster.py": "slurm cluster",
 }
 
-#: The longest units of work, in seconds on CI's two cores (`--durations=0` of a parallel run,
-#: summed per file): handed out first, so that no worker starts one while the others finish
-#: (the rest go by their number of tests, most first).
-_LONGEST: dict[str, float] = {
-    "slurm cluster": 300,
-    "tests/e2e/test_control_plane_restart.py": 160,
-    "tests/e2e/test_gateway.py": 155,
-    "tests/control_plane/test_tunnel.py": 140,
-    "tests/e2e/test_api_schema_fuzz.py": 100,
-    "tests/e2e/test_gateway_peers.py": 90,
-    "tests/e2e/test_liveness_realtime.py": 80,
-    "tests/e2e/test_jobs.py": 70,
-    "tests/e2e/test_bench_gateway.py": 70,
-}
+#: Units of work handed out first, whatever their number of tests (the rest go by their number
+#: of tests, most first, as xdist's loadfile does): the Slurm files together take about five
+#: minutes on CI's two cores, and last in the queue they would end the run five minutes after
+#: everything else. Only these: all the long fleets started at once (longest first for
+#: every unit) loaded the machine so that 30 s waits ran out.
+_FIRST = ("slurm cluster",)
 
 
 class _FileScheduling(LoadFileScheduling):
     """xdist's `--dist loadfile` (each file's tests on one worker, in their order, its module
-    fixtures built once), but for `_SHARING`'s files, one unit together, and the units handed out
-    longest first."""
+    fixtures built once), but for `_SHARING`'s files, one unit together, handed out first."""
 
     def _split_scope(self, nodeid: str) -> str:
         path = nodeid.split("::", 1)[0]
@@ -144,7 +136,7 @@ class _FileScheduling(LoadFileScheduling):
             self._ordered = True
             units = sorted(
                 self.workqueue.items(),
-                key=lambda unit: (-_LONGEST.get(unit[0], 0.0), -len(unit[1])),
+                key=lambda unit: (unit[0] not in _FIRST, -len(unit[1])),
             )
             self.workqueue.clear()
             self.workqueue.update(units)

@@ -55,20 +55,17 @@ from control_plane.models import (
     NodeEnrollment,
     ProvisionEvent,
     ProvisionRequest,
-    Service,
     ServiceReplica,
 )
 from control_plane.provisioning import slurm
 from control_plane.provisioning.config import Profile, SlurmProvisioner
-from control_plane.scheduling.shapes import Capacity, Shape, labels_match
+from control_plane.provisioning.demand import needs_a_node, serves, waiting_shapes
 from control_plane.scheduling.waiting import Fleet, explain
 from control_plane.security import new_id, sha256_hex
 
 log = logging.getLogger(__name__)
 INTERVAL_S = 2.0
 OUTSTANDING = ("submitting", "pending")
-#: Waiting reasons a new node of a fitting profile would answer.
-_NEEDS_A_NODE = {"NO_NODES", "NO_MATCHING_NODE", "NODES_OFFLINE", "TOO_LARGE", "NO_ROOM"}
 _RETRY_AFTER_FAILURE = timedelta(seconds=60)
 #: How long a request that attached still counts as busy. Its round attaches it from the node's
 #: live heartbeat, but the waiting reasons come from the scheduler's fleet view, up to
@@ -80,8 +77,6 @@ _SETTLING = timedelta(seconds=10)
 #: How often, at most, one provisioner's pending Slurm jobs are checked (one SSH call, two when
 #: some left squeue); on the control plane's monotonic clock.
 _JOB_CHECK_S = 10.0
-#: How many queued jobs' shapes one round looks at.
-_SHAPES_FROM = 2000
 
 
 @dataclass(frozen=True)
@@ -269,19 +264,19 @@ class Provisioner:
                     )
                 )
             }
-            shapes = _waiting_shapes(session)
+            shapes = waiting_shapes(session)
             if not shapes:
                 return []
             fleet = self._fleet(session)
         wanted: dict[tuple[str, str], _Wanted] = {}
         for shape in shapes:
             reason = explain(fleet, shape)
-            if reason.code not in _NEEDS_A_NODE:
+            if not needs_a_node(reason.code):
                 continue
             for provisioner in self.provisioners.values():
                 for profile in provisioner.profiles:
                     key = (provisioner.name, profile.name)
-                    if key in busy or key in wanted or not _serves(profile, shape):
+                    if key in busy or key in wanted or not serves(profile, shape):
                         continue
                     wanted[key] = _Wanted(provisioner, profile, reason.message)
         return list(wanted.values())
@@ -480,38 +475,3 @@ def _idle_since(session: Session, request: ProvisionRequest) -> datetime | None:
     ).scalar_one_or_none()
     since = request.attached_at or request.created_at
     return max(since, last_job) if last_job is not None else since
-
-
-def _waiting_shapes(session: Session) -> set[Shape]:
-    shapes = {
-        Shape.of(labels, policy, resources, required, pinned)
-        for labels, policy, resources, required, pinned in session.execute(
-            select(Job.labels, Job.worker_policy, Job.resources, Job.required_labels, Job.pinned)
-            .where(Job.state == "queued")
-            .order_by(Job.created_at)
-            .limit(_SHAPES_FROM)
-        )
-    }
-    shapes.update(
-        Shape.of(labels, policy, resources)
-        for labels, policy, resources in session.execute(
-            select(Service.labels, Service.worker_policy, Service.resources).where(
-                Service.id.in_(
-                    select(ServiceReplica.service_id).where(ServiceReplica.state == "pending")
-                )
-            )
-        )
-    )
-    return shapes
-
-
-def _serves(profile: Profile, shape: Shape) -> bool:
-    """A node of `profile` would run work of `shape`: its labels (unless `prefer`), its secrets'
-    labels, and its resources. Never a job pinned to a GPU (`admits`: it runs on its node only)."""
-    labels = dict(profile.labels)
-    if not shape.prefer and not labels_match(shape.labels, labels):
-        return False
-    if not shape.admits(labels):
-        return False
-    gpus = tuple({"index": i, "uuid": f"profile-{i}"} for i in range(profile.gpus))
-    return Capacity(float(profile.cpus), gpus, profile.ram_mb).fits(shape.request)
