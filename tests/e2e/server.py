@@ -203,6 +203,23 @@ class LiveServer:
         assert response.status_code == 200, response.text
         return response.json()
 
+    def submit_python(self, source: str, function: str, **params: Any) -> str:
+        """Submit a Python job: `function` of a module `job` holding `source`, called with
+        `params`. Returns the job's id."""
+        body = {
+            "entrypoint": {
+                "kind": "python",
+                "module": "job",
+                "function": function,
+                "source": {"job.py": source},
+            },
+            "params": params,
+        }
+        with self.client() as client:
+            response = client.post("/api/v1/jobs", headers=self.admin, json=body)
+        assert response.status_code == 201, response.text
+        return str(response.json()["job_id"])
+
     def __enter__(self) -> LiveServer:
         return self.start()
 

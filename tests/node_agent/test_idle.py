@@ -12,7 +12,7 @@ import pytest
 
 from node_agent.idle import Activity
 from tests.e2e.node import live_stack, wait_until
-from tests.e2e.server import FAST, LiveServer
+from tests.e2e.server import FAST
 
 
 class ManualClock:
@@ -73,22 +73,6 @@ def nap(seconds):
 """
 
 
-def _submit_nap(server: LiveServer, seconds: float) -> str:
-    body = {
-        "entrypoint": {
-            "kind": "python",
-            "module": "nap",
-            "function": "nap",
-            "source": {"nap.py": NAP},
-        },
-        "params": {"seconds": seconds},
-    }
-    with server.client() as client:
-        response = client.post("/api/v1/jobs", headers=server.admin, json=body)
-    assert response.status_code == 201, response.text
-    return str(response.json()["job_id"])
-
-
 def test_the_agent_exits_with_0_once_idle_for_its_maximum_not_while_a_job_runs(
     tmp_path: Path,
 ) -> None:
@@ -97,7 +81,7 @@ def test_the_agent_exits_with_0_once_idle_for_its_maximum_not_while_a_job_runs(
         tmp_path, FAST, extra_env={"MODELFORGE_AGENT_MAX_IDLE_SECONDS": str(max_idle)}
     ) as (server, node):
         # Queued before the agent starts: its first claim takes it, at once.
-        job_id = _submit_nap(server, 2 * max_idle)
+        job_id = server.submit_python(NAP, "nap", seconds=2 * max_idle)
         node.start_worker().start_agent()
         node.node_id()
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from tests.e2e.node import live_stack, wait_until
-from tests.e2e.server import FAST, LiveServer
+from tests.e2e.server import FAST
 
 #: Marks that it started, then, were it left running, that it outlived the agent.
 WORK = """
@@ -24,28 +24,12 @@ def work(started, outlived):
 """
 
 
-def _submit(server: LiveServer, started: Path, outlived: Path) -> str:
-    body = {
-        "entrypoint": {
-            "kind": "python",
-            "module": "work",
-            "function": "work",
-            "source": {"work.py": WORK},
-        },
-        "params": {"started": str(started), "outlived": str(outlived)},
-    }
-    with server.client() as client:
-        response = client.post("/api/v1/jobs", headers=server.admin, json=body)
-    assert response.status_code == 201, response.text
-    return str(response.json()["job_id"])
-
-
 def test_a_stopped_agent_kills_its_running_job_and_reports_it_before_it_exits(
     tmp_path: Path,
 ) -> None:
     started, outlived = tmp_path / "started", tmp_path / "outlived"
     with live_stack(tmp_path, FAST) as (server, node):
-        job_id = _submit(server, started, outlived)
+        job_id = server.submit_python(WORK, "work", started=str(started), outlived=str(outlived))
         node.start_worker().start_agent()
         wait_until(started.exists, 60, "the job to start")
 

@@ -73,6 +73,11 @@ export async function openWizardToToken(page, { name, expiry, mode = "cpu" }) {
   await wizard.getByRole("radio", { name: expiry, exact: true }).check();
   await wizard.getByRole("radio", { name: mode === "cpu" ? "CPU only" : "NVIDIA GPUs" }).check();
   await wizard.getByRole("button", { name: "Next: image" }).click();
+  return imageToToken(wizard);
+}
+
+// Step 2 from its start (the release's own entry), then the token; returns once it is shown.
+export async function imageToToken(wizard) {
   await wizard.getByLabel("Node-agent entry of the release manifest").fill(entryText());
   await wizard.getByRole("button", { name: "Check image" }).click();
   await wizard.getByRole("button", { name: "Create enrollment token" }).click();

@@ -13,6 +13,7 @@ import {
   browserState,
   claim,
   entryText,
+  imageToToken,
   launch,
   newPage,
   openWizardToToken,
@@ -88,10 +89,7 @@ test("what the node offers, set under Advanced, is written into the .env: jobs a
   await wizard.getByText("Advanced: what the node offers").click();
   await wizard.getByLabel("Jobs at once").fill("3");
   await wizard.getByRole("button", { name: "Next: image" }).click();
-  await wizard.getByLabel("Node-agent entry of the release manifest").fill(entryText());
-  await wizard.getByRole("button", { name: "Check image" }).click();
-  await wizard.getByRole("button", { name: "Create enrollment token" }).click();
-  await wizard.getByTestId("enrollment-token").waitFor();
+  await imageToToken(wizard);
   const env = (await wizard.getByLabel(/Generated/).inputValue()).split("\n");
   assert.ok(env.includes("MODELFORGE_AGENT_PARALLEL=3"), env.join("\n"));
   // The fields left empty are left to the agent: no line for them.
@@ -129,10 +127,7 @@ test("over plain http:// on a LAN the wizard warns, and writes the opt-in only o
     await screenshot(page, "wizard-plain-http");
     await wizard.getByLabel("This is a trusted LAN: let the node use plain http://").check();
     await wizard.getByRole("button", { name: "Next: image" }).click();
-    await wizard.getByLabel("Node-agent entry of the release manifest").fill(entryText());
-    await wizard.getByRole("button", { name: "Check image" }).click();
-    await wizard.getByRole("button", { name: "Create enrollment token" }).click();
-    await wizard.getByTestId("enrollment-token").waitFor();
+    await imageToToken(wizard);
     const env = (await wizard.getByLabel(/Generated/).inputValue()).split("\n");
     assert.ok(env.includes(`MODELFORGE_AGENT_CONTROL_PLANE_URL=${lanUrl}`), env.join("\n"));
     assert.ok(env.includes("MODELFORGE_AGENT_ALLOW_INSECURE_HTTP=true"), env.join("\n"));
