@@ -12,6 +12,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from sqlalchemy.orm import Session
 
@@ -138,11 +139,11 @@ def check_plain_http(origin: str, *, confirmed: bool) -> bool:
     """Whether the node's `.env` lets its agent use plain http:// to `origin` (a canonical
     origin): only for `http://` beyond loopback (the agent takes loopback without it), only once
     the operator has confirmed the network is a trusted LAN, and never at a public IP address."""
-    scheme, _, rest = origin.partition("://")
-    host = rest.rsplit(":", 1)[0] if not rest.endswith("]") and ":" in rest else rest
-    address = _ip(host.strip("[]"))
+    parts = urlsplit(origin)
+    host = parts.hostname or ""
+    address = _ip(host)
     beyond_loopback = host != "localhost" and not (address is not None and address.is_loopback)
-    needed = scheme == "http" and beyond_loopback
+    needed = parts.scheme == "http" and beyond_loopback
     if not needed:
         if confirmed:
             raise InvalidRequest(
