@@ -88,8 +88,10 @@ def test_a_local_node_enrolls_once_runs_beside_the_control_plane_and_stops_with_
         for name, child in children.items():
             assert gone(child), f"{name} outlived the control plane"
 
-    # The second start finds the agent's identity: the same node, nothing minted.
-    again = LocalControlPlane(short / "run")
+    # The second start finds the agent's identity: the same node, nothing minted. On the same
+    # port, as `make run` restarts: the agent's identity belongs to the URL it enrolled with
+    # (on another port it refuses to start, exit 2).
+    again = LocalControlPlane(short / "run", port=server.port)
     with again:
         second, seconds = again.wait_online_node(timeout=60)
         assert second["node_id"] == node["node_id"]
@@ -104,7 +106,7 @@ def test_a_local_node_enrolls_once_runs_beside_the_control_plane_and_stops_with_
             assert gone(child), f"{name} outlived the control plane"
 
     # A control plane killed outright (no chance to stop them): the kernel stops both.
-    crashed = LocalControlPlane(short / "run")
+    crashed = LocalControlPlane(short / "run", port=server.port)
     with crashed:
         crashed.wait_online_node(timeout=60)
         children = crashed.children()
