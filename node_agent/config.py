@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from modelforge_contracts.addresses import is_loopback_host
+
 DEFAULT_WORKER_SOCKET = Path("/run/modelforge/runtime-worker.sock")
 DEFAULT_AGENT_SOCKET = Path("/run/modelforge/agent.sock")
 _PLACEHOLDER_SUFFIXES = (".example", ".invalid", ".localdomain.example")
@@ -167,7 +169,7 @@ def _url_problems(url: str, allow_insecure_http: bool) -> list[str]:
             f"{name} points at a placeholder host ({host}); set it to the address of your "
             "control plane"
         ]
-    if parts.scheme == "http" and not allow_insecure_http and not _is_loopback(host):
+    if parts.scheme == "http" and not allow_insecure_http and not is_loopback_host(host):
         return [
             f"{name} uses plain http:// to {host}, which is not loopback; use https:// (see "
             "MODELFORGE_AGENT_CA_CERT_PATH for a private CA) or set "
@@ -202,12 +204,3 @@ def _service_host_problems(host: str) -> list[str]:
     else:
         why = "not a host name or an IP address"
     return [f"{name}: {host[:80]!r} is {why}, e.g. gpu-box.lan or 192.0.2.10"]
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -21,6 +21,7 @@ from control_plane.errors import InvalidRequest
 from control_plane.fleet import start_script
 from control_plane.fleet.enrollments import get_enrollment
 from control_plane.fleet.schemas import NodeImage, NodeImageRequest, NodeSetup, NodeSetupRequest
+from modelforge_contracts.addresses import ip_address_of, is_loopback_host
 from modelforge_contracts.protocol import PROTOCOL_VERSION
 from modelforge_contracts.release_manifest import (
     ImageEntry,
@@ -141,9 +142,7 @@ def check_plain_http(origin: str, *, confirmed: bool) -> bool:
     the operator has confirmed the network is a trusted LAN, and never at a public IP address."""
     parts = urlsplit(origin)
     host = parts.hostname or ""
-    address = _ip(host)
-    beyond_loopback = host != "localhost" and not (address is not None and address.is_loopback)
-    needed = parts.scheme == "http" and beyond_loopback
+    needed = parts.scheme == "http" and not is_loopback_host(host)
     if not needed:
         if confirmed:
             raise InvalidRequest(
@@ -153,6 +152,7 @@ def check_plain_http(origin: str, *, confirmed: bool) -> bool:
                 code="INSECURE_HTTP_NOT_NEEDED",
             )
         return False
+    address = ip_address_of(host)
     if address is not None and not address.is_private:
         raise InvalidRequest(
             f"The console is open at {origin}: plain http:// to a public address. The node's "
@@ -172,13 +172,6 @@ def check_plain_http(origin: str, *, confirmed: bool) -> bool:
             code="INSECURE_HTTP_NOT_CONFIRMED",
         )
     return True
-
-
-def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    try:
-        return ipaddress.ip_address(host)
-    except ValueError:
-        return None
 
 
 def canonical_origin(text: str) -> str | None:

@@ -14,7 +14,6 @@ and the fix, and the control plane refuses to start. Example:
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import re
 from pathlib import Path
@@ -32,6 +31,7 @@ from pydantic import (
 )
 
 from control_plane.schemas import Labels, Line
+from modelforge_contracts.addresses import ip_address_of, is_loopback_host
 
 FILE_NAME = "provisioners.json"
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")]
@@ -97,9 +97,9 @@ class SlurmProvisioner(_Strict):
                     "remove allow_insecure_http"
                 )
             return self
-        address = _ip(parts.hostname or "")
-        if address is not None and address.is_loopback:
+        if is_loopback_host(parts.hostname or ""):
             return self
+        address = ip_address_of(parts.hostname or "")
         if not self.allow_insecure_http:
             raise ValueError(
                 f"engine_url {self.engine_url} is plain http:// beyond this host: the agents "
@@ -141,13 +141,6 @@ class SlurmProvisioner(_Strict):
     @property
     def port(self) -> int:
         return login_parts(self.login)[2]
-
-
-def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    try:
-        return ipaddress.ip_address(host)
-    except ValueError:
-        return None
 
 
 def login_parts(login: str) -> tuple[str, str, int]:
