@@ -124,6 +124,9 @@ class _FileScheduling(LoadFileScheduling):
     """xdist's `--dist loadfile` (each file's tests on one worker, in their order, its module
     fixtures built once), but for `_SHARING`'s files, one unit together, handed out first."""
 
+    #: Whether the queue of units has been put in its order (once, before the first is sent).
+    _ordered = False
+
     def _split_scope(self, nodeid: str) -> str:
         path = nodeid.split("::", 1)[0]
         return _SHARING.get(path, path)
@@ -132,7 +135,7 @@ class _FileScheduling(LoadFileScheduling):
         # The units are queued (`schedule`) before the first is handed out: order them once.
         # Only the queue: the collection's order is the workers' own, which the tests sent are
         # indexes into.
-        if not getattr(self, "_ordered", False):
+        if not self._ordered:
             self._ordered = True
             units = sorted(
                 self.workqueue.items(),
