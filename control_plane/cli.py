@@ -221,7 +221,9 @@ def _native_front(settings: Settings) -> NativeFront | None:
     """The native gateway front for this start (`native_front.py`), or None (the reason logged)."""
     reason = why_not(settings)
     if reason is not None:
-        log.info("the gateway runs in Python, not in the native front: %s", reason)
+        # Chosen (`python`), it is said once; a peer address keeping it there is a warning.
+        level = logging.INFO if settings.gateway_front == "python" else logging.WARNING
+        log.log(level, "the gateway runs in Python, not in the native front: %s", reason)
         return None
     try:
         front = NativeFront(settings)

@@ -7,12 +7,12 @@ itself, and passes every other request, unchanged, to Granian, which then listen
 port of its own. The gateway's decisions stay in Python (`api/gateway_native.py`): the front asks
 over a Unix socket in a private directory (mode 0700) that the served process listens on.
 
-It runs with `MODELFORGE_GATEWAY_FRONT=native` (a missing binary stops the start); it is not
-the default yet (docs/services.md, "The native front"). With
+It is the default (`MODELFORGE_GATEWAY_FRONT` unset); a missing binary stops the start. With
 `MODELFORGE_TLS_CERT`/`MODELFORGE_TLS_KEY` it terminates TLS itself, reading both files (their
 paths on its standard input, never the key's bytes), and Granian behind it stays plain HTTP on
-loopback. It does not forward to other control-plane replicas yet: `MODELFORGE_GATEWAY_FRONT=native`
-with a peer address is refused by the settings.
+loopback. It does not forward to other control-plane replicas yet: with a peer address the
+gateway runs in Python (logged at start; `MODELFORGE_GATEWAY_FRONT=native` with a peer address is
+refused by the settings).
 
 The front tells Granian the client's address in `x-modelforge-client` and the client's scheme in
 `x-modelforge-scheme`, trusted only beside
@@ -55,14 +55,23 @@ class FrontUnavailable(Exception):
     """The native front cannot run here (the message says why and what to do)."""
 
 
+#: Why a peer address keeps the gateway in Python (logged at start; docs/services.md).
+PEERS_REASON = (
+    "MODELFORGE_GATEWAY_PEER_ADDRESS is set and the native front does not forward requests to "
+    "other control-plane replicas yet"
+)
+
+
 def why_not(settings: Settings) -> str | None:
     """Why the gateway runs in Python with these settings (None: the native front serves).
 
-    `native`, a missing binary is `NativeFront`'s start-up error naming the fix, never a
-    fallback to the Python gateway; `python` is the default (docs/services.md says why)."""
+    Unset or `native`, `MODELFORGE_GATEWAY_FRONT` means the native front; a missing binary is
+    `NativeFront`'s start-up error naming the fix, never a fallback to the Python gateway."""
     if settings.gateway_front == "python":
         return "MODELFORGE_GATEWAY_FRONT=python"
-    return None  # `native` with a peer address is refused by the settings
+    if settings.gateway_peer_address:
+        return PEERS_REASON  # `native` with a peer address is refused by the settings
+    return None
 
 
 def _loopback_port() -> int:

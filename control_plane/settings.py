@@ -122,10 +122,10 @@ class Settings(BaseSettings):
     #: What carries the gateway's requests and holds the agents' tunnels: `native`, the control
     #: plane's native front (`modelforge-gateway-front`: on this port, with Granian behind it on
     #: loopback, docs/services.md "The native front"), or `python` (Granian on this port serves
-    #: everything; the default, docs/services.md says why). `native` with its binary missing is a
-    #: start-up error naming `make install`, never a fallback. It terminates TLS itself; it does
-    #: not forward to other replicas yet, so `native` with a peer address is refused.
-    gateway_front: Literal["native", "python"] = "python"
+    #: everything). Unset: the native front (missing, a start-up error naming `make install`,
+    #: never a fallback). It terminates TLS itself; it does not forward to other replicas yet,
+    #: so a peer address keeps the Python gateway (logged), and `native` with one is refused.
+    gateway_front: Literal["native", "python"] | None = None
 
     @model_validator(mode="after")
     def _check_liveness(self) -> Self:
@@ -192,8 +192,8 @@ class Settings(BaseSettings):
             problems.append(
                 "MODELFORGE_GATEWAY_FRONT=native cannot be used with "
                 "MODELFORGE_GATEWAY_PEER_ADDRESS: the native front does not forward requests to "
-                "other control-plane replicas yet; set MODELFORGE_GATEWAY_FRONT=python or unset "
-                "the peer address"
+                "other control-plane replicas yet; unset MODELFORGE_GATEWAY_FRONT (the gateway "
+                "then runs in Python) or the peer address"
             )
         if (self.tls_cert is None) != (self.tls_key is None):
             problems.append("MODELFORGE_TLS_CERT and MODELFORGE_TLS_KEY must be set together")

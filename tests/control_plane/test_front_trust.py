@@ -86,17 +86,16 @@ def test_the_fronts_scheme_is_taken_with_its_key(trust: None) -> None:
     assert odd["scheme"] == "http"
 
 
-def test_the_front_runs_when_chosen_with_tls_and_the_python_gateway_by_default(
-    tmp_path: Path,
-) -> None:
+def test_the_front_is_the_default_with_tls_and_not_with_peers(tmp_path: Path) -> None:
     base = {"data_dir": tmp_path}
     assert BINARY.is_file(), "the native front is not built: run `make install`"
-    assert why_not(Settings(**base)) == "MODELFORGE_GATEWAY_FRONT=python"  # the default
+    assert why_not(Settings(**base)) is None  # native by default
+    assert why_not(Settings(**base, gateway_front="python")) == "MODELFORGE_GATEWAY_FRONT=python"
     assert why_not(Settings(**base, gateway_front="native")) is None
     tls = Settings(**base, gateway_front="native", tls_cert=tmp_path / "c", tls_key=tmp_path / "k")
     assert why_not(tls) is None
     peers = Settings(**base, gateway_peer_address="http://10.0.0.1:8080")
-    assert why_not(peers) == "MODELFORGE_GATEWAY_FRONT=python"
+    assert "does not forward requests to other control-plane replicas" in (why_not(peers) or "")
 
 
 def test_native_with_a_peer_address_is_refused_naming_the_fix(tmp_path: Path) -> None:
@@ -104,13 +103,13 @@ def test_native_with_a_peer_address_is_refused_naming_the_fix(tmp_path: Path) ->
         Settings(
             data_dir=tmp_path, gateway_front="native", gateway_peer_address="http://10.0.0.1:8080"
         )
-    assert "set MODELFORGE_GATEWAY_FRONT=python" in str(refused.value)
+    assert "unset MODELFORGE_GATEWAY_FRONT" in str(refused.value)
 
 
 def test_a_missing_front_stops_the_start_naming_the_fix_never_a_fallback(tmp_path: Path) -> None:
-    """Chosen, a missing native front is the start-up error (`cli` exits with it), not a quiet
-    Python gateway."""
-    settings = Settings(data_dir=tmp_path, gateway_front="native")
+    """Unset, the setting means the native front, so a missing binary is the start-up error
+    (`cli` exits with it), not a quiet Python gateway."""
+    settings = Settings(data_dir=tmp_path)
     assert why_not(settings) is None
     with pytest.raises(FrontUnavailable, match="not installed .*run `make install`"):
         NativeFront(settings, binary=tmp_path / "modelforge-gateway-front")

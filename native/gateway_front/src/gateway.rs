@@ -94,7 +94,7 @@ pub async fn handle(
         Err(Lost) => return crate::restarting(front),
     };
     if reply.get("pass").and_then(Value::as_bool) == Some(true) {
-        return crate::proxy(front, request, peer).await;
+        return crate::upstream::proxy(front, request, peer).await;
     }
     if reply.get("open").is_none() {
         return crate::control_answer(reply);

@@ -29,6 +29,7 @@ mod fast;
 mod gateway;
 mod hub;
 mod tls;
+mod upstream;
 
 use std::convert::Infallible;
 use std::io::BufRead;
@@ -42,10 +43,10 @@ use bytes::Bytes;
 use hyper::body::{HttpBody, SizeHint};
 use hyper::client::HttpConnector;
 use hyper::header::{self, HeaderName, HeaderValue};
-use hyper::http::uri::{Authority, PathAndQuery, Scheme};
+use hyper::http::uri::Authority;
 use hyper::server::conn::Http;
 use hyper::service::service_fn;
-use hyper::{Body, Client, HeaderMap, Request, Response, StatusCode, Uri};
+use hyper::{Body, Client, HeaderMap, Request, Response, StatusCode};
 use serde_json::Value;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -55,11 +56,11 @@ use fast::Fast;
 use hub::Hub;
 
 /// The header that carries the client's address to the control plane's server.
-const CLIENT_HEADER: HeaderName = HeaderName::from_static("x-modelforge-client");
+pub const CLIENT_HEADER: HeaderName = HeaderName::from_static("x-modelforge-client");
 /// The header that proves `CLIENT_HEADER` came from the front.
-const KEY_HEADER: HeaderName = HeaderName::from_static("x-modelforge-front-key");
+pub const KEY_HEADER: HeaderName = HeaderName::from_static("x-modelforge-front-key");
 /// The header that tells the control plane's server the client's scheme (`http`, `https`).
-const SCHEME_HEADER: HeaderName = HeaderName::from_static("x-modelforge-scheme");
+pub const SCHEME_HEADER: HeaderName = HeaderName::from_static("x-modelforge-scheme");
 /// RFC 6455's GUID, from which the handshake's Sec-WebSocket-Accept is made.
 const WEBSOCKET_GUID: &str = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11";
 /// The pause after a failed `accept()`, doubled at each next failure up to the longest.
@@ -156,7 +157,7 @@ pub struct Front {
     /// The control plane's decisions the fast path carries requests by (`fast.rs`).
     pub fast: Arc<Fast>,
     /// The pooled client to the control plane's server.
-    pub client: Client<HttpConnector, Body>,
+    pub client: Client<upstream::Upstream, Body>,
 }
 
 pub fn log(level: &str, message: &str) {
@@ -344,7 +345,7 @@ async fn route(front: Arc<Front>, request: Request<Body>, peer: SocketAddr) -> R
     {
         return tunnel(&front, request, peer).await;
     }
-    proxy(&front, request, peer).await
+    upstream::proxy(&front, request, peer).await
 }
 
 fn is_websocket(headers: &HeaderMap) -> bool {
@@ -432,66 +433,6 @@ async fn tunnel(
         headers.insert(header::SEC_WEBSOCKET_ACCEPT, accept);
     }
     response
-}
-
-/// Pass a request to the control plane's server, as it came but for the client's address and
-/// the front's key; an upgrade it accepts (101) is joined through.
-pub async fn proxy(
-    front: &Front,
-    mut request: Request<Body>,
-    peer: SocketAddr,
-) -> Response<FrontBody> {
-    let headers = request.headers_mut();
-    // `insert` replaces whatever the client sent under these names.
-    let mut address = String::with_capacity(48);
-    push_address(&mut address, peer);
-    if let Ok(client) = HeaderValue::from_maybe_shared(Bytes::from(address)) {
-        headers.insert(CLIENT_HEADER, client);
-    }
-    headers.insert(
-        SCHEME_HEADER,
-        HeaderValue::from_static(front.config.scheme()),
-    );
-    headers.insert(KEY_HEADER, front.config.front_key.clone());
-    let client_upgrade = if headers.contains_key(header::UPGRADE) {
-        Some(hyper::upgrade::on(&mut request))
-    } else {
-        None
-    };
-    let mut parts = std::mem::take(request.uri_mut()).into_parts();
-    parts.scheme = Some(Scheme::HTTP);
-    parts.authority = Some(front.config.upstream.clone());
-    if parts.path_and_query.is_none() {
-        parts.path_and_query = Some(PathAndQuery::from_static("/"));
-    }
-    match Uri::from_parts(parts) {
-        Ok(uri) => *request.uri_mut() = uri,
-        Err(_) => return error_answer(front, StatusCode::BAD_REQUEST, "a malformed target", true),
-    }
-    let mut response = match front.client.request(request).await {
-        Ok(response) => response,
-        Err(_) => {
-            return error_answer(
-                front,
-                StatusCode::BAD_GATEWAY,
-                "the control plane's API is not reachable yet; retry in a few seconds",
-                false,
-            )
-        }
-    };
-    if response.status() == StatusCode::SWITCHING_PROTOCOLS {
-        if let Some(client_upgrade) = client_upgrade {
-            let upstream_upgrade = hyper::upgrade::on(&mut response);
-            tokio::spawn(async move {
-                if let (Ok(mut client), Ok(mut upstream)) =
-                    (client_upgrade.await, upstream_upgrade.await)
-                {
-                    let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
-                }
-            });
-        }
-    }
-    response.map(FrontBody::Hyper)
 }
 
 fn config_from(line: &str) -> Config {
@@ -612,7 +553,7 @@ async fn serve(config: Config) {
     let client = Client::builder()
         .pool_idle_timeout(Duration::from_secs(30))
         .pool_max_idle_per_host(256)
-        .build(connector);
+        .build(upstream::Upstream::new(connector));
     let front = Arc::new(Front {
         config,
         hub,
