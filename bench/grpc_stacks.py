@@ -1,33 +1,30 @@
-"""gRPC stacks under the model server's gRPC front (issue 26's last target): the native front
-as shipped against what grpcio costs per call and another stack outside the GIL, in one run.
+"""gRPC stacks under the model server (issue 26's last target): its native gRPC front as shipped
+against what grpcio itself costs per call, in one run.
 
 What is measured
 ----------------
-The small model of bench/serving.py, served four ways, each loaded by nghttp2's ``h2load``
+The small model of bench/serving.py, served two ways, each loaded by nghttp2's ``h2load``
 (HTTP/2 for gRPC, HTTP/1.1 for HTTP) in its own process, at 1 and 8 connections, ``--rounds``
 times alternating:
 
 1. ``python -m runtime_worker.onnx_server`` as shipped: HTTP binary tensors (the baseline every
-   ratio is against) and gRPC ``ModelInfer`` on its native front (``native/grpc_front``); and
-   the same server with ``MODELFORGE_GRPC_FRONT=grpcio``, its ``grpc.aio`` front.
-2. A bare sync ``grpc.server`` (4 threads) whose handler only parses the message, runs
-   onnxruntime and encodes the answer: no data plane, no checks. It shows grpcio's own floor.
-3. The same model server with its ``grpc.aio`` front on ``pygrpc-native``
-   (``--pygrpc-native-venv``, created when missing with ``pygrpc-native==PYGRPC_NATIVE_VERSION``
-   beside the project's packages):
-   a ``sitecustomize`` in the server's processes replaces ``grpc.aio.server`` with
-   ``pygrpc_native.aio.server`` (dropping ``maximum_concurrent_rpcs``, which it refuses). The
-   front's code is unchanged. Then one ``ModelInfer`` of ``--big-message-mib`` MiB against the
-   servers' 4 MiB limit (``--max-request-bytes``), with the server's RSS growth: whether the
-   stack refuses an oversized message before holding it.
+   ratio is against) and gRPC ``ModelInfer`` on its native front (``native/grpc_front``, the
+   server's only gRPC front).
+2. A bare sync ``grpc.server`` (grpcio, 4 threads) whose handler only parses the message, runs
+   onnxruntime and encodes the answer: no data plane, no checks. It shows grpcio's own floor,
+   what any front on grpcio would cost at least.
 
-The product does not use pygrpc-native (docs/performance.md says why); this bench keeps the
-comparison repeatable. Each row: calls/s, p50 and p99, the ratio of its p50 to the same
+Then one ``ModelInfer`` of ``--big-message-mib`` MiB against the servers' 4 MiB limit
+(``--max-request-bytes``), with the server's RSS growth: whether the front refuses an oversized
+message before holding it. Each row: calls/s, p50 and p99, the ratio of its p50 to the model
 server's HTTP p50 in the same round, and the server's CPU per call.
+
+(Until stop 42 the model server also had a ``grpc.aio`` front, measured here with pygrpc-native
+under it; both are gone, and docs/performance.md keeps their figures.)
 
 Run::
 
-    python bench/grpc_stacks.py                 # about 2 minutes; creates the venv the first time
+    python bench/grpc_stacks.py                 # about a minute
     python bench/grpc_stacks.py --rounds 1 --duration 2
 """
 
@@ -36,9 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -55,7 +50,6 @@ from bench.serving import (  # noqa: E402 (the repository on the path first)
     Server,
     bodies,
     check_grpc,
-    ensure_venv,
     free_port,
     grpc_body,
     h2load_load,
@@ -63,22 +57,8 @@ from bench.serving import (  # noqa: E402 (the repository on the path first)
     write_models,
 )
 
-PYGRPC_NATIVE_VERSION = "0.5.0"
 #: The model servers' largest message (--max-request-bytes).
 LIMIT_MIB = 4
-
-#: The server processes' sitecustomize: the front's `grpc.aio.server` becomes pygrpc-native's.
-SITECUSTOMIZE = """
-import grpc.aio
-import pygrpc_native.aio
-
-
-def _server(*args, maximum_concurrent_rpcs=None, **kwargs):
-    return pygrpc_native.aio.server(*args, **kwargs)
-
-
-grpc.aio.server = _server
-"""
 
 #: The bare sync grpcio server: parse, run, encode.
 SYNC_SERVER = """
@@ -119,23 +99,6 @@ server.wait_for_termination()
 """
 
 
-def ensure_pygrpc_native(venv: Path) -> Path:
-    """A venv holding pygrpc-native that also sees this environment's packages (a .pth file)."""
-
-    def see_this_environment(python: Path) -> None:
-        purelib = subprocess.run(
-            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        (Path(purelib) / "modelforge-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-
-    packages = ["--no-deps", f"pygrpc-native=={PYGRPC_NATIVE_VERSION}"]
-    imports = "pygrpc_native, grpc, onnxruntime, granian"
-    return ensure_venv(venv, imports, packages, prepare=see_this_environment)
-
-
 def big_message(server: Server, grpc_port: int, mib: int) -> str:
     """One ModelInfer of `mib` MiB against the `LIMIT_MIB` limit: the answer and the RSS
     growth of the server's processes."""
@@ -166,7 +129,6 @@ def big_message(server: Server, grpc_port: int, mib: int) -> str:
 def run(args: argparse.Namespace) -> int:
     if shutil.which("h2load") is None:
         raise SystemExit("h2load is missing: apt-get install nghttp2-client")
-    native_python = ensure_pygrpc_native(Path(args.pygrpc_native_venv))
     scratch = Path(tempfile.mkdtemp(prefix="bench-grpc-stacks-"))
     servers: list[Server] = []
     failed = 0
@@ -177,26 +139,11 @@ def run(args: argparse.Namespace) -> int:
         message = request.read_bytes()
         framed = scratch / "grpc.framed"
         framed.write_bytes(b"\0" + len(message).to_bytes(4, "big") + message)
-        hooks = scratch / "hooks"
-        hooks.mkdir()
-        (hooks / "sitecustomize.py").write_text(SITECUSTOMIZE)
         (scratch / "sync_server.py").write_text(SYNC_SERVER)
 
         limit = ("--max-request-bytes", str(LIMIT_MIB << 20))
         shipped, shipped_grpc = modelforge(scratch, small_path, *limit, name="native front")
         servers.append(shipped)
-        grpcio_env = dict(os.environ, MODELFORGE_GRPC_FRONT="grpcio")
-        aio, aio_grpc = modelforge(scratch, small_path, *limit, name="grpc.aio", env=grpcio_env)
-        servers.append(aio)
-        native, native_grpc = modelforge(
-            scratch,
-            small_path,
-            *limit,
-            name="pygrpc-native",
-            python=str(native_python),
-            env=dict(grpcio_env, PYTHONPATH=f"{hooks}:{REPO}"),
-        )
-        servers.append(native)
         sync_port = free_port()
         sync = Server(
             "sync grpcio",
@@ -216,8 +163,7 @@ def run(args: argparse.Namespace) -> int:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        for port in (shipped_grpc, aio_grpc, native_grpc):
-            check_grpc(port, request)
+        check_grpc(shipped_grpc, request)
 
         http_headers = [
             f"content-type: {binary.content_type}",
@@ -252,12 +198,7 @@ def run(args: argparse.Namespace) -> int:
                         "native front",
                         load(shipped, grpc_url.format(shipped_grpc), True, connections),
                     ),
-                    ("grpc.aio", load(aio, grpc_url.format(aio_grpc), True, connections)),
                     ("sync grpcio", load(sync, grpc_url.format(sync_port), True, connections)),
-                    (
-                        "pygrpc-native",
-                        load(native, grpc_url.format(native_grpc), True, connections),
-                    ),
                 ]
                 for name, result in rows:
                     failed += result.failed
@@ -270,8 +211,6 @@ def run(args: argparse.Namespace) -> int:
         mib = args.big_message_mib
         print(f"\na {mib} MiB ModelInfer against the {LIMIT_MIB} MiB limit:")
         print(f"  native front:  {big_message(shipped, shipped_grpc, mib)}")
-        print(f"  grpc.aio:      {big_message(aio, aio_grpc, mib)}")
-        print(f"  pygrpc-native: {big_message(native, native_grpc, mib)}")
     finally:
         for server in servers:
             server.stop()
@@ -284,11 +223,6 @@ def main() -> int:
     parser.add_argument("--duration", type=int, default=3, help="seconds per run (default 3)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--big-message-mib", type=int, default=300)
-    parser.add_argument(
-        "--pygrpc-native-venv",
-        default=str(Path(tempfile.gettempdir()) / "pygrpc-native-venv"),
-        help="pygrpc-native's own virtual environment, created when missing",
-    )
     return run(parser.parse_args())
 
 

@@ -27,8 +27,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
+from runtime_worker.serving import grpc_native, grpc_service
 from runtime_worker.serving.dataplane import ModelLoadFailed
 from runtime_worker.serving.http import Limits, ModelApp
 from runtime_worker.serving.policy import (
@@ -97,46 +97,33 @@ class ServedModel(ModelApp):
         model = OnnxModel(settings.name, settings.model, plan)
         super().__init__(DataPlane(model, settings.batching), settings.limits)
         self.settings = settings
-        self._grpc: Any = None
+        self._grpc: grpc_native.NativeFront | None = None
         self._loading: asyncio.Task[None] | None = None
 
     def __rsgi_init__(self, loop: asyncio.AbstractEventLoop) -> None:
         settings = self.settings
         if settings.grpc_port is not None:
             try:
-                self._grpc = self._start_grpc(loop)
+                self._grpc = self._start_grpc()
             except Exception as exc:
                 log.error("cannot serve gRPC on port %d: %s", settings.grpc_port, exc)
                 raise SystemExit(2) from None
         self._loading = loop.create_task(self._load())
 
-    def _start_grpc(self, loop: asyncio.AbstractEventLoop) -> Any:
-        """The gRPC front: the native one when its binary is here, else `grpc.aio`'s; both
-        answer with one `GrpcService` on this data plane and byte budget."""
-        from runtime_worker.serving import grpc_front, grpc_native
-
+    def _start_grpc(self) -> grpc_native.NativeFront:
+        """The native gRPC front, answering with one `GrpcService` on this data plane and byte
+        budget (the HTTP front's)."""
         settings = self.settings
-        port = settings.grpc_port or 0
-        calls = grpc_front.max_calls(self.budget.limit, settings.max_request_bytes)
-        executable = grpc_native.binary()
-        if executable is None:
-            start = grpc_front.start(
-                self.dataplane,
-                settings.host,
-                port,
-                max_message_bytes=settings.max_request_bytes,
-                budget=self.budget,  # one byte budget for both fronts
-            )
-            return loop.run_until_complete(start)
-        service = grpc_front.GrpcService(self.dataplane, self.budget)
-        relay = grpc_native.Relay(service, settings.max_request_bytes)
+        calls = grpc_service.max_calls(self.budget.limit, settings.max_request_bytes)
+        relay = grpc_native.Relay(
+            grpc_service.GrpcService(self.dataplane, self.budget), settings.max_request_bytes
+        )
         front = grpc_native.start(
-            executable,
             settings.host,
-            port,
+            settings.grpc_port or 0,
             settings.port,
             max_message_bytes=settings.max_request_bytes,
-            max_calls=calls or grpc_front.MIN_CALLS,
+            max_calls=calls or grpc_service.MIN_CALLS,
             grace_seconds=int(GRPC_GRACE_SECONDS),
             token=relay.token,
         )

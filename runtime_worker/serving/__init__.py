@@ -2,7 +2,8 @@
 Protocol, kept in four replaceable parts, as KServe's and Triton's servers are.
 
 - the transports, which only decode and encode: `http` (HTTP/REST on Granian's RSGI interface,
-  with the binary tensor data extension) and `grpc_front` (KServe v2 gRPC);
+  with the binary tensor data extension) and `grpc_service` (KServe v2 gRPC, carried by the
+  native front, `grpc_native`);
 - the one data plane both call, `dataplane.DataPlane`: health, metadata, `infer`, and the errors
   (`ServingError`, carrying the HTTP status and the gRPC code of each refusal);
 - the scheduler that queues and batches requests, `batcher.Scheduler` (Triton's dynamic batcher's

@@ -1,8 +1,8 @@
 """The native gRPC front: `modelforge-grpc-front` (Rust, `native/grpc_front/`) does HTTP/2 and
 gRPC's framing outside Python's interpreter lock, and relays each call's message to this server
-over loopback HTTP/1.1, where `Relay` answers it with the same `grpc_front.GrpcService` the
-`grpc.aio` front uses. So what a call means is decided in one place; the native front only
-moves bytes, at a fraction of grpcio's cost per call (docs/performance.md).
+over loopback HTTP/1.1, where `Relay` answers it with `grpc_service.GrpcService`. So what a call
+means is decided in Python, in one place; the native front only moves bytes, at a fraction of
+grpcio's cost per call (docs/performance.md).
 
 The relay's route (`http.RELAY_PREFIX`) answers only requests carrying the token this process
 gave the front on its standard input (never in its arguments or environment); to anyone else it
@@ -10,9 +10,9 @@ does not exist (404). The front's standard input stays open: closing it (`stop`)
 process ending, makes the front stop taking calls and exit once those running are done (within
 the grace period).
 
-The front is used when its binary is here (`make install` builds it into `bin/` beside this
-module); `MODELFORGE_GRPC_FRONT=grpcio` chooses the `grpc.aio` front instead, and a path there
-another binary.
+It is the model server's only gRPC front: `make install` (and every worker image) builds it
+into `bin/` beside this module, and a server asked for gRPC without it stops at start with the
+fix (`FrontMissing`), never serving gRPC some other way.
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ from typing import Any
 
 from runtime_worker._oip import ServingError
 from runtime_worker.serving.batcher import CallerGone
-from runtime_worker.serving.grpc_front import GRPC_CODE_NUMBERS, GrpcService, host_port
+from runtime_worker.serving.grpc_service import GRPC_CODE_NUMBERS, GrpcService, host_port
 from runtime_worker.serving.http import WBITS, inflate
 
 log = logging.getLogger("modelforge.onnx_server")
 
-CHOICE_VARIABLE = "MODELFORGE_GRPC_FRONT"
 BUILT = Path(__file__).parent / "bin" / "modelforge-grpc-front"
 TOKEN_HEADER = "x-modelforge-front"  # noqa: S105 - the header's name, not a token
 ENCODING_HEADER = "x-grpc-encoding"
@@ -43,15 +42,9 @@ ENCODING_HEADER = "x-grpc-encoding"
 START_SECONDS = 10.0
 
 
-def binary(environ: dict[str, str] | os._Environ[str] = os.environ) -> Path | None:
-    """The native front's binary to run, or None for the `grpc.aio` front: the one
-    `MODELFORGE_GRPC_FRONT` names, else the one `make install` built, if it is there."""
-    choice = environ.get(CHOICE_VARIABLE, "")
-    if choice == "grpcio":
-        return None
-    if choice:
-        return Path(choice)
-    return BUILT if os.access(BUILT, os.X_OK) else None
+class FrontMissing(OSError):
+    """The native gRPC front's binary is not where `make install` puts it (the message says
+    where, and the fix)."""
 
 
 class Relay:
@@ -133,7 +126,6 @@ class NativeFront:
 
 
 def start(
-    executable: Path,
     host: str,
     port: int,
     backend_port: int,
@@ -142,9 +134,16 @@ def start(
     max_calls: int,
     grace_seconds: int,
     token: str,
+    executable: Path = BUILT,
 ) -> NativeFront:
     """Start the front on host:port (0: any free port), relaying to this server's HTTP port.
-    Raises OSError when it cannot run or listen (its reason on the server's standard error)."""
+    Raises `FrontMissing` when `executable` is not there, OSError when it cannot run or listen
+    (its reason on the server's standard error)."""
+    if not os.access(executable, os.X_OK):
+        raise FrontMissing(
+            f"the native gRPC front is not installed ({executable} is missing or not "
+            "executable); run make install, or use a runtime worker image, which holds it"
+        )
     address = host_port(host, port)
     command = [
         str(executable),
@@ -154,7 +153,7 @@ def start(
         "--max-calls", str(max_calls),
         "--grace-seconds", str(max(grace_seconds, 1)),
     ]  # fmt: skip
-    # The binary is this package's own (or the operator's MODELFORGE_GRPC_FRONT); no shell.
+    # The binary is this package's own; no shell.
     process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # noqa: S603
     stdin, stdout = process.stdin, process.stdout
     if stdin is None or stdout is None:  # pragma: no cover - both are pipes

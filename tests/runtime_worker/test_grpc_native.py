@@ -1,7 +1,7 @@
 """The native gRPC front (`modelforge-grpc-front`, native/grpc_front) as the model server runs
-it: a real server process, real gRPC clients. What it answers is tested for both fronts in
-test_grpc_front.py; here, what is its own: compressed messages, its limit on calls at once,
-its private relay, its life beside the server's, and the choice of front."""
+it: a real server process, real gRPC clients. What it answers is tested in
+test_grpc_service.py; here, what is its own: compressed messages, its limit on calls at once,
+its private relay, its life beside the server's, and a missing binary."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _serve(
 
 @pytest.fixture(scope="module")
 def served(model_path: Path) -> Iterator[tuple[Served, int]]:
-    assert grpc_native.binary() is not None, "the native gRPC front is not built: make install"
+    assert grpc_native.BUILT.exists(), "the native gRPC front is not built: make install"
     running = _serve(model_path)
     yield running
     stop_server(running[0])
@@ -142,7 +142,7 @@ def test_a_compressed_message_inflating_past_the_limit_is_resource_exhausted(
 
 
 def test_calls_past_the_limit_at_once_are_resource_exhausted_at_once(model_path: Path) -> None:
-    # 16 MiB of budget for 1 MiB messages: 16 calls at once (grpc_front.max_calls). Sixteen
+    # 16 MiB of budget for 1 MiB messages: 16 calls at once (grpc_service.max_calls). Sixteen
     # calls relayed to a model server that does not answer yet (stopped) hold them; a
     # seventeenth, on another connection, is refused at once; once the server goes on, all are
     # answered. (Calls still sending their messages hold no place: test_grpc_floods.py.)
@@ -267,16 +267,20 @@ def test_sigterm_to_the_server_and_its_front_lets_running_calls_finish(tmp_path:
         stop_server(server)
 
 
-def test_grpcio_is_the_front_when_chosen(model_path: Path) -> None:
-    env = {grpc_native.CHOICE_VARIABLE: "grpcio"}
-    server, port = _serve(model_path, env=env)
-    try:
-        assert _fronts(server) == []
-        client = triton.InferenceServerClient(url=f"127.0.0.1:{port}")
-        assert client.is_server_ready()
-        client.close()
-    finally:
-        stop_server(server)
+def test_a_missing_front_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    # The only gRPC front: without its binary the server does not serve gRPC some other way.
+    with pytest.raises(grpc_native.FrontMissing, match="run make install") as caught:
+        grpc_native.start(
+            "127.0.0.1",
+            0,
+            free_port(),
+            max_message_bytes=LIMIT,
+            max_calls=16,
+            grace_seconds=1,
+            token="t" * 32,
+            executable=tmp_path / "modelforge-grpc-front",
+        )
+    assert str(tmp_path) in str(caught.value)
 
 
 def test_a_taken_grpc_port_ends_the_server_with_the_reason(model_path: Path) -> None:

@@ -1,27 +1,27 @@
-"""The gRPC front: the Open Inference Protocol's gRPC API (KServe v2,
-`inference.GRPCInferenceService`) on a second port, so that standard clients such as
-`tritonclient.grpc` work unchanged: ServerLive, ServerReady, ModelReady, ServerMetadata,
-ModelMetadata and ModelInfer, with tensors as `raw_input_contents` / `raw_output_contents` (what
-tritonclient sends) or as typed `contents`.
+"""The calls of the Open Inference Protocol's gRPC API (KServe v2,
+`inference.GRPCInferenceService`), so that standard clients such as `tritonclient.grpc` work
+unchanged: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer,
+with tensors as `raw_input_contents` / `raw_output_contents` (what tritonclient sends) or as
+typed `contents`.
 
 `GrpcService` only decodes and encodes: messages into `_oip.InferRequest`s for the one
 `DataPlane` the HTTP front also calls, its arrays into raw output contents, and its
 `ServingError`s into the gRPC status each carries (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE for a
-full queue or a model still loading). Two transports carry its calls: the native front
-(`grpc_native`, the model server's default), and `start` here, a `grpc.aio` server on the event
-loop it is started on (the HTTP front's).
+full queue or a model still loading). One transport carries its calls: the native gRPC front
+(`modelforge-grpc-front`, `grpc_native`), which does HTTP/2 and gRPC's framing and relays each
+call's message here.
 
-Memory is bounded as the HTTP front bounds it: gRPC refuses a message over `max_message_bytes`
-with RESOURCE_EXHAUSTED before it is parsed, and an infer request holds what parsing and decoding
-it may take against the server's byte budget (shared with the HTTP front) before it is parsed;
-one that does not fit is refused at once (UNAVAILABLE). What it takes is read from the message's
-top-level fields: all length-delimited, at most as many tensors as the model has and a few
-others, so the scan is short whatever the size, and a message breaking either is refused
-(INVALID_ARGUMENT) before it is parsed. Since gRPC receives a whole message before the budget
-sees it, the front runs at most as many calls at once as the budget holds messages of the
-largest size (`max_calls`): a call takes its place once its message has arrived whole (a call
-still sending holds none), and one more than that is RESOURCE_EXHAUSTED at once. It never logs
-request data.
+Memory is bounded as the HTTP front bounds it: the front refuses a message over
+`max_message_bytes` with RESOURCE_EXHAUSTED before it is relayed, and an infer request holds what
+parsing and decoding it may take against the server's byte budget (shared with the HTTP front)
+before it is parsed; one that does not fit is refused at once (UNAVAILABLE). What it takes is
+read from the message's top-level fields: all length-delimited, at most as many tensors as the
+model has and a few others, so the scan is short whatever the size, and a message breaking
+either is refused (INVALID_ARGUMENT) before it is parsed. Since a call's whole message arrives
+before the budget sees it, the front runs at most as many calls at once as the budget holds
+messages of the largest size (`max_calls`): a call takes its place once its message has arrived
+whole (a call still sending holds none), and one more than that is RESOURCE_EXHAUSTED at once.
+It never logs request data.
 """
 
 from __future__ import annotations
@@ -29,11 +29,8 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol
+from typing import Any, Protocol
 
-import grpc
-import grpc.aio
 import numpy as np
 from google.protobuf.message import DecodeError
 
@@ -118,68 +115,6 @@ class _Unbounded:
         pass
 
 
-@dataclass
-class GrpcFront:
-    """A started gRPC front: its bound port; `stop` ends it."""
-
-    server: grpc.aio.Server
-    port: int
-
-    async def stop(self, grace: float | None) -> None:
-        """Refuse new calls, let those running finish for up to `grace` seconds, end."""
-        await self.server.stop(grace)
-
-
-async def start(
-    dataplane: DataPlane,
-    host: str,
-    port: int,
-    *,
-    max_message_bytes: int,
-    budget: Budget | None = None,
-) -> GrpcFront:
-    """Serve `dataplane` over gRPC on host:port (0: any free port) on the running event loop.
-    Raises OSError when the port cannot be bound."""
-    budget = budget or _Unbounded()
-    options = [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", -1),
-        # One server per port: a second process on the same port is an error, not a silent
-        # sharer of its calls.
-        ("grpc.so_reuseport", 0),
-    ]
-    # gRPC receives a call's whole message before the budget sees it: the calls at once bound
-    # what that takes (a call past them is RESOURCE_EXHAUSTED at once).
-    calls = max_calls(budget.limit, max_message_bytes)
-    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=calls)
-    # Registered (not generic) handlers: gRPC's core matches the method, no Python per call.
-    server.add_registered_method_handlers(SERVICE, _handlers(GrpcService(dataplane, budget)))
-    address = host_port(host, port)
-    try:
-        bound = server.add_insecure_port(address)
-    except RuntimeError as exc:  # grpc says only that it failed to bind
-        raise OSError(f"cannot listen for gRPC on {address}") from exc
-    await server.start()
-    return GrpcFront(server, bound)
-
-
-def _handlers(service: GrpcService) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
-    """grpc.aio's handler of each method: messages as bytes both ways, `service` between."""
-
-    def handler(method: str) -> _Handler:
-        async def answer(message: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-            try:
-                return await service.call(method, message)
-            except ServingError as exc:
-                await _abort(context, exc)
-
-        return answer
-
-    return {
-        method: grpc.unary_unary_rpc_method_handler(handler(method)) for method in service.methods
-    }
-
-
 def host_port(host: str, port: int) -> str:
     """host:port as gRPC and the native front take it (an IPv6 address in brackets)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -193,17 +128,37 @@ def max_calls(budget_bytes: int, max_message_bytes: int) -> int | None:
     return max(MIN_CALLS, budget_bytes // max(max_message_bytes, 1))
 
 
-_Handler = Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], Awaitable[bytes]]
-
-#: gRPC's status codes by name (grpc.StatusCode's), as numbers on the wire.
-GRPC_CODE_NUMBERS = {code.name: code.value[0] for code in grpc.StatusCode}
+#: gRPC's status codes by name, as numbers on the wire (grpc/doc/statuscodes.md).
+GRPC_CODE_NUMBERS = {
+    name: number
+    for number, name in enumerate(
+        (
+            "OK",
+            "CANCELLED",
+            "UNKNOWN",
+            "INVALID_ARGUMENT",
+            "DEADLINE_EXCEEDED",
+            "NOT_FOUND",
+            "ALREADY_EXISTS",
+            "PERMISSION_DENIED",
+            "RESOURCE_EXHAUSTED",
+            "FAILED_PRECONDITION",
+            "ABORTED",
+            "OUT_OF_RANGE",
+            "UNIMPLEMENTED",
+            "INTERNAL",
+            "UNAVAILABLE",
+            "DATA_LOSS",
+            "UNAUTHENTICATED",
+        )
+    )
+}
 
 
 class GrpcService:
-    """The calls of `inference.GRPCInferenceService` on one data plane, whatever carries them
-    (the `grpc.aio` server here, or the native front through `grpc_native.Relay`): `call`
-    takes a request message's bytes and returns the response message's, or raises the
-    `ServingError` whose gRPC status ends the call."""
+    """The calls of `inference.GRPCInferenceService` on one data plane, carried by the native
+    front through `grpc_native.Relay`: `call` takes a request message's bytes and returns the
+    response message's, or raises the `ServingError` whose gRPC status ends the call."""
 
     def __init__(self, dataplane: DataPlane, budget: Budget | None = None) -> None:
         self.dataplane, self.budget = dataplane, budget or _Unbounded()
@@ -487,8 +442,3 @@ def _not_infer_request(problem: str) -> ServingError:
         f"the message is not a ModelInferRequest ({problem}); send one as "
         "inference.GRPCInferenceService's proto defines it",
     )
-
-
-async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: ServingError) -> NoReturn:
-    await context.abort(grpc.StatusCode[error.grpc_code], error.message)
-    raise AssertionError("abort returned")  # pragma: no cover - abort always raises

@@ -1,8 +1,9 @@
-"""The model server's gRPC front (runtime_worker.serving.grpc_front) served on a real port from
-its own event loop (uvloop, as under Granian) and called by the unchanged standard client,
-`tritonclient.grpc`, and by Triton's own generated stub for what that client does not send
-(typed contents, bad messages): answers equal onnxruntime's, and each refusal carries its gRPC
-status code."""
+"""The model server's gRPC API (runtime_worker.serving.grpc_service) through its native front, a
+real server process called by the unchanged standard client, `tritonclient.grpc`, and by
+Triton's own generated stub for what that client does not send (typed contents, bad messages):
+answers equal onnxruntime's, and each refusal carries its gRPC status code. What the service
+holds against the server's byte budget and its queue, which a test must see inside the
+process, is asked of `GrpcService` itself on its own event loop (uvloop, as under Granian)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ import uvloop
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from runtime_worker.serving import grpc_front, grpc_native
+from runtime_worker._oip import ServingError
+from runtime_worker.serving import grpc_service
 from runtime_worker.serving.dataplane import DataPlane
+from runtime_worker.serving.grpc_service import GrpcService
 from runtime_worker.serving.http import ByteBudget
 from runtime_worker.serving.model import InstancePlan, OnnxModel
 from runtime_worker.serving.policy import BatchingPolicy
@@ -71,32 +74,29 @@ def loop() -> Iterator[Loop]:
     running.close()
 
 
-def _serve(loop: Loop, dataplane: DataPlane, **options: Any) -> grpc_front.GrpcFront:
-    async def started() -> grpc_front.GrpcFront:
-        return await grpc_front.start(dataplane, "127.0.0.1", 0, max_message_bytes=LIMIT, **options)
+@pytest.fixture(scope="module")
+def address(model_path: Path) -> Iterator[str]:
+    """The model server's gRPC port: its native front, which relays each call to the server's
+    `GrpcService`."""
+    port = free_port()
+    flags = ["--grpc-port", str(port), "--max-request-bytes", str(LIMIT)]
+    flags += ["--max-inflight-bytes", str(64 * LIMIT), "--instances", "1", "--cpus", "1"]
+    served = start_server(model_path, *flags)
+    yield f"127.0.0.1:{port}"
+    stop_server(served)
 
-    return loop.run(started())
+
+def _refusal(loop: Loop, service: GrpcService, method: str, message: bytes) -> ServingError:
+    """The refusal `service` answers a call with (what the front sends as the call's status)."""
+    with pytest.raises(ServingError) as caught:
+        loop.run(service.call(method, message))
+    return caught.value
 
 
-@pytest.fixture(scope="module", params=["grpc.aio", "native"])
-def address(request: pytest.FixtureRequest, loop: Loop, model_path: Path) -> Iterator[str]:
-    """A gRPC front on the same model and limits: `grpc.aio`'s in this process, or the native
-    front of a model server process (its default), which relays each call to the same
-    `GrpcService` over loopback HTTP."""
-    if request.param == "native":
-        assert grpc_native.binary() is not None, "the native gRPC front is not built: make install"
-        port = free_port()
-        flags = ["--grpc-port", str(port), "--max-request-bytes", str(LIMIT)]
-        flags += ["--max-inflight-bytes", str(64 * LIMIT), "--instances", "1", "--cpus", "1"]
-        served = start_server(model_path, *flags)
-        yield f"127.0.0.1:{port}"
-        stop_server(served)
-        return
-    dataplane = _dataplane(model_path)
-    loop.run(_start(dataplane))
-    front = _serve(loop, dataplane, budget=ByteBudget(64 * LIMIT))
-    yield f"127.0.0.1:{front.port}"
-    loop.run(front.stop(None))
+def _infer(x: np.ndarray, model: str = "relu") -> bytes:
+    request = service_pb2.ModelInferRequest(model_name=model, raw_input_contents=[x.tobytes()])
+    request.inputs.add(name="x", datatype="FP32", shape=list(x.shape))
+    return request.SerializeToString()
 
 
 async def _start(dataplane: DataPlane) -> None:
@@ -268,50 +268,24 @@ def test_a_message_over_the_limit_is_resource_exhausted(address: str) -> None:
 def test_unavailable_while_loading_and_when_the_byte_budget_is_spent(
     loop: Loop, model_path: Path
 ) -> None:
-    loading = _dataplane(model_path)  # loaded but not started: not ready yet
-    front = _serve(loop, loading)
-    try:
-        channel, stub = _stub(f"127.0.0.1:{front.port}")
-        with channel:
-            assert not stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=30).ready
-            code, details = _code(
-                lambda: stub.ModelMetadata(
-                    service_pb2.ModelMetadataRequest(name="relu"), timeout=30
-                )
-            )
-            assert code == grpc.StatusCode.UNAVAILABLE and "loading" in details
-    finally:
-        loop.run(front.stop(None))
+    loading = GrpcService(_dataplane(model_path))  # loaded but not started: not ready yet
+    answer = loop.run(loading.call("ServerReady", b""))
+    assert not service_pb2.ServerReadyResponse.FromString(answer).ready
+    metadata = service_pb2.ModelMetadataRequest(name="relu").SerializeToString()
+    refused = _refusal(loop, loading, "ModelMetadata", metadata)
+    assert refused.grpc_code == "UNAVAILABLE" and "loading" in refused.message
 
     ready = _dataplane(model_path)
     loop.run(_start(ready))
     budget = ByteBudget(100)  # less than any infer request takes
-    front = _serve(loop, ready, budget=budget)
-    try:
-        client = triton.InferenceServerClient(url=f"127.0.0.1:{front.port}")
-        inputs = [triton.InferInput("x", [1, 3], "FP32")]
-        inputs[0].set_data_from_numpy(np.ones((1, 3), dtype=np.float32))
-        with pytest.raises(InferenceServerException) as caught:
-            client.infer("relu", inputs)
-        assert caught.value.status() == "StatusCode.UNAVAILABLE"
-        assert budget.used == 0  # nothing held after the refusal
-        budget.limit = 64 * LIMIT
-        assert client.infer("relu", inputs).as_numpy("y").shape == (1, 4)
-        assert budget.used == 0  # and nothing after an answer
-        client.close()
-    finally:
-        loop.run(front.stop(None))
-
-
-def test_a_taken_port_is_an_oserror(loop: Loop, address: str, model_path: Path) -> None:
-    dataplane = _dataplane(model_path)
-    port = int(address.rsplit(":", 1)[1])
-
-    async def second() -> grpc_front.GrpcFront:
-        return await grpc_front.start(dataplane, "127.0.0.1", port, max_message_bytes=LIMIT)
-
-    with pytest.raises(OSError, match="cannot listen"):
-        loop.run(second())
+    service = GrpcService(ready, budget)
+    message = _infer(np.ones((1, 3), dtype=np.float32))
+    assert _refusal(loop, service, "ModelInfer", message).grpc_code == "UNAVAILABLE"
+    assert budget.used == 0  # nothing held after the refusal
+    budget.limit = 64 * LIMIT
+    answer = loop.run(service.call("ModelInfer", message))
+    assert service_pb2.ModelInferResponse.FromString(answer).outputs[0].shape == [1, 4]
+    assert budget.used == 0  # and nothing after an answer
 
 
 def test_typed_contents_are_counted_as_what_decoding_them_takes(
@@ -322,24 +296,19 @@ def test_typed_contents_are_counted_as_what_decoding_them_takes(
     ready = _dataplane(model_path)
     loop.run(_start(ready))
     budget = ByteBudget(150 * 1024)
-    front = _serve(loop, ready, budget=budget)
+    service = GrpcService(ready, budget)
     x = np.random.default_rng(3).standard_normal((1000, 3)).astype(np.float32)
-    raw = service_pb2.ModelInferRequest(model_name="relu", raw_input_contents=[x.tobytes()])
-    raw.inputs.add(name="x", datatype="FP32", shape=[1000, 3])
     typed = service_pb2.ModelInferRequest(model_name="relu")
     tensor = typed.inputs.add(name="x", datatype="FP32", shape=[1000, 3])
     tensor.contents.fp32_contents.extend(x.reshape(-1).tolist())
-    try:
-        channel, stub = _stub(f"127.0.0.1:{front.port}")
-        with channel:
-            answer = stub.ModelInfer(raw, timeout=30)
-            y = np.frombuffer(answer.raw_output_contents[0], dtype="<f4").reshape(1000, 4)
-            np.testing.assert_array_equal(y, _expected(x, model_path))
-            code, details = _code(lambda: stub.ModelInfer(typed, timeout=30))
-            assert code == grpc.StatusCode.UNAVAILABLE and "retry later" in details
-        assert budget.used == 0
-    finally:
-        loop.run(front.stop(None))
+    answer = service_pb2.ModelInferResponse.FromString(
+        loop.run(service.call("ModelInfer", _infer(x)))
+    )
+    y = np.frombuffer(answer.raw_output_contents[0], dtype="<f4").reshape(1000, 4)
+    np.testing.assert_array_equal(y, _expected(x, model_path))
+    refused = _refusal(loop, service, "ModelInfer", typed.SerializeToString())
+    assert refused.grpc_code == "UNAVAILABLE" and "retry later" in refused.message
+    assert budget.used == 0
 
 
 def test_a_full_queue_is_unavailable_at_once(loop: Loop, tmp_path: Path) -> None:
@@ -349,27 +318,24 @@ def test_a_full_queue_is_unavailable_at_once(loop: Loop, tmp_path: Path) -> None
     path.write_bytes(mlp((1024, 2048, 2048, 1024)))
     slow = _dataplane(path, BatchingPolicy(max_queue_size=1))
     loop.run(_start(slow))
-    front = _serve(loop, slow)
-    x = np.ones((64, 1024), dtype=np.float32)
-    request = service_pb2.ModelInferRequest(model_name="relu", raw_input_contents=[x.tobytes()])
-    request.inputs.add(name="x", datatype="FP32", shape=[64, 1024])
-    try:
-        channel, stub = _stub(f"127.0.0.1:{front.port}")
-        with channel:
-            calls = [stub.ModelInfer.future(request, timeout=60) for _ in range(12)]
-            answered, refused = 0, []
-            for call in calls:
-                try:
-                    assert call.result().outputs[0].shape == [64, 1024]
-                    answered += 1
-                except grpc.RpcError as exc:
-                    refused.append((exc.code(), exc.details()))
-            assert answered >= 1 and refused, (answered, refused)
-            for code, details in refused:
-                assert code == grpc.StatusCode.UNAVAILABLE and "retry later" in details
-            assert stub.ModelInfer(request, timeout=60).outputs[0].name == "y"  # still serving
-    finally:
-        loop.run(front.stop(None))
+    service = GrpcService(slow)
+    message = _infer(np.ones((64, 1024), dtype=np.float32))
+
+    async def twelve() -> list[bytes | BaseException]:
+        calls = (service.call("ModelInfer", message) for _ in range(12))
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    outcomes = loop.run(twelve())
+    answered = [o for o in outcomes if isinstance(o, bytes)]
+    refused = [o for o in outcomes if not isinstance(o, bytes)]
+    assert answered and refused, outcomes
+    for error in refused:
+        assert isinstance(error, ServingError), error
+        assert error.grpc_code == "UNAVAILABLE" and "retry later" in error.message
+    answer = service_pb2.ModelInferResponse.FromString(
+        loop.run(service.call("ModelInfer", message))
+    )
+    assert answer.outputs[0].name == "y"  # still serving
 
 
 def _failures(dataplane: DataPlane) -> float:
@@ -381,27 +347,13 @@ def _failures(dataplane: DataPlane) -> float:
 def test_requests_refused_while_decoding_count_as_failures(loop: Loop, model_path: Path) -> None:
     dataplane = _dataplane(model_path)
     loop.run(_start(dataplane))
-    front = _serve(loop, dataplane)
-    x = service_pb2.ModelInferRequest.InferInputTensor
-    try:
-        channel, stub = _stub(f"127.0.0.1:{front.port}")
-        with channel:
-            bad = service_pb2.ModelInferRequest(
-                model_name="relu",
-                inputs=[x(name="x", datatype="FP32", shape=[1, 4])],
-                raw_input_contents=[np.zeros(4, dtype=np.float32).tobytes()],
-            )
-            assert _code(lambda: stub.ModelInfer(bad, timeout=30))[0] == (
-                grpc.StatusCode.INVALID_ARGUMENT
-            )
-            assert _failures(dataplane) == 1
-            other = service_pb2.ModelInferRequest(model_name="other")
-            assert _code(lambda: stub.ModelInfer(other, timeout=30))[0] == (
-                grpc.StatusCode.NOT_FOUND
-            )
-            assert _failures(dataplane) == 1  # another model's request is not this one's
-    finally:
-        loop.run(front.stop(None))
+    service = GrpcService(dataplane)
+    wrong_shape = _infer(np.zeros((1, 4), dtype=np.float32))
+    assert _refusal(loop, service, "ModelInfer", wrong_shape).grpc_code == "INVALID_ARGUMENT"
+    assert _failures(dataplane) == 1
+    other = service_pb2.ModelInferRequest(model_name="other").SerializeToString()
+    assert _refusal(loop, service, "ModelInfer", other).grpc_code == "NOT_FOUND"
+    assert _failures(dataplane) == 1  # another model's request is not this one's
 
 
 def test_messages_that_are_not_infer_requests_are_refused(address: str) -> None:
@@ -524,37 +476,10 @@ def test_messages_of_many_empty_tensors_are_refused_without_memory_growing(
         stop_server(running)
 
 
-def test_calls_past_what_the_budget_holds_in_messages_are_resource_exhausted(
-    loop: Loop, tmp_path: Path
-) -> None:
-    # gRPC receives a whole message before the budget counts it, so the front takes only as
-    # many calls at once as the budget holds messages of the largest size (at least 16): of 48
-    # slow calls sent together past 16, some are refused at once, the others answered.
-    assert grpc_front.max_calls(512 * LIMIT, 64 * LIMIT) == grpc_front.MIN_CALLS == 16
-    assert grpc_front.max_calls(512 * LIMIT, 4 * LIMIT) == 128
-    path = tmp_path / "slow.onnx"
-    path.write_bytes(mlp((1024, 2048, 2048, 1024)))
-    slow = _dataplane(path)
-    loop.run(_start(slow))
-    budget = ByteBudget(16 * LIMIT)
-    front = _serve(loop, slow, budget=budget)
-    x = np.ones((16, 1024), dtype=np.float32)
-    request = service_pb2.ModelInferRequest(model_name="relu", raw_input_contents=[x.tobytes()])
-    request.inputs.add(name="x", datatype="FP32", shape=[16, 1024])
-    try:
-        channel, stub = _stub(f"127.0.0.1:{front.port}")
-        with channel:
-            calls = [stub.ModelInfer.future(request, timeout=120) for _ in range(48)]
-            answered, refused = 0, []
-            for call in calls:
-                try:
-                    assert call.result().outputs[0].shape == [16, 1024]
-                    answered += 1
-                except grpc.RpcError as exc:
-                    refused.append((exc.code(), exc.details()))
-            assert answered >= 16 and refused, (answered, refused)
-            assert {code for code, _ in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}, refused
-            assert stub.ModelInfer(request, timeout=60).outputs[0].name == "y"  # still serving
-        assert budget.used == 0
-    finally:
-        loop.run(front.stop(None))
+def test_the_calls_at_once_are_what_the_budget_holds_in_messages() -> None:
+    # A call's whole message arrives before the budget counts it, so the front takes only as
+    # many calls at once as the budget holds messages of the largest size, at least 16 (the
+    # native front refusing the one past them: test_grpc_native.py).
+    assert grpc_service.max_calls(512 * LIMIT, 64 * LIMIT) == grpc_service.MIN_CALLS == 16
+    assert grpc_service.max_calls(512 * LIMIT, 4 * LIMIT) == 128
+    assert grpc_service.max_calls(0, LIMIT) is None  # no budget: unbounded
