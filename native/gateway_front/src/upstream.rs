@@ -49,9 +49,7 @@ impl Service<Uri> for Upstream {
     type Future = Connecting;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), io::Error>> {
-        self.0
-            .poll_ready(cx)
-            .map_err(|error| io::Error::new(io::ErrorKind::Other, error))
+        self.0.poll_ready(cx).map_err(io::Error::other)
     }
 
     fn call(&mut self, target: Uri) -> Connecting {
@@ -62,7 +60,7 @@ impl Service<Uri> for Upstream {
                     stream,
                     send_refused: false,
                 }),
-                Err(error) => Err(io::Error::new(io::ErrorKind::Other, error)),
+                Err(error) => Err(io::Error::other(error)),
             }
         })
     }
