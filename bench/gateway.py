@@ -33,8 +33,7 @@ Run::
 
     python bench/gateway.py                        # about 3 minutes
     python bench/gateway.py --parts compare --duration 10 --rounds 3
-    python bench/gateway.py --parts compare --tunnel-relay python   # the agents' Python end
-    python bench/gateway.py --parts compare --gateway-front native  # the native front
+    python bench/gateway.py --parts compare --gateway-front python  # the Python gateway
 """
 
 from __future__ import annotations
@@ -133,9 +132,7 @@ class Stack:
 
 
 @contextmanager
-def started(
-    root: Path, nodes: int, drain: float, relay: str = "native", front: str = "python"
-) -> Iterator[Stack]:
+def started(root: Path, nodes: int, drain: float, front: str = "native") -> Iterator[Stack]:
     with ExitStack() as stack:
         settings = {
             **SETTINGS,
@@ -151,7 +148,6 @@ def started(
                 root / f"node{index}",
                 server.url,
                 token=server.mint()["token"],
-                extra_env={"MODELFORGE_AGENT_TUNNEL_RELAY": relay},
             )
             stack.enter_context(node)
             node.start_worker().start_agent()
@@ -478,11 +474,8 @@ def run(args: argparse.Namespace) -> int:
     figures, ran, not_run = Figures(), [], {}
     try:
         nodes = 2 if "kill" in chosen else 1
-        print(f"the tunnel's end on the nodes: {args.tunnel_relay} (MODELFORGE_AGENT_TUNNEL_RELAY)")
         print(f"the control plane's gateway: {args.gateway_front} (MODELFORGE_GATEWAY_FRONT)")
-        with started(
-            scratch, nodes, args.drain_seconds, args.tunnel_relay, args.gateway_front
-        ) as stack:
+        with started(scratch, nodes, args.drain_seconds, args.gateway_front) as stack:
             register_models(stack)
             compared: str | None = None
             for part in chosen:
@@ -531,15 +524,9 @@ def main() -> int:
         "--drain-seconds", type=float, default=30, help="MODELFORGE_SERVICE_DRAIN_SECONDS"
     )
     parser.add_argument(
-        "--tunnel-relay",
-        choices=["native", "python"],
-        default="native",
-        help="the agents' end of the tunnel (MODELFORGE_AGENT_TUNNEL_RELAY)",
-    )
-    parser.add_argument(
         "--gateway-front",
         choices=["native", "python"],
-        default="python",
+        default="native",
         help="the control plane's end: its native front or Python (MODELFORGE_GATEWAY_FRONT)",
     )
     return run(parser.parse_args())

@@ -12,8 +12,7 @@ its loops until stopped, each on its own thread and schedule:
 - beside them the services this node must run (node_agent.services), synced with the control
   plane every poll interval it gives and kept in line on the runtime worker;
 - the tunnel, always open while the agent runs: the control plane's gateway reaches this
-  node's replicas through it, on their local ports (node_agent.tunnel_native's relay process
-  where it is installed, else node_agent.tunnel);
+  node's replicas through it, on their local ports (node_agent.tunnel's relay process);
 - with a maximum idle time (`MODELFORGE_AGENT_MAX_IDLE_SECONDS`), the idle watch: once the
   node has had no job and no service for that long since the slots started (node_agent.idle),
   it logs why and stops the agent, which exits with 0;
@@ -62,8 +61,7 @@ from node_agent.local_api import serve_local_api
 from node_agent.preflight import PreflightResult
 from node_agent.retry import EXIT_CONFIG, AgentStopped, ControlPlaneError, Interrupted
 from node_agent.services import ServiceKeeper
-from node_agent.tunnel import LocalPorts, TunnelClient, tls_context
-from node_agent.tunnel_native import NativeTunnel, native_relay
+from node_agent.tunnel import RELAY, NativeTunnel, replica_ports
 from node_agent.work import WorkRunner
 from node_agent.worker_link import WorkerWatch, wait_or_wake
 
@@ -285,32 +283,15 @@ class Agent:
                 activity=self.activity,
             )
             keeper.start()
-            ports = LocalPorts(keeper.worker_view)
-            relay = native_relay(self.settings.control_plane_url, self.settings.tunnel_relay)
-            tunnel: TunnelClient | NativeTunnel
-            if relay is not None:
-                tunnel = NativeTunnel(
-                    binary=relay,
-                    control_plane_url=self.settings.control_plane_url,
-                    credential=identity.credential,
-                    ports=ports.all,
-                    stop=self.stop,
-                    tls_verify=self.settings.tls_verify,
-                    ca_cert_path=self.settings.ca_cert_path,
-                )
-            else:
-                tunnel = TunnelClient(
-                    control_plane_url=self.settings.control_plane_url,
-                    credential=identity.credential,
-                    ports=ports.port,
-                    stop=self.stop,
-                    tls=tls_context(
-                        self.settings.control_plane_url,
-                        verify=self.settings.tls_verify,
-                        ca_cert_path=self.settings.ca_cert_path,
-                    ),
-                )
-            log.info("the tunnel's end on this node: %s", type(tunnel).__name__)
+            tunnel = NativeTunnel(
+                binary=RELAY,  # there: the agent's start checked (tunnel.check_relay)
+                control_plane_url=self.settings.control_plane_url,
+                credential=identity.credential,
+                ports=lambda: replica_ports(keeper.worker_view()),
+                stop=self.stop,
+                tls_verify=self.settings.tls_verify,
+                ca_cert_path=self.settings.ca_cert_path,
+            )
             keeper.in_flight = tunnel.in_flight  # a draining replica's drain ends at 0
             tunnel.start()
             if self.max_idle_seconds > 0:

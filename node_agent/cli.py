@@ -36,6 +36,7 @@ from node_agent.inventory import Overrides
 from node_agent.job_python import check_job_python
 from node_agent.preflight import EXIT_PREFLIGHT, run_preflight
 from node_agent.retry import EXIT_CONFIG, AgentStopped
+from node_agent.tunnel import check_relay
 
 log = logging.getLogger("modelforge.node_agent")
 T = TypeVar("T")
@@ -144,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     store = IdentityStore(settings.state_volume)
     try:
         store.check_writable()
-    except StateVolumeError as exc:
+        check_relay()
+    except (StateVolumeError, ConfigError) as exc:
         return _die(EXIT_CONFIG, str(exc))
 
     result = run_preflight(settings.accelerator_mode, timeout=settings.preflight_timeout_seconds)

@@ -78,9 +78,6 @@ class AgentSettings(PreflightSettings):
     )
     request_timeout_seconds: float = Field(default=10.0, gt=0, le=300)
     service_host: str | None = None
-    #: The tunnel's end on this node: the native relay where it can serve (node_agent.
-    #: tunnel_native.native_relay), or always the Python end.
-    tunnel_relay: Literal["native", "python"] = "native"
     # What the node offers and how long it stays idle. A command-line flag (`--parallel`,
     # `--cpus`, `--gpus`, `--ram-mb`, `--max-idle-seconds`) overrides each (node_agent.cli).
     #: Jobs run at once: one work slot (a held claim) each.

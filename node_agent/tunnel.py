@@ -1,25 +1,24 @@
-"""The agent's end of the tunnel outside Python (issue 27): `modelforge-tunnel-relay`
-(native/tunnel_relay, Rust, built by `make install`) speaks the same protocol as
-`TunnelClient` (`modelforge_contracts.tunnel`, over the same WebSocket) and relays each stream
-to the replica's local port itself, so a gateway request crosses no Python on the node.
+"""The agent's end of the tunnel (issue 27): `modelforge-tunnel-relay` (native/tunnel_relay,
+Rust, built by `make install`, in the node agent's image) holds the WebSocket to the control
+plane (`modelforge_contracts.tunnel`) and relays each stream to the replica's local port itself,
+so a gateway request crosses no Python on the node. It is the only end: a missing binary stops
+the agent at start, naming the fix (`check_relay`), never a fallback.
 
-`NativeTunnel` has `TunnelClient`'s face (`start`, `connected`, `connections`, `in_flight`,
-`peak_buffered`) and keeps the relay running for as long as the agent runs:
+`NativeTunnel` keeps the relay running for as long as the agent runs:
 
 - the relay gets its configuration, the credential with it, as the first line of its stdin
   (never in its arguments or environment), then `{"ports": ...}` whenever the replicas' local
-  ports change (asked of the worker's view every second, and at once when the relay meets
-  an unknown replica id);
+  ports change (`replica_ports` of the worker's view, asked every second, and at once when the
+  relay meets an unknown replica id);
 - its stdout says when the tunnel opens and closes and how many requests each replica has in
   flight (a draining replica's drain ends at 0); its stderr lines are logged here;
 - the agent stopping closes its stdin: the relay closes the tunnel (1001) and exits. A relay
   that exits on its own is started again after a pause (1 s doubling to 16 s).
 
-`native_relay()` chooses: the relay where it is installed, unless
-`MODELFORGE_AGENT_TUNNEL_RELAY=python`, for an `http://` or `https://` control plane, named by
-a DNS name or an IP address (the relay's TLS, rustls, trusts what the agent's HTTP client
-trusts: the system's roots and `ca_cert_path`, or nothing checked with `tls_verify` off; it
-checks the certificate against the name or the address in the URL).
+It reaches an `http://` or `https://` control plane named by a DNS name or an IP address (its
+TLS, rustls, trusts what the agent's HTTP client trusts: the system's roots and
+`ca_cert_path`, or nothing checked with `tls_verify` off; it checks the certificate against the
+name or the address in the URL).
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from typing import IO, Any
 from urllib.parse import urlsplit
 
 from modelforge_contracts.tunnel import MAX_STREAMS, TUNNEL_PATH
+from node_agent.config import ConfigError
 
 log = logging.getLogger("modelforge.node_agent.tunnel")
 
@@ -49,15 +49,25 @@ _STOP_WAIT = 5.0
 _LEVELS = {"error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO}
 
 
-def native_relay(control_plane_url: str, choice: str = "native") -> Path | None:
-    """The relay to use for `control_plane_url`, or None for the Python end (always with
-    `choice` "python": `MODELFORGE_AGENT_TUNNEL_RELAY`)."""
-    if choice == "python":
-        return None
-    parts = urlsplit(control_plane_url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return None
-    return RELAY if os.access(RELAY, os.X_OK) else None
+def check_relay(binary: Path = RELAY) -> Path:
+    """The relay's binary, or `ConfigError` naming the fix when it is not there."""
+    if not os.access(binary, os.X_OK):
+        raise ConfigError(
+            f"the tunnel relay is not installed ({binary} is missing or not executable); run "
+            "make install, or use the node agent image, which holds it"
+        )
+    return binary
+
+
+def replica_ports(view: dict[str, Any]) -> dict[str, int]:
+    """Replica id -> the local port its server listens on, from the runtime worker's view
+    (`GET /v1/services`)."""
+    services = view.get("services", [])
+    return {
+        str(entry["service_id"]): int(entry["port"])
+        for entry in services
+        if isinstance(entry, dict) and isinstance(entry.get("port"), int)
+    }
 
 
 class NativeTunnel:

@@ -1,9 +1,8 @@
 """The tunnel (issue 27) end to end: a real control plane served by Granian (RSGI, WebSockets)
 with a test door into its `TunnelHub` (tests/control_plane/tunnel_app.py, standing in for the
 gateway), the agent's real end of the tunnel, and a real HTTP server on loopback as the replica.
-Every byte goes HTTP -> hub -> WebSocket -> agent -> HTTP/1.1 and back. The agent's end is
-each of the two it may run: `TunnelClient` on a thread (Python) and `NativeTunnel`, the
-`modelforge-tunnel-relay` process `make install` builds."""
+Every byte goes HTTP -> hub -> WebSocket -> agent -> HTTP/1.1 and back. The agent's end is the
+one it runs, `NativeTunnel`: the `modelforge-tunnel-relay` process `make install` builds."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from modelforge_contracts.tunnel import INITIAL_WINDOW, TUNNEL_PATH
-from node_agent.tunnel import TunnelClient
-from node_agent.tunnel_native import RELAY, NativeTunnel
+from node_agent.tunnel import RELAY, NativeTunnel
 from tests.e2e.server import LiveServer
 
 _ROOT = Path(__file__).resolve().parents[2]
@@ -197,39 +195,22 @@ def replica() -> Iterator[Replica]:
 class Agent:
     node_id: str
     credential: str
-    client: TunnelClient | NativeTunnel
+    client: NativeTunnel
     stop: threading.Event
 
 
-@pytest.fixture(params=["python", "native"])
-def end(request: pytest.FixtureRequest) -> str:
-    """Which end of the tunnel the agent runs."""
-    if request.param == "native":
-        assert RELAY.is_file(), "make install builds node_agent/bin/modelforge-tunnel-relay"
-    return str(request.param)
-
-
-def _agent(server: DoorServer, replica: Replica, end: str, **options: Any) -> Agent:
+def _agent(server: DoorServer, replica: Replica, **options: Any) -> Agent:
+    assert RELAY.is_file(), "make install builds node_agent/bin/modelforge-tunnel-relay"
     enrolled = server.enroll()
     stop = threading.Event()
-    client: TunnelClient | NativeTunnel
-    if end == "native":
-        client = NativeTunnel(
-            binary=RELAY,
-            control_plane_url=server.url,
-            credential=enrolled["credential"],
-            ports=lambda: {"r1": replica.port},
-            stop=stop,
-            **options,
-        )
-    else:
-        client = TunnelClient(
-            control_plane_url=server.url,
-            credential=enrolled["credential"],
-            ports=lambda replica_id: replica.port if replica_id == "r1" else None,
-            stop=stop,
-            **options,
-        )
+    client = NativeTunnel(
+        binary=RELAY,
+        control_plane_url=server.url,
+        credential=enrolled["credential"],
+        ports=lambda: {"r1": replica.port},
+        stop=stop,
+        **options,
+    )
     client.start()
     agent = Agent(enrolled["node_id"], enrolled["credential"], client, stop)
     _wait(lambda: agent.node_id in server.stats()["nodes"], "the hub never held the tunnel")
@@ -237,8 +218,8 @@ def _agent(server: DoorServer, replica: Replica, end: str, **options: Any) -> Ag
 
 
 @pytest.fixture
-def agent(server: DoorServer, replica: Replica, end: str) -> Iterator[Agent]:
-    started = _agent(server, replica, end)
+def agent(server: DoorServer, replica: Replica) -> Iterator[Agent]:
+    started = _agent(server, replica)
     yield started
     started.stop.set()
 
@@ -340,8 +321,8 @@ def test_a_client_going_away_resets_the_stream_to_the_replica(
     assert httpx.get(_through(server, agent, "hello"), timeout=30).status_code == 200
 
 
-def test_too_many_streams_are_refused(server: DoorServer, replica: Replica, end: str) -> None:
-    agent = _agent(server, replica, end, max_streams=3)
+def test_too_many_streams_are_refused(server: DoorServer, replica: Replica) -> None:
+    agent = _agent(server, replica, max_streams=3)
     try:
 
         async def four() -> tuple[list[httpx.Response], httpx.Response]:
@@ -382,9 +363,7 @@ def test_a_revoked_credential_closes_the_tunnel(server: DoorServer, agent: Agent
     assert agent.node_id not in server.stats()["nodes"]
 
 
-def test_an_expired_credential_closes_the_tunnel(
-    tmp_path: Path, replica: Replica, end: str
-) -> None:
+def test_an_expired_credential_closes_the_tunnel(tmp_path: Path, replica: Replica) -> None:
     lifetime = 8.0  # seconds: long enough for the agent to connect on a loaded machine
     live = DoorServer(
         data_dir=tmp_path / "data",
@@ -393,7 +372,7 @@ def test_an_expired_credential_closes_the_tunnel(
     )
     with live:
         enrolling = time.monotonic()
-        agent = _agent(live, replica, end)  # its credential lasts `lifetime` from its enrollment
+        agent = _agent(live, replica)  # its credential lasts `lifetime` from its enrollment
         try:
             assert httpx.get(_through(live, agent, "hello"), timeout=30).status_code == 200
             _wait(

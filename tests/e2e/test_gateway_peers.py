@@ -1,7 +1,8 @@
 """Several control-plane replicas serve the gateway (issue 27): two real control planes
 (`modelforge-control-plane`, Granian) on one PostgreSQL database, each with
-`MODELFORGE_GATEWAY_PEER_ADDRESS`; real node agents' `TunnelClient`s, one connected to each
-replica's own URL, each forwarding to a real HTTP server on loopback standing as its replica;
+`MODELFORGE_GATEWAY_PEER_ADDRESS`; real node agents' tunnel relays (`NativeTunnel`), one
+connected to each replica's own URL, each forwarding to a real HTTP server on loopback standing
+as its replica;
 heartbeats over HTTP with the node's credential. A request at replica B's gateway for the
 replica whose tunnel replica A holds goes B -> A (the internal route, signed) -> tunnel ->
 agent -> HTTP and back; the internal route refuses anything unsigned, a signed request replayed
@@ -44,7 +45,7 @@ from control_plane.gateway.peers import PEER_PREFIX
 from control_plane.models import GatewayPeerKey, GatewayTunnel, Service, ServiceReplica
 from control_plane.services import access_tokens
 from control_plane.services.schemas import AccessTokenCreate
-from node_agent.tunnel import TunnelClient
+from node_agent.tunnel import RELAY, NativeTunnel
 from tests.e2e.server import FAST, LiveServer
 from tests.factories import heartbeat_body
 
@@ -111,10 +112,11 @@ class _Node:
 
     def start(self, server: LiveServer, replica_id: str) -> _Node:
         port = self.replica.port
-        TunnelClient(
+        NativeTunnel(
+            binary=RELAY,
             control_plane_url=server.url,
             credential=self.credential,
-            ports=lambda asked: port if asked == replica_id else None,
+            ports=lambda: {replica_id: port},
             stop=self.stop,
         ).start()
         threading.Thread(target=self._beat, args=(server.url,), daemon=True).start()

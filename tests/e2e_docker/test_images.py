@@ -394,12 +394,12 @@ def test_node_agent_runs_its_preflight_without_a_shell(
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["ok"] is True
 
-    # The agent's native tunnel relay ships in the image, is the one it chooses for a plain
-    # HTTP control plane, and runs there (its libraries found): with no configuration on its
-    # stdin it says so and exits 2.
+    # The agent's tunnel relay ships in the image, where the agent's start check finds it, and
+    # runs there (its libraries found): with no configuration on its stdin it says so and
+    # exits 2.
     chosen = subprocess.run(
         ["chroot", "--userspec=10001:10001", str(rootfs), "python3", "-c",
-         "from node_agent.tunnel_native import native_relay; print(native_relay('http://cp:8000'))"],
+         "from node_agent.tunnel import check_relay; print(check_relay())"],
         env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     relay = chosen.stdout.strip()

@@ -1,10 +1,12 @@
-"""The agent's end of the tunnel: the frames it reads are checked, the replicas' ports come from
-the worker's view. The whole path (a real control plane, a real replica) is
-tests/control_plane/test_tunnel.py's."""
+"""The tunnel's contract (modelforge_contracts.tunnel, the control plane's Python end): frames
+are checked, windows enforced, writes batched; and the replicas' ports the agent tells its relay
+come from the worker's view. The whole path (a real control plane, the agent's relay, a real
+replica) is tests/control_plane/test_tunnel.py's."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +25,8 @@ from modelforge_contracts.tunnel import (
     decode_message,
     encode,
 )
-from node_agent.tunnel import LocalPorts, tls_context
+from node_agent.config import ConfigError
+from node_agent.tunnel import check_relay, replica_ports
 
 
 def test_frames_round_trip_and_bad_ones_are_refused() -> None:
@@ -50,28 +53,27 @@ def test_a_peer_past_its_window_is_refused_and_consumption_grants_more() -> None
     window.received(INITIAL_WINDOW // 2)  # exactly what was granted back
 
 
-def test_ports_come_from_the_worker_view_and_an_unknown_id_asks_again() -> None:
-    views: list[dict[str, Any]] = [
-        {"services": [{"service_id": "r1", "port": 4001}]},
-        {"services": [{"service_id": "r1", "port": 4001}, {"service_id": "r2", "port": 4002}]},
-    ]
-    asked: list[int] = []
-
-    def view() -> dict[str, Any]:
-        asked.append(1)
-        return views[min(len(asked), len(views)) - 1]
-
-    ports = LocalPorts(view)
-
-    assert ports.port("r1") == 4001
-    assert ports.port("r1") == 4001 and len(asked) == 1  # cached
-    assert ports.port("r2") == 4002 and len(asked) == 2  # unknown: asked again at once
-    assert ports.port("r3") is None
+def test_ports_come_from_the_worker_view() -> None:
+    view: dict[str, Any] = {
+        "services": [
+            {"service_id": "r1", "port": 4001},
+            {"service_id": "r2", "port": 4002},
+            {"service_id": "r3", "port": None},  # not listening yet
+            "not an entry",
+        ]
+    }
+    assert replica_ports(view) == {"r1": 4001, "r2": 4002}
+    assert replica_ports({}) == {}
 
 
-def test_plain_http_has_no_tls_context() -> None:
-    assert tls_context("http://cp:8000", verify=True, ca_cert_path=None) is None
-    assert tls_context("https://cp", verify=True, ca_cert_path=None) is not None
+def test_a_missing_relay_is_a_configuration_error_naming_the_fix(tmp_path: Path) -> None:
+    missing = tmp_path / "modelforge-tunnel-relay"
+    with pytest.raises(ConfigError, match="run make install") as caught:
+        check_relay(missing)
+    assert str(missing) in str(caught.value)
+    missing.write_text("#!/bin/sh\n")  # there, but not executable
+    with pytest.raises(ConfigError):
+        check_relay(missing)
 
 
 class _Socket:

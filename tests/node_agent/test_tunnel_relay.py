@@ -1,8 +1,7 @@
-"""What is the native relay's own (`node_agent/tunnel_native.py`, native/tunnel_relay): when the
-agent runs it, that the credential reaches it only on its stdin, that the replicas' ports reach
-it as they change, that a relay that dies is started again, and that the agent stopping ends
-it. What both ends of the tunnel share is tests/control_plane/test_tunnel.py's (run against
-each)."""
+"""What is the agent's relay's own (`node_agent/tunnel.py`, native/tunnel_relay): that the
+credential reaches it only on its stdin, that the replicas' ports reach it as they change, its
+TLS, that a relay that dies is started again, and that the agent stopping ends it. The tunnel's
+whole path is tests/control_plane/test_tunnel.py's."""
 
 from __future__ import annotations
 
@@ -16,21 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from node_agent.tunnel_native import RELAY, NativeTunnel, native_relay
+from node_agent.tunnel import RELAY, NativeTunnel
 
 # The door server, the replica and their fixtures are test_tunnel's.
 from tests.control_plane.test_tunnel import DoorServer, Replica, _wait, replica, server  # noqa: F401
 from tests.e2e.tls import make_private_pki
-
-
-def test_the_relay_is_chosen_where_it_can_serve() -> None:
-    assert RELAY.is_file(), "make install builds node_agent/bin/modelforge-tunnel-relay"
-    assert native_relay("http://cp:8000") == RELAY
-    assert native_relay("https://cp.internal:8443") == RELAY
-    # The relay's TLS checks a certificate's IP-address names too (rustls 0.23).
-    assert native_relay("https://10.0.0.5:8443") == RELAY
-    assert native_relay("https://[::1]:8443") == RELAY
-    assert native_relay("http://cp:8000", "python") is None  # MODELFORGE_AGENT_TUNNEL_RELAY
 
 
 def test_the_credential_reaches_the_relay_only_on_its_stdin_and_is_never_logged(
@@ -109,9 +98,7 @@ def test_over_tls_the_relay_trusts_the_private_ca_and_the_names_it_vouches_for(
         enrolled = live.enroll()
 
         def tunnel(host: str, **tls: object) -> tuple[NativeTunnel, threading.Event]:
-            # The agent's choice of end, as it makes it for this control plane's URL.
             url = f"https://{host}:{live.port}"
-            assert native_relay(url) == RELAY
             stop = threading.Event()
             started = NativeTunnel(
                 binary=RELAY,
@@ -165,14 +152,3 @@ def test_over_tls_the_relay_trusts_the_private_ca_and_the_names_it_vouches_for(
             _wait(unchecking.connected.is_set, "the agent does not know it is open")
         finally:
             stop.set()
-
-
-def test_the_choice_is_a_setting_and_a_wrong_one_is_refused() -> None:
-    from pydantic import ValidationError
-
-    from node_agent.config import AgentSettings
-
-    chosen = AgentSettings(control_plane_url="http://127.0.0.1:1", tunnel_relay="python")
-    assert chosen.tunnel_relay == "python"
-    with pytest.raises(ValidationError, match="tunnel_relay"):
-        AgentSettings(control_plane_url="http://127.0.0.1:1", tunnel_relay="fast")  # type: ignore[arg-type]

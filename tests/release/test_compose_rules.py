@@ -105,7 +105,6 @@ LEFT_OUT = {
     "MODELFORGE_AGENT_PREFLIGHT_TIMEOUT_SECONDS": "tuning with a working default",
     "MODELFORGE_AGENT_REQUEST_TIMEOUT_SECONDS": "tuning with a working default",
     "MODELFORGE_AGENT_GPU_HEALTH_POLL_SECONDS": "tuning with a working default",
-    "MODELFORGE_AGENT_TUNNEL_RELAY": "the image holds the native relay",
 }
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml  # type: ignore[import-untyped]
 
-from node_agent.tunnel import TunnelClient
+from node_agent.tunnel import NativeTunnel
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose"
 NODE = [COMPOSE / "docker-compose.node-agent.yml", COMPOSE / "docker-compose.runtime-worker.yml"]
@@ -45,7 +45,7 @@ def test_a_service_node_puts_the_agent_in_the_workers_network() -> None:
     assert worker["network_mode"] == "host"
     # The tunnel's requests go to the loopback of the agent's own network: the worker's only
     # when both are in the host's.
-    local = inspect.signature(TunnelClient).parameters["local_host"].default
+    local = inspect.signature(NativeTunnel).parameters["local_host"].default
     assert local == "127.0.0.1"
     assert agent.get("network_mode") == worker["network_mode"]
     assert "networks" not in agent and "networks" not in worker
