@@ -268,6 +268,9 @@ class Job(Base):
     worker_policy: Mapped[str] = mapped_column(String(16), default="require")
     timeout_seconds: Mapped[float] = mapped_column(Float)
     silence_timeout_seconds: Mapped[float] = mapped_column(Float)
+    #: Seconds its node may go without reaching the control plane before its agent kills it
+    #: (docs/jobs.md); None: it runs on through any outage.
+    stop_after_disconnect_seconds: Mapped[float | None] = mapped_column(Float)
     node_id: Mapped[str | None] = mapped_column(String(40), index=True)
     created_at: Mapped[datetime]
     started_at: Mapped[datetime | None]

@@ -148,6 +148,9 @@ class RetryRule:
         #: A call failed to reach the control plane since the last success: the next success
         #: (of any loop's call) is a reconnection.
         self._unreachable = False
+        #: How many times contact was lost (a call failed to reach the control plane after a
+        #: success): whoever must act after a loss compares it with the count it last acted on.
+        self._losses = 0
         self._stopped: AgentStopped | None = None
         self._lock = threading.Lock()
 
@@ -155,6 +158,19 @@ class RetryRule:
     def stopped(self) -> AgentStopped | None:
         """The terminal outcome that stopped the agent, if one did."""
         return self._stopped
+
+    @property
+    def losses(self) -> int:
+        """How many times contact with the control plane was lost since the agent started."""
+        return self._losses
+
+    def cut_off_for(self) -> float:
+        """Seconds since the last call that reached the control plane, while the calls since
+        fail to reach it; 0 while it is reachable (or before any call reached it)."""
+        with self._lock:
+            if not self._unreachable or self._last_success is None:
+                return 0.0
+            return time.monotonic() - self._last_success
 
     def run(self, method: str, path: str, attempt: Callable[[], T]) -> T:
         """Run `attempt` until it succeeds, fails for good, or the agent stops.
@@ -207,7 +223,10 @@ class RetryRule:
     def _log_retry(self, state: Any, method: str, path: str) -> None:
         exc = state.outcome.exception()
         if isinstance(exc, httpx.TransportError):
-            self._unreachable = True
+            with self._lock:
+                if not self._unreachable:
+                    self._unreachable = True
+                    self._losses += 1
         last = self._last_success
         since = (
             "never succeeded"

@@ -22,6 +22,16 @@ An agent stopping (SIGTERM, SIGINT, its idle exit) ends its jobs itself (`stop_j
 each stream, so the worker kills the job's process group, and reports each job failed
 `JOB_AGENT_STOPPED` before it exits — one attempt each, within a few seconds — rather than
 leaving the control plane to fail it `JOB_CONTACT_LOST` a minute and a half later.
+
+A node cut off from the control plane (issue 42): a job whose assignment carries
+`stop_after_disconnect_seconds` is killed by the agent once no call has reached the control
+plane for that long (`_guard`, on a thread of its own, as every other thread may be waiting on
+the control plane), and reported failed `JOB_NODE_CUT_OFF` when contact returns; a job without
+it runs on. After any loss of contact the agent reconciles before it starts new work
+(`_reconcile`, on the watch thread): it asks which of its running jobs are still its own, ends
+those that are not (the control plane may have failed them `JOB_CONTACT_LOST` meanwhile and
+handed their GPUs to others), and waits for them to be gone; until then no slot claims, and a
+job claimed as contact returned waits. So a GPU never has two holders.
 """
 
 from __future__ import annotations
@@ -52,11 +62,20 @@ _HOLD = 8.0
 _WATCH_HOLD = 5.0
 #: After an unexpected error outside a job, a slot waits this long before claiming again.
 _PAUSE_AFTER_ERROR = 1.0
+#: How often the guard compares the time without the control plane with the jobs' limits.
+_GUARD_EVERY = 0.25
+#: After a reconnection, how long between two log lines while jobs that are no longer this
+#: node's are still ending (no new work starts meanwhile).
+_RECONCILE_LOG_EVERY = 30.0
 
 
 @dataclass
 class _Running:
     job_id: str
+    #: Killed after this long without the control plane (the job's field; None: never).
+    stop_after: float | None = None
+    #: Set when the guard killed it for that.
+    cut_off: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
     #: The stream's socket, kept here: http.client hands it to the response and forgets it.
     sock: socket.socket | None = None
@@ -131,10 +150,15 @@ class WorkRunner:
         self._reporting: set[str] = set()
         self._ended = threading.Condition(self._lock)
         self._changed = threading.Event()
+        #: The count of contact losses (`RetryRule.losses`) the last reconciliation covered.
+        self._reconciled = 0
         self.threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        targets: list[Callable[[], None]] = [self._slot] * self.parallel + [self._watch]
+        targets: list[Callable[[], None]] = [self._slot] * self.parallel + [
+            self._watch,
+            self._guard,
+        ]
         for index, target in enumerate(targets):
             thread = threading.Thread(target=target, daemon=True, name=f"work-{index}")
             thread.start()
@@ -149,10 +173,16 @@ class WorkRunner:
                 self.stop.wait(_PAUSE_AFTER_ERROR)
                 continue
             try:
+                if not self._await_reconciled():
+                    return
                 assignment = self.control_plane.claim(_HOLD)
                 if assignment:
                     self.activity.job_claimed()
                     try:
+                        # Claimed as contact returned: it starts once the jobs the node lost
+                        # are gone.
+                        if not self._await_reconciled():
+                            return
                         self._serve(assignment)
                     finally:
                         self.activity.job_ended()
@@ -186,6 +216,7 @@ class WorkRunner:
     def _watch(self) -> None:
         while not self.stop.is_set():
             try:
+                self._reconcile()
                 self._watch_once()
             except (AgentStopped, Interrupted):
                 return
@@ -208,6 +239,68 @@ class WorkRunner:
             if running is not None and not running.cancelled.is_set():
                 log.info("job %s was cancelled (or is no longer ours): stopping it", job_id)
                 running.cancel()
+
+    # -- a node cut off ---------------------------------------------------------------------
+
+    def _guard(self) -> None:
+        """Kill each job that asked for it once the control plane has been out of reach for
+        its `stop_after_disconnect_seconds`."""
+        while not self.stop.wait(_GUARD_EVERY):
+            cut_off_for = self.control_plane.retry.cut_off_for()
+            if cut_off_for <= 0:
+                continue
+            with self._lock:
+                running = list(self._active.values())
+            for job in running:
+                limit = job.stop_after
+                if limit is None or cut_off_for < limit or job.cancelled.is_set():
+                    continue
+                log.warning(
+                    "job %s: the control plane has been out of reach for %.0f s (its "
+                    "stop_after_disconnect_seconds: %g); killing it",
+                    job.job_id,
+                    cut_off_for,
+                    limit,
+                )
+                job.cut_off = True
+                job.cancel()
+
+    def _reconcile(self) -> None:
+        """After a loss of contact: end the running jobs the control plane no longer counts as
+        this node's and wait until they are gone, before any slot starts new work."""
+        losses = self.control_plane.retry.losses
+        if losses == self._reconciled:
+            return
+        with self._lock:
+            job_ids = list(self._active)
+        # Answered once the control plane is reachable again (the call waits until then).
+        stop = set(self.control_plane.watch(job_ids, 0)) if job_ids else set()
+        for job_id in sorted(stop):
+            with self._lock:
+                running = self._active.get(job_id)
+            if running is not None and not running.cancelled.is_set():
+                log.info("job %s is no longer this node's (failed while out of contact)", job_id)
+                running.cancel()
+        with self._ended:
+            while stop & set(self._active) and not self.stop.is_set():
+                if not self._ended.wait(_RECONCILE_LOG_EVERY):
+                    log.warning(
+                        "waiting for %s to end before this node starts new work",
+                        ", ".join(sorted(stop & set(self._active))),
+                    )
+            self._reconciled = losses
+            self._ended.notify_all()
+        if stop:
+            log.info("reconciled after a loss of contact: %d job(s) ended", len(stop))
+
+    def _await_reconciled(self) -> bool:
+        """Wait until every loss of contact so far is reconciled; False: the agent stops."""
+        with self._ended:
+            while self._reconciled != self.control_plane.retry.losses:
+                if self.stop.is_set():
+                    return False
+                self._ended.wait(_GUARD_EVERY)
+        return not self.stop.is_set()
 
     # -- stopping ---------------------------------------------------------------------------
 
@@ -241,7 +334,8 @@ class WorkRunner:
             )
         )
         connection = UnixHTTPConnection(self.worker_socket)
-        running = _Running(job_id)
+        stop_after = assignment.get("stop_after_disconnect_seconds")
+        running = _Running(job_id, float(stop_after) if stop_after is not None else None)
         with self._lock:
             self._active[job_id] = running
         self._changed.set()
@@ -309,6 +403,12 @@ class WorkRunner:
                 self._ended.notify_all()
 
     def _ended_without_result(self, running: _Running) -> records.ExitRecord:
+        if running.cut_off:
+            return records.failed(
+                "JOB_NODE_CUT_OFF",
+                f"the node could not reach the control plane for {running.stop_after:g} s (the "
+                "job's stop_after_disconnect_seconds): its agent killed the job",
+            )
         if running.cancelled.is_set() and self._stopping:
             return records.failed(
                 "JOB_AGENT_STOPPED",

@@ -42,6 +42,7 @@ def assignment(ctx: AppContext, job: PlacedJob) -> JobAssignment:
         timeout_seconds=job.timeout_seconds,
         silence_timeout_seconds=job.silence_timeout_seconds,
         progress_interval_seconds=ctx.settings.job_progress_interval_seconds,
+        stop_after_disconnect_seconds=job.stop_after_disconnect_seconds,
         secrets=job.secrets or {},
     )
 

@@ -71,6 +71,13 @@ class JobCreate(StrictModel):
     worker_policy: Literal["require", "prefer"] = "require"
     timeout_seconds: Annotated[float, Field(strict=True, gt=0, le=7 * 86400)] = 3600.0
     silence_timeout_seconds: Annotated[float, Field(strict=True, gt=0, le=86400)] = 600.0
+    #: Once its node has not reached the control plane for this long, the node's agent kills
+    #: the job itself and reports it `JOB_NODE_CUT_OFF` when contact returns. Unset (the
+    #: default): it runs on through any outage, as a control plane's restart must not end work;
+    #: the control plane fails it `JOB_CONTACT_LOST` after its contact timeout all the same.
+    stop_after_disconnect_seconds: Annotated[float, Field(strict=True, ge=1, le=86400)] | None = (
+        None
+    )
 
     @model_validator(mode="after")
     def _entrypoint_or_model(self) -> JobCreate:
@@ -118,6 +125,7 @@ class JobPublic(BaseModel):
     worker_policy: str
     timeout_seconds: float
     silence_timeout_seconds: float
+    stop_after_disconnect_seconds: float | None = None
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

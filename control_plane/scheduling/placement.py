@@ -153,6 +153,8 @@ class PlacedJob:
     assigned_gpus: list[dict[str, Any]]
     timeout_seconds: float
     silence_timeout_seconds: float
+    #: Its agent kills it after this long without the control plane (None: never).
+    stop_after_disconnect_seconds: float | None = None
     #: The secrets it lists, and their values for this node (WL-6a) — None when they may not
     #: be delivered to it (a secret gone, or its labels changed since the job was queued).
     secret_names: tuple[str, ...] = ()
@@ -392,6 +394,7 @@ def place_batch(
                 assigned_gpus=placement.gpus,
                 timeout_seconds=row.timeout_seconds,
                 silence_timeout_seconds=row.silence_timeout_seconds,
+                stop_after_disconnect_seconds=row.stop_after_disconnect_seconds,
                 secret_names=names,
                 secrets=values,
                 secret_labels=dict(row.required_labels or {}),
@@ -430,6 +433,7 @@ def _lock_queued(session: Session, job_ids: list[str]) -> dict[str, Any]:
                 Job.resources,
                 Job.timeout_seconds,
                 Job.silence_timeout_seconds,
+                Job.stop_after_disconnect_seconds,
                 Job.secrets,
                 Job.required_labels,
             )

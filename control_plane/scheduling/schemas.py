@@ -37,6 +37,9 @@ class JobAssignment(BaseModel):
     timeout_seconds: float
     silence_timeout_seconds: float
     progress_interval_seconds: float
+    #: The agent kills the job after this long without reaching the control plane (None:
+    #: never; an agent older than this field ignores it).
+    stop_after_disconnect_seconds: float | None = None
     #: The job's secrets by name (WL-6a): for its process's environment only.
     secrets: dict[str, str] = Field(default_factory=dict)
 

@@ -61,6 +61,7 @@ def test_submit_claim_report_complete(tmp_path: Path, database_url: str) -> None
         assert assignment is not None and assignment["job_id"] == job["job_id"]
         assert assignment["entrypoint"]["source"] == SOURCE  # the text travels to the node
         assert assignment["progress_interval_seconds"] == 10
+        assert assignment["stop_after_disconnect_seconds"] is None  # unset: runs on when cut off
         assert _claim(cp, node) is None  # claimed once
         headers = {"Authorization": node["Authorization"]}
         for i in range(3):
@@ -203,6 +204,15 @@ def test_contact_loss_fails_the_job_heartbeats_do_not_help(
         assert late.json()["error"]["code"] == "JOB_NOT_RUNNING"
 
 
+def test_a_jobs_stop_after_disconnect_reaches_its_agent(tmp_path: Path, database_url: str) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        node = _node(cp)
+        job = _submit(cp, stop_after_disconnect_seconds=30)
+        assert job["stop_after_disconnect_seconds"] == 30
+        assignment = _claim(cp, node)
+        assert assignment is not None and assignment["stop_after_disconnect_seconds"] == 30
+
+
 @pytest.mark.parametrize(
     "body",
     [
@@ -220,6 +230,9 @@ def test_contact_loss_fails_the_job_heartbeats_do_not_help(
         {**_job(), "worker_policy": "sometimes"},
         {**_job(), "resources": {"gpus": -1}},
         {**_job(), "timeout_seconds": 0},
+        {**_job(), "stop_after_disconnect_seconds": 0},
+        {**_job(), "stop_after_disconnect_seconds": "30"},
+        {**_job(), "stop_after_disconnect_seconds": 86401},
         {**_job(), "inputs": {"model": "sha256:xyz"}},
     ],
 )

@@ -203,10 +203,13 @@ class LiveServer:
         assert response.status_code == 200, response.text
         return response.json()
 
-    def submit_python(self, source: str, function: str, **params: Any) -> str:
+    def submit_python(
+        self, source: str, function: str, *, job_fields: dict[str, Any] | None = None, **params: Any
+    ) -> str:
         """Submit a Python job: `function` of a module `job` holding `source`, called with
-        `params`. Returns the job's id."""
+        `params`, with the job's other fields from `job_fields`. Returns the job's id."""
         body = {
+            **(job_fields or {}),
             "entrypoint": {
                 "kind": "python",
                 "module": "job",
