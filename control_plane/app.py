@@ -27,6 +27,7 @@ from control_plane.access.admin_token import resolve_admin_token
 from control_plane.api import (
     admin,
     agent,
+    agent_artifacts,
     agent_work,
     artifacts,
     audit,
@@ -107,26 +108,9 @@ def create_front(
 ) -> Front:
     """The context, the FastAPI app with its routes, error mapping and lifespan, and the seams
     in front of it (`api/front.compose_front`), each a named layer of the `Front`."""
-    settings = settings or Settings()
-    clock = clock or SystemClock()
-    prepare_data_dir(settings.data_dir)
-    engine = make_engine(settings.sqlalchemy_url)
-    read_engine = make_read_engine(engine)
-    session_factory = make_session_factory(engine)
-    ctx = AppContext(
-        settings=settings,
-        clock=clock,
-        engine=engine,
-        session_factory=session_factory,
-        read_session_factory=make_session_factory(read_engine),
-        admin_token=resolve_admin_token(settings),
-        authority=CredentialAuthority(
-            data_dir=settings.data_dir,
-            clock=clock,
-            session_factory=session_factory,
-            lifetime=timedelta(days=settings.credential_lifetime_days),
-        ),
-    )
+    ctx = make_context(settings, clock)
+    settings, clock, session_factory = ctx.settings, ctx.clock, ctx.session_factory
+    engine, read_engine = ctx.engine, ctx.read_engine
     ctx.dispatcher.attach(session_factory)
     ctx.metrics.attach(session_factory)
     # A scrape only reads: read-only sessions, which on SQLite wait for no writer.
@@ -179,11 +163,12 @@ def create_front(
         openapi_url="/openapi.json",
     )
     app.state.ctx = ctx
-    _install_error_handlers(app)
+    install_error_handlers(app)
     app.include_router(public.router)
     app.include_router(admin.router)
     app.include_router(agent.router)
     app.include_router(agent_work.router)
+    app.include_router(agent_artifacts.router)
     app.include_router(jobs.router)
     app.include_router(console.router)
     app.include_router(docs.router)
@@ -200,6 +185,35 @@ def create_front(
     console.mount_console(app)
     front = compose_front(app, ctx)
     return front
+
+
+def make_context(
+    settings: Settings | None = None, clock: Clock | None = None, *, admin: bool = True
+) -> AppContext:
+    """A control-plane process's context: its settings, clock, data dir, database engines and
+    credential authority (every process, the artifact host's included); the admin token too
+    unless `admin` is false (the artifact host takes none, and makes none)."""
+    settings = settings or Settings()
+    clock = clock or SystemClock()
+    prepare_data_dir(settings.data_dir)
+    engine = make_engine(settings.sqlalchemy_url)
+    session_factory = make_session_factory(engine)
+    read_engine = make_read_engine(engine)
+    return AppContext(
+        settings=settings,
+        clock=clock,
+        engine=engine,
+        read_engine=read_engine,
+        session_factory=session_factory,
+        read_session_factory=make_session_factory(read_engine),
+        admin_token=resolve_admin_token(settings) if admin else None,
+        authority=CredentialAuthority(
+            data_dir=settings.data_dir,
+            clock=clock,
+            session_factory=session_factory,
+            lifetime=timedelta(days=settings.credential_lifetime_days),
+        ),
+    )
 
 
 def _start(ctx: AppContext) -> None:
@@ -271,7 +285,7 @@ def _error(status: int, code: str, message: str, next_step: str) -> JSONResponse
     return JSONResponse(status_code=status, content=error_body(code, message, next_step))
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ModelForgeError)
     async def _modelforge(_request: Request, exc: ModelForgeError) -> JSONResponse:
         return JSONResponse(

@@ -1,6 +1,8 @@
 """`modelforge-control-plane`: validate settings, prepare the data dir, migrate, serve with Granian;
 with `--local-node` (or `MODELFORGE_LOCAL_NODE=true`; the flag wins) also a node agent and a
-runtime worker beside it (control_plane/local_node.py), stopped with it.
+runtime worker beside it (control_plane/local_node.py), stopped with it. With `--artifacts-only`
+it serves the agents' artifact routes alone, on the control plane's database and artifact store
+(control_plane/artifact_host.py): no migration, no local node, no front.
 
 Configuration errors end here with a readable message and exit code 2, before any server starts.
 """
@@ -47,6 +49,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run a node agent and a runtime worker beside the control plane, enrolled as a "
         "node labelled local=true (MODELFORGE_LOCAL_NODE; the flag wins)",
     )
+    parser.add_argument(
+        "--artifacts-only",
+        action="store_true",
+        help="serve only the agents' artifact routes, on the control plane's database and "
+        "artifact store, for agents given MODELFORGE_AGENT_ARTIFACT_URL (docs/artifacts.md)",
+    )
     return parser.parse_args(argv)
 
 
@@ -66,6 +74,9 @@ def main(argv: list[str] | None = None) -> None:
         _die(EXIT_CONFIG, "invalid configuration:\n" + describe_validation_error(exc, Settings))
     logging.getLogger().setLevel(settings.log_level.upper())
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
+    if args.artifacts_only:
+        _serve_artifacts(args, settings)
+        return
     local_node = None
     if wants_local_node(args, settings):
         try:
@@ -138,6 +149,42 @@ def _check_port_free(settings: Settings) -> None:
             f"cannot listen on {settings.host}:{settings.port} ({exc.strerror or exc}); check "
             "MODELFORGE_HOST and MODELFORGE_PORT",
         )
+
+
+def _serve_artifacts(args: argparse.Namespace, settings: Settings) -> None:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from control_plane import artifact_host
+    from control_plane.db import is_database_unavailable
+
+    if args.local_node:
+        _die(EXIT_CONFIG, "--artifacts-only runs no local node; leave out --local-node")
+    _check_port_free(settings)
+    try:
+        prepare_data_dir(settings.data_dir)
+        artifact_host.check_database(settings)
+    except OSError as exc:
+        _die(EXIT_CONFIG, f"MODELFORGE_DATA_DIR {settings.data_dir}: {exc.strerror}")
+    except artifact_host.SchemaNotCurrent as exc:
+        _die(EXIT_DATABASE, str(exc))
+    except SQLAlchemyError as exc:
+        if not is_database_unavailable(exc):
+            raise
+        _die(
+            EXIT_DATABASE,
+            f"cannot reach the database ({type(exc).__name__}); check "
+            "MODELFORGE_DATABASE_URL and that the server is running",
+        )
+    scheme = "https" if settings.tls_cert else "http"
+    log.info(
+        "ModelForge artifact host on %s://%s:%s (the agents' artifact routes only), artifacts in "
+        "%s",
+        scheme,
+        settings.host,
+        settings.port,
+        (settings.data_dir / "artifacts").resolve(),
+    )
+    artifact_host.serve(settings, worker_kill_seconds=WORKER_KILL_SECONDS)
 
 
 def _migrate_or_die(settings: Settings) -> None:

@@ -34,10 +34,13 @@ class AppContext:
     settings: Settings
     clock: Clock
     engine: Engine
+    #: The engine of `read_session_factory` (on PostgreSQL, `engine` itself).
+    read_engine: Engine
     session_factory: sessionmaker[Session]
     #: Read-only sessions (GET and HEAD requests): on SQLite they take no lock (`db.py`).
     read_session_factory: sessionmaker[Session]
-    admin_token: AdminTokenSource
+    #: None in a process that takes no admin token (the artifact host: no route asks for one).
+    admin_token: AdminTokenSource | None
     authority: CredentialAuthority
     heartbeats: HeartbeatBuffer = field(default_factory=HeartbeatBuffer)
     #: This app's Prometheus instruments and registry (`GET /metrics`).

@@ -387,7 +387,7 @@ def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(bind=engine, expire_on_commit=False)
 
 
-def _alembic_config() -> Config:
+def alembic_config() -> Config:
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     return config
@@ -421,6 +421,6 @@ def migrate(engine: Engine, *, lock_dir: Path | None = None) -> None:
     """Bring the schema to the newest Alembic revision, one process at a time."""
     lock_path = lock_dir / "migrate.lock" if lock_dir is not None else None
     with _migration_lock(engine, lock_path), engine.begin() as connection:
-        config = _alembic_config()
+        config = alembic_config()
         config.attributes["connection"] = connection
         command.upgrade(config, "head")

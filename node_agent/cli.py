@@ -29,7 +29,7 @@ from modelforge_contracts.settings_errors import describe_validation_error
 from node_agent import AGENT_VERSION
 from node_agent.agent import Agent
 from node_agent.client import connect
-from node_agent.config import AgentSettings, ConfigError, PreflightSettings
+from node_agent.config import AgentSettings, ConfigError, PreflightSettings, url_problems
 from node_agent.hardening import make_undumpable
 from node_agent.identity import IdentityStore, StateVolumeError
 from node_agent.inventory import Overrides
@@ -99,6 +99,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the Python interpreter jobs run under, e.g. a virtual environment's bin/python "
         "(MODELFORGE_AGENT_PYTHON; default: the runtime worker's own)",
     )
+    parser.add_argument(
+        "--artifact-url",
+        help="where artifacts are uploaded and downloaded: an artifact host near their storage "
+        "(MODELFORGE_AGENT_ARTIFACT_URL; default: the control plane)",
+    )
     parser.add_argument("--version", action="version", version=AGENT_VERSION)
     return parser.parse_args(argv)
 
@@ -142,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
             return _die(EXIT_CONFIG, str(exc))
         settings = settings.model_copy(update={"python": python})
         log.info("Python jobs run under %s (Python %d.%d)", python, *version)
+    if args.artifact_url is not None:
+        problems = url_problems(args.artifact_url, settings.allow_insecure_http, "--artifact-url")
+        if problems:
+            return _die(EXIT_CONFIG, "; ".join(problems))
+        settings = settings.model_copy(update={"artifact_url": args.artifact_url.rstrip("/")})
+    if settings.artifact_url is not None:
+        log.info("artifacts are uploaded to and downloaded from %s", settings.artifact_url)
     store = IdentityStore(settings.state_volume)
     try:
         store.check_writable()
@@ -170,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         ca_cert_path=settings.ca_cert_path,
         timeout=settings.request_timeout_seconds,
         stop=stop,
+        artifact_url=settings.artifact_url,
     )
     try:
         with control_plane:

@@ -84,9 +84,13 @@ def _json(response: httpx.Response) -> dict[str, Any]:
 
 
 class ControlPlane:
-    def __init__(self, http: httpx.Client, retry: RetryRule) -> None:
+    def __init__(
+        self, http: httpx.Client, retry: RetryRule, artifacts: httpx.Client | None = None
+    ) -> None:
         self.http = http
         self.retry = retry
+        #: Where artifacts go and come from: an artifact host, or the control plane (`http`).
+        self.artifacts = artifacts or http
         self._credential: str | None = None
 
     def __repr__(self) -> str:
@@ -95,6 +99,8 @@ class ControlPlane:
 
     def close(self) -> None:
         self.http.close()
+        if self.artifacts is not self.http:
+            self.artifacts.close()
 
     def __enter__(self) -> ControlPlane:
         return self
@@ -270,7 +276,7 @@ class ControlPlane:
             headers = self._headers()
             if offset:
                 headers["Range"] = f"bytes={offset}-"
-            with self.http.stream(
+            with self.artifacts.stream(
                 "GET", path, headers=headers, timeout=_DOWNLOAD_TIMEOUT
             ) as response:
                 if response.status_code == 416:  # already complete
@@ -297,7 +303,9 @@ class ControlPlane:
 
         def attempt() -> None:
             headers = dict(self._headers(), **{"Content-Length": str(source.stat().st_size)})
-            response = self.http.put(path, content=body(), headers=headers, timeout=_UPLOAD_TIMEOUT)
+            response = self.artifacts.put(
+                path, content=body(), headers=headers, timeout=_UPLOAD_TIMEOUT
+            )
             if response.status_code >= 400:
                 raise error_from(response, "PUT", path)
 
@@ -311,7 +319,14 @@ def connect(
     ca_cert_path: Path | None,
     timeout: float,
     stop: threading.Event,
+    artifact_url: str | None = None,
 ) -> ControlPlane:
-    """A client for the control plane at `base_url`, stopping its retries when `stop` is set."""
+    """A client for the control plane at `base_url` (its artifacts at `artifact_url` when
+    given), stopping its retries when `stop` is set."""
     http = make_http(base_url, tls_verify=tls_verify, ca_cert_path=ca_cert_path, timeout=timeout)
-    return ControlPlane(http, RetryRule(stop=stop, control_plane_url=base_url))
+    artifacts = None
+    if artifact_url is not None:
+        artifacts = make_http(
+            artifact_url, tls_verify=tls_verify, ca_cert_path=ca_cert_path, timeout=timeout
+        )
+    return ControlPlane(http, RetryRule(stop=stop, control_plane_url=base_url), artifacts)

@@ -94,13 +94,22 @@ class AgentSettings(PreflightSettings):
     #: The interpreter Python jobs run under (node_agent.job_python checks it at start; a
     #: `--python` flag overrides it); unset: the runtime worker's own.
     python: Path | None = None
+    #: Where the agent uploads and downloads artifacts: an artifact host serving them near
+    #: their storage (`modelforge-control-plane --artifacts-only`, docs/artifacts.md), with the
+    #: same credential, TLS settings and rules for plain http:// as the control plane's URL (an
+    #: `--artifact-url` flag overrides it); unset: the control plane itself.
+    artifact_url: str | None = None
     #: How often the GPU health watch polls each GPU's ECC, remapping, lost and throttle state
     #: (XID events come at once, whatever this is).
     gpu_health_poll_seconds: float = Field(default=5.0, ge=0.1, le=300)
 
     @model_validator(mode="after")
     def _check(self) -> Self:
-        problems = _url_problems(self.control_plane_url, self.allow_insecure_http)
+        problems = url_problems(self.control_plane_url, self.allow_insecure_http)
+        if self.artifact_url is not None:
+            problems += url_problems(
+                self.artifact_url, self.allow_insecure_http, "MODELFORGE_AGENT_ARTIFACT_URL"
+            )
         if self.service_host is not None:
             problems += _service_host_problems(self.service_host)
         if self.ca_cert_path is not None and not self.ca_cert_path.is_file():
@@ -120,6 +129,8 @@ class AgentSettings(PreflightSettings):
         if problems:
             raise ValueError("; ".join(problems))
         self.control_plane_url = self.control_plane_url.rstrip("/")
+        if self.artifact_url is not None:
+            self.artifact_url = self.artifact_url.rstrip("/")
         return self
 
     def read_enrollment_token(self) -> str | None:
@@ -150,11 +161,12 @@ class ConfigError(Exception):
     """A configuration the agent cannot start with; the message names the variable."""
 
 
-def _url_problems(url: str, allow_insecure_http: bool) -> list[str]:
-    name = "MODELFORGE_AGENT_CONTROL_PLANE_URL"
+def url_problems(
+    url: str, allow_insecure_http: bool, name: str = "MODELFORGE_AGENT_CONTROL_PLANE_URL"
+) -> list[str]:
     parts = urlsplit(url)
     if parts.scheme not in ("https", "http") or not parts.hostname:
-        return [f"{name} must be an https:// URL of the control plane (got {url!r})"]
+        return [f"{name} must be an https:// URL (got {url!r})"]
     host = parts.hostname.lower()
     labels = host.split(".")
     if (
@@ -162,10 +174,7 @@ def _url_problems(url: str, allow_insecure_http: bool) -> list[str]:
         or host.endswith(_PLACEHOLDER_SUFFIXES)
         or host in {"example.com", "example.org", "example.net"}
     ):
-        return [
-            f"{name} points at a placeholder host ({host}); set it to the address of your "
-            "control plane"
-        ]
+        return [f"{name} points at a placeholder host ({host}); set it to a real address"]
     if parts.scheme == "http" and not allow_insecure_http and not is_loopback_host(host):
         return [
             f"{name} uses plain http:// to {host}, which is not loopback; use https:// (see "

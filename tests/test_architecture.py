@@ -67,8 +67,18 @@ def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
 CONTROL_PLANE = ROOT / "control_plane"
 #: Composition: builds everything, imported by nothing but itself (`local_node`: the node agent
 #: and runtime worker `cli` starts beside the control plane; `local_processes`: how it starts
-#: and stops them; `native_front`: the native gateway front `cli` starts in front of Granian).
-COMPOSITION = {"app", "context", "cli", "__main__", "local_node", "local_processes", "native_front"}
+#: and stops them; `native_front`: the native gateway front `cli` starts in front of Granian;
+#: `artifact_host`: the artifact host `cli --artifacts-only` serves, composed like `app`).
+COMPOSITION = {
+    "app",
+    "artifact_host",
+    "context",
+    "cli",
+    "__main__",
+    "local_node",
+    "local_processes",
+    "native_front",
+}
 #: Transport and periodic work: above every domain.
 UPPER = {"api", "background"}
 #: Domain package -> the other domains it may import. The order, lowest first: access, artifacts,

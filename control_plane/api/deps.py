@@ -89,6 +89,10 @@ def client_address(request: Request) -> str:
 def check_admin_token(request: Request, ctx: AppContext, token: str, *, then: str) -> None:
     """A presented admin token (header or console sign-in), checked by
     `access.admin_token.check_presented`, throttled per client address."""
+    if ctx.admin_token is None:  # the artifact host: none of its routes takes one
+        raise AdminAuthError(
+            "this process takes no admin token", "send admin requests to the control plane"
+        )
     admin_token.check_presented(
         source=ctx.admin_token,
         throttle=ctx.sign_in_throttle,

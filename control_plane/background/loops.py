@@ -42,7 +42,7 @@ PRESENCE_INTERVAL_SECONDS = 5.0
 SERVICE_SCALING_INTERVAL_SECONDS = 1.0
 
 
-async def _every(
+async def every(
     name: str, interval: float, work: Callable[[], object], database: DatabaseAvailability
 ) -> None:
     failures = 0
@@ -179,7 +179,7 @@ def start_loops(ctx: AppContext) -> list[asyncio.Task[None]]:
             ("artifact sweep", s.artifact_sweep_interval_seconds, lambda: sweep_artifacts(ctx))
         )
     return [
-        asyncio.create_task(_every(name, i, fn, ctx.database), name=name) for name, i, fn in specs
+        asyncio.create_task(every(name, i, fn, ctx.database), name=name) for name, i, fn in specs
     ]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from control_plane.background.loops import _every
+from control_plane.background.loops import every
 from control_plane.context import AppContext
 from control_plane.scheduling.placement import free_capacity
 from control_plane.services import placement
@@ -25,6 +25,6 @@ def place_services(ctx: AppContext) -> int:
 
 def start_service_placement(ctx: AppContext) -> asyncio.Task[None]:
     return asyncio.create_task(
-        _every("service placement", INTERVAL_SECONDS, lambda: place_services(ctx), ctx.database),
+        every("service placement", INTERVAL_SECONDS, lambda: place_services(ctx), ctx.database),
         name="service placement",
     )

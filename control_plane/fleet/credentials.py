@@ -102,15 +102,37 @@ class CredentialAuthority:
         #: 2 MB for 10,000 nodes. Revoked credentials are not loaded: they only accumulate.
         self._active_at_start: dict[str, str] = {}
         self._refreshed_at: datetime | None = None
+        #: Whether this process issues credentials (holds the signing key) or only checks them
+        #: (an artifact host: `start(signing=False)`).
+        self._signing = True
 
     def __repr__(self) -> str:
         return f"CredentialAuthority(kid={self._kid!r})"
 
     # -- keys -------------------------------------------------------------------------------
 
-    def start(self, session: Session) -> None:
+    def start(self, session: Session, *, signing: bool = True) -> None:
         """Load (or create) the signing key and register it, and load which credentials are
-        active; call once at start-up."""
+        active; call once at start-up. With `signing` false the process only checks
+        credentials, against the keys the database holds: it reads, makes and registers no
+        signing key of its own."""
+        self._signing = signing
+        if signing:
+            self._start_signing(session)
+        self._load_keys(session)
+        # Read before the query: the next refresh looks for revocations from this time on
+        # (less its overlap), so one committed while the query runs is not missed.
+        now = self._clock.now()
+        active = session.execute(
+            select(NodeCredential.jti, NodeCredential.node_id).where(
+                NodeCredential.revoked_at.is_(None)
+            )
+        )
+        with self._lock:
+            self._active_at_start = dict(active.all())
+        self._refreshed_at = now
+
+    def _start_signing(self, session: Session) -> None:
         if self._key_path.exists():
             self._private_pem = self._key_path.read_bytes()
         else:
@@ -132,18 +154,6 @@ class CredentialAuthority:
                 .on_conflict_do_nothing(index_elements=[SigningKey.kid])
             )
             session.flush()
-        self._load_keys(session)
-        # Read before the query: the next refresh looks for revocations from this time on
-        # (less its overlap), so one committed while the query runs is not missed.
-        now = self._clock.now()
-        active = session.execute(
-            select(NodeCredential.jti, NodeCredential.node_id).where(
-                NodeCredential.revoked_at.is_(None)
-            )
-        )
-        with self._lock:
-            self._active_at_start = dict(active.all())
-        self._refreshed_at = now
 
     def rotate(self, session: Session) -> tuple[str, int]:
         """Replace the signing key and revoke every credential. Returns (new kid, revoked)."""
@@ -182,7 +192,8 @@ class CredentialAuthority:
         }
         with self._lock:
             self._keys = keys
-            if keys.get(self._kid, _Key("", b"", True)).retired and self._key_path.exists():
+            rotated = keys.get(self._kid, _Key("", b"", True)).retired
+            if self._signing and rotated and self._key_path.exists():
                 # Another process sharing this data dir rotated the key.
                 self._private_pem = self._key_path.read_bytes()
                 self._kid, _ = _describe(self._private_pem)

@@ -153,10 +153,8 @@ class PlacedJob:
     assigned_gpus: list[dict[str, Any]]
     timeout_seconds: float
     silence_timeout_seconds: float
-    #: Its agent kills it after this long without the control plane (None: never).
-    stop_after_disconnect_seconds: float | None = None
-    #: The secrets it lists, and their values for this node (WL-6a) — None when they may not
-    #: be delivered to it (a secret gone, or its labels changed since the job was queued).
+    stop_after_disconnect_seconds: float | None = None  # its agent's limit when cut off
+    #: Its secrets, and their values for this node (WL-6a); None when not to be delivered.
     secret_names: tuple[str, ...] = ()
     secrets: dict[str, str] | None = field(default=None, repr=False)
     #: The labels the node's signed credential must carry for the secrets to be delivered.

@@ -1,4 +1,4 @@
-"""The background loops judge a failure as a request's would be (`loops._every`): only a
+"""The background loops judge a failure as a request's would be (`loops.every`): only a
 database outage is counted as one. A wait for a saturated database that ran out (SQLite's write
 lock held past the busy timeout, no pooled connection free) is retried quietly, and a write
 refused for want of room is logged as the loop's failure, without a traceback: neither begins an
@@ -36,7 +36,7 @@ def _run(work: Callable[[], object], database: DatabaseAvailability) -> int:
         return work()
 
     async def main() -> None:
-        task = asyncio.create_task(loops._every("test loop", 0.01, counted, database))
+        task = asyncio.create_task(loops.every("test loop", 0.01, counted, database))
         await asyncio.sleep(RUN_SECONDS)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -76,6 +76,8 @@ class LiveServer:
     process: subprocess.Popen[bytes] | None = None
     #: With TLS: the CA file that verifies the server certificate.
     ca_file: Path | None = None
+    #: The command's arguments (`--artifacts-only`, say).
+    args: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -106,7 +108,7 @@ class LiveServer:
         executable = control_plane_executable()
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [executable], env=self.env(), stdout=log, stderr=subprocess.STDOUT
+                [executable, *self.args], env=self.env(), stdout=log, stderr=subprocess.STDOUT
             )
         try:
             self._wait_healthy(timeout)

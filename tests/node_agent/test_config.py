@@ -32,6 +32,27 @@ def test_bad_control_plane_url_is_refused(tmp_path: Path, url: str, message: str
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("http://10.0.0.5:8443", "plain http://"),
+        ("https://artifacts.example", "placeholder host"),
+        ("nas:8443", "https:// URL"),
+    ],
+)
+def test_bad_artifact_url_is_refused_by_variable_and_by_flag(
+    tmp_path: Path, url: str, message: str
+) -> None:
+    env = dict(agent_env(tmp_path / "state"), MODELFORGE_AGENT_ARTIFACT_URL=url)
+    by_variable = run_agent(env)
+    assert by_variable.returncode == 2
+    assert "MODELFORGE_AGENT_ARTIFACT_URL" in by_variable.stderr and message in by_variable.stderr
+    by_flag = run_agent(agent_env(tmp_path / "state"), "--artifact-url", url)
+    assert by_flag.returncode == 2
+    assert "--artifact-url" in by_flag.stderr and message in by_flag.stderr
+    assert "Traceback" not in by_variable.stderr + by_flag.stderr
+
+
 def test_loopback_http_is_allowed(tmp_path: Path, recording_server: RecordingServer) -> None:
     env = agent_env(tmp_path / "state", url=recording_server.url.replace("127.0.0.1", "localhost"))
     result = run_agent(env, timeout=30)
