@@ -4,7 +4,12 @@ directory) the control plane, node agent (cpu mode) and runtime worker; enroll t
 the admin API until the node is ready; every container runs its recorded image ID. `up` refuses
 a manifest edited after the load, a release image under another service's name, and a
 PostgreSQL image that is not named by digest or not loaded, before Compose starts anything; a
-container from a different image under the same tag makes `up` fail and stop the stack."""
+container from a different image under the same tag makes `up` fail and stop the stack.
+
+The control plane binds a LAN address of its own (on a dummy interface this test makes, beyond
+loopback) and its nodes reach it over plain http:// on a trusted network (issue 42): the node's
+Compose files pass the opt-in (`MODELFORGE_AGENT_ALLOW_INSECURE_HTTP`), the wizard writes it
+once told the operator confirmed, and the node runs a job in the released worker image."""
 
 from __future__ import annotations
 
@@ -48,6 +53,24 @@ CP_FILES_ARGS = [arg for path in CP_FILES[1:] for arg in ("-f", str(path))]
 
 def docker(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["docker", *args], capture_output=True, text=True, check=check)
+
+
+#: The LAN address the control plane binds: a private address on an interface of this test's own.
+LAN_ADDRESS = "10.213.7.1"
+
+
+@pytest.fixture
+def lan_address() -> Iterator[str]:
+    """`LAN_ADDRESS` on a dummy interface made for the test (removed after): an address of this
+    host beyond loopback, which nothing outside it reaches."""
+    name = f"mflan{os.getpid() % 100000}"
+    subprocess.run(["ip", "link", "add", name, "type", "dummy"], check=True)
+    try:
+        subprocess.run(["ip", "addr", "add", f"{LAN_ADDRESS}/32", "dev", name], check=True)
+        subprocess.run(["ip", "link", "set", name, "up"], check=True)
+        yield LAN_ADDRESS
+    finally:
+        subprocess.run(["ip", "link", "del", name], check=False)
 
 
 @pytest.fixture(autouse=True)
@@ -204,7 +227,10 @@ def _refusals_before_compose(bundle: Path, public: Path, tmp_path: Path, project
 
 
 def test_release_end_to_end(
-    read_only_bundle: tuple[Path, Path], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    read_only_bundle: tuple[Path, Path],
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+    lan_address: str,
 ) -> None:
     bundle, public = read_only_bundle
     assert release(["verify", str(bundle), "--key", str(public)]) == 0
@@ -248,7 +274,7 @@ def test_release_end_to_end(
     cp_project, node_project = f"mfcp{port}", f"mfnode{port}"
     os.environ.update(
         MODELFORGE_PORT=str(port),
-        MODELFORGE_BIND_ADDRESS="127.0.0.1",
+        MODELFORGE_BIND_ADDRESS=lan_address,
         MODELFORGE_RELEASE_MANIFEST_SOURCE=str(bundle / "release-manifest.json"),
     )
     wizard_dir = tmp_path / "wizard-compose"
@@ -267,7 +293,7 @@ def test_release_end_to_end(
             assert words in refusals, refusals
         # Options and services in any order.
         assert _up(bundle, public, cp_project, CP_FILES[:1], "control-plane", *CP_FILES_ARGS) == 0
-        url = f"http://127.0.0.1:{port}"
+        url = f"http://{lan_address}:{port}"
         _wait(
             lambda: httpx.get(f"{url}/api/v1/health", timeout=2).status_code == 200,
             90,
@@ -299,6 +325,8 @@ def test_release_end_to_end(
                 f"MODELFORGE_AGENT_ENROLLMENT_TOKEN={minted['token']}\n"
                 f"MODELFORGE_AGENT_CONTROL_PLANE_URL={url}\n"
                 "MODELFORGE_AGENT_ACCELERATOR_MODE=cpu\n"
+                # Plain http:// beyond loopback: the trusted-LAN opt-in the Compose file passes.
+                "MODELFORGE_AGENT_ALLOW_INSECURE_HTTP=true\n"
             )
         for line in node_env.read_text().splitlines():
             key, value = line.split("=", 1)
@@ -323,6 +351,7 @@ def test_release_end_to_end(
         except AssertionError:
             readiness = httpx.get(f"{url}/api/v1/admin/nodes/{node_id}/readiness", headers=admin)
             raise AssertionError(f"{readiness.text}\n{_logs(node_project)}") from None
+        _run_a_job(url, admin)
         for project in (cp_project, node_project):
             for container in _project_containers(project):
                 info = json.loads(docker("container", "inspect", container).stdout)[0]
@@ -389,6 +418,7 @@ def test_release_end_to_end(
             "MODELFORGE_RUNTIME_WORKER_IMAGE",
             "MODELFORGE_AGENT_CONTROL_PLANE_URL",
             "MODELFORGE_AGENT_ACCELERATOR_MODE",
+            "MODELFORGE_AGENT_ALLOW_INSECURE_HTTP",
             "MODELFORGE_PORT",
             "MODELFORGE_BIND_ADDRESS",
             "MODELFORGE_RELEASE_MANIFEST_SOURCE",
@@ -397,6 +427,29 @@ def test_release_end_to_end(
     for tag in RELEASE_TAGS:
         found = docker("image", "inspect", "--format", "{{.Id}}", tag).stdout.strip()
         assert found == recorded[tag], f"{tag} is left tagged to {found}"
+
+
+def _run_a_job(url: str, admin: dict[str, str]) -> None:
+    """A Python job through the node's released agent and worker images: it succeeds."""
+    job = {
+        "entrypoint": {
+            "kind": "python",
+            "module": "job",
+            "function": "work",
+            "source": {"job.py": "def work(x):\n    return x * 2\n"},
+        },
+        "params": {"x": 21},
+    }
+    submitted = httpx.post(f"{url}/api/v1/jobs", headers=admin, json=job)
+    assert submitted.status_code == 201, submitted.text
+    path = f"{url}/api/v1/jobs/{submitted.json()['job_id']}"
+
+    def ended() -> bool:
+        return httpx.get(path, headers=admin).json()["state"] in ("succeeded", "failed")
+
+    _wait(ended, 120, "the job on the LAN node")
+    done = httpx.get(path, headers=admin).json()
+    assert (done["state"], done["result"]) == ("succeeded", 42), done
 
 
 WIZARD_FILES = ("docker-compose.node-agent.yml", "docker-compose.runtime-worker.yml")
@@ -432,12 +485,19 @@ def _wizard_start_command(bundle: Path, url: str, admin: dict[str, str], folder:
     setup = httpx.post(
         f"{url}/api/v1/admin/node-enrollments/{minted['enrollment_id']}/node-setup",
         headers={**admin, "Origin": url},
-        json={"api_origin": url, "accelerator_mode": "cpu", "manifest_entry": json.dumps(entry)},
+        json={
+            "api_origin": url,
+            "accelerator_mode": "cpu",
+            "manifest_entry": json.dumps(entry),
+            # Plain http:// to a LAN address: the wizard writes the opt-in once confirmed.
+            "allow_insecure_http": True,
+        },
     ).json()
+    assert "MODELFORGE_AGENT_ALLOW_INSECURE_HTTP=true" in setup["env_file"], setup
     folder.mkdir()
     for name in WIZARD_FILES:
         text = (COMPOSE / name).read_text()
-        if name == "docker-compose.node-agent.yml":  # this control plane is on host loopback
+        if name == "docker-compose.node-agent.yml":  # this control plane is on this host
             text = text.replace("    restart:", "    network_mode: host\n    restart:", 1)
         (folder / name).write_text(text)
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
