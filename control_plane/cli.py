@@ -155,7 +155,6 @@ def _serve_artifacts(args: argparse.Namespace, settings: Settings) -> None:
     from sqlalchemy.exc import SQLAlchemyError
 
     from control_plane import artifact_host
-    from control_plane.db import is_database_unavailable
 
     if args.local_node:
         _die(EXIT_CONFIG, "--artifacts-only runs no local node; leave out --local-node")
@@ -168,13 +167,7 @@ def _serve_artifacts(args: argparse.Namespace, settings: Settings) -> None:
     except artifact_host.SchemaNotCurrent as exc:
         _die(EXIT_DATABASE, str(exc))
     except SQLAlchemyError as exc:
-        if not is_database_unavailable(exc):
-            raise
-        _die(
-            EXIT_DATABASE,
-            f"cannot reach the database ({type(exc).__name__}); check "
-            "MODELFORGE_DATABASE_URL and that the server is running",
-        )
+        _die_unreachable(exc)
     scheme = "https" if settings.tls_cert else "http"
     log.info(
         "ModelForge artifact host on %s://%s:%s (the agents' artifact routes only), artifacts in "
@@ -190,21 +183,28 @@ def _serve_artifacts(args: argparse.Namespace, settings: Settings) -> None:
 def _migrate_or_die(settings: Settings) -> None:
     from sqlalchemy.exc import SQLAlchemyError
 
-    from control_plane.db import is_database_unavailable, make_engine, migrate
+    from control_plane.db import make_engine, migrate
 
     engine = make_engine(settings.sqlalchemy_url)
     try:
         migrate(engine, lock_dir=settings.data_dir)
     except SQLAlchemyError as exc:
-        if not is_database_unavailable(exc):
-            raise
-        _die(
-            EXIT_DATABASE,
-            f"cannot reach the database ({type(exc).__name__}); check "
-            "MODELFORGE_DATABASE_URL and that the server is running",
-        )
+        _die_unreachable(exc)
     finally:
         engine.dispose()
+
+
+def _die_unreachable(exc: Exception) -> None:
+    """End the start on a database that does not answer; any other database error is raised."""
+    from control_plane.db import is_database_unavailable
+
+    if not is_database_unavailable(exc):
+        raise exc
+    _die(
+        EXIT_DATABASE,
+        f"cannot reach the database ({type(exc).__name__}); check "
+        "MODELFORGE_DATABASE_URL and that the server is running",
+    )
 
 
 def _serve(settings: Settings, local_node: LocalNode | None) -> None:

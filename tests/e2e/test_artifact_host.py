@@ -42,46 +42,37 @@ def test_an_agent_moves_its_artifacts_through_the_artifact_host(
     with (
         LiveServer(tmp_path / "cp", pg_database_url, FAST) as server,
         LiveServer(tmp_path / "host", pg_database_url, args=["--artifacts-only"]) as host,
+        httpx.Client(timeout=30) as host_client,
     ):
         # The agents' artifact routes, health and version: nothing else is there.
-        assert httpx.get(f"{host.url}/api/v1/version").status_code == 200
+        assert host_client.get(f"{host.url}/api/v1/version").status_code == 200
         for path in ("/api/v1/jobs", "/api/v1/admin/nodes", "/", "/docs", "/v2/models/m"):
-            answer = httpx.get(f"{host.url}{path}", headers=server.admin)
+            answer = host_client.get(f"{host.url}{path}", headers=server.admin)
             assert answer.status_code == 404, (path, answer.status_code)
         for heartbeat in ("/api/v1/agent/heartbeat", "/api/v1/agent/work/claim"):
-            assert httpx.post(f"{host.url}{heartbeat}", json={}).status_code == 404
+            assert host_client.post(f"{host.url}{heartbeat}", json={}).status_code == 404
         assert not (tmp_path / "host" / "admin-token").exists()  # it takes none, makes none
 
         data = bytes(range(256)) * 4096
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         upload = f"{host.url}/api/v1/agent/artifacts/{digest}"
-        assert httpx.put(upload, content=data).status_code == 401  # no credential
+        assert host_client.put(upload, content=data).status_code == 401  # no credential
         credential = server.enroll("uploader")["credential"]
-        refused = httpx.put(
+        refused = host_client.put(
             upload, content=data[:-1], headers={"Authorization": f"Bearer {credential}"}
         )
         assert refused.status_code == 422, refused.text  # not what the digest names
         assert refused.json()["error"]["code"] == "ARTIFACT_DIGEST_MISMATCH"
-        stored = httpx.put(upload, content=data, headers={"Authorization": f"Bearer {credential}"})
+        stored = host_client.put(
+            upload, content=data, headers={"Authorization": f"Bearer {credential}"}
+        )
         assert stored.status_code == 201, stored.text
         assert _stored(tmp_path / "host", digest) and not _stored(tmp_path / "cp", digest)
         # One database: the control plane knows the artifact the host stored.
         listed = {a["digest"]: a["size_bytes"] for a in server.get("/api/v1/artifacts")}
         assert listed[digest] == len(data)
 
-        job = {
-            "entrypoint": {
-                "kind": "python",
-                "module": "job",
-                "function": "work",
-                "source": {"job.py": WORK},
-            },
-            "inputs": {"data": digest},
-        }
-        with server.client() as client:
-            submitted = client.post("/api/v1/jobs", headers=server.admin, json=job)
-        assert submitted.status_code == 201, submitted.text
-        job_id = submitted.json()["job_id"]
+        job_id = server.submit_python(WORK, "work", job_fields={"inputs": {"data": digest}})
         with Node(
             tmp_path / "node",
             server.url,

@@ -13,6 +13,8 @@ through a proxy that drops its traffic (tests/e2e/cut.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -54,46 +56,53 @@ def _job(server: LiveServer, job_id: str) -> dict[str, Any]:
     return dict(server.get(f"/api/v1/jobs/{job_id}"))
 
 
+@contextmanager
+def _behind_a_proxy(
+    root: Path, settings: dict[str, str]
+) -> Iterator[tuple[LiveServer, CuttableProxy, Node]]:
+    """A control plane on SQLite and a node, its processes not started, whose every connection
+    to the control plane goes through a proxy that can drop its traffic."""
+    with LiveServer(root / "cp", f"sqlite:///{root / 'cp.db'}", settings) as server:
+        with CuttableProxy(server.port) as proxy:
+            token = server.mint()["token"]
+            with Node(root / "node", proxy.url, token=token, extra_env=AGENT) as node:
+                yield server, proxy, node
+
+
 def test_a_job_asking_for_it_is_killed_once_its_node_is_cut_off_for_that_long(
     tmp_path: Path,
 ) -> None:
     started, alive = tmp_path / "started", tmp_path / "alive"
     limit = 6.0
-    with LiveServer(tmp_path / "cp", f"sqlite:///{tmp_path / 'cp.db'}", FAST) as server:
-        with (
-            CuttableProxy(server.port) as proxy,
-            Node(
-                tmp_path / "node", proxy.url, token=server.mint()["token"], extra_env=AGENT
-            ) as node,
-        ):
-            job_id = server.submit_python(
-                ALIVE,
-                "work",
-                job_fields={"stop_after_disconnect_seconds": limit},
-                started=str(started),
-                alive=str(alive),
-            )
-            assert _job(server, job_id)["stop_after_disconnect_seconds"] == limit
-            node.start_worker().start_agent()
-            wait_until(started.exists, 60, "the job to start")
-            wait_until(lambda: not _still(alive, 0.5), 10, "the job to write")
+    with _behind_a_proxy(tmp_path, FAST) as (server, proxy, node):
+        job_id = server.submit_python(
+            ALIVE,
+            "work",
+            job_fields={"stop_after_disconnect_seconds": limit},
+            started=str(started),
+            alive=str(alive),
+        )
+        assert _job(server, job_id)["stop_after_disconnect_seconds"] == limit
+        node.start_worker().start_agent()
+        wait_until(started.exists, 60, "the job to start")
+        wait_until(lambda: not _still(alive, 0.5), 10, "the job to write")
 
-            proxy.cut()
-            cut = time.monotonic()
-            wait_until(lambda: _still(alive), 30, "the job to be killed on the cut-off node")
-            killed_after = time.monotonic() - cut - 1.0  # it was still for the last second
-            # Its limit counts from the last call that got through (at most a heartbeat, half a
-            # second, before the cut); a call timing out (2 s) tells the agent it is cut off.
-            assert limit - 1.0 <= killed_after <= limit + 4.0, killed_after
-            assert "stop_after_disconnect_seconds: 6); killing it" in node.log()
-            # The control plane up all along knows nothing of it yet (its contact timeout: 90 s).
-            assert _job(server, job_id)["state"] == "running"
+        proxy.cut()
+        cut = time.monotonic()
+        wait_until(lambda: _still(alive), 30, "the job to be killed on the cut-off node")
+        killed_after = time.monotonic() - cut - 1.0  # it was still for the last second
+        # Its limit counts from the last call that got through (at most a heartbeat, half a
+        # second, before the cut); a call timing out (2 s) tells the agent it is cut off.
+        assert limit - 1.0 <= killed_after <= limit + 4.0, killed_after
+        assert "stop_after_disconnect_seconds: 6); killing it" in node.log()
+        # The control plane up all along knows nothing of it yet (its contact timeout: 90 s).
+        assert _job(server, job_id)["state"] == "running"
 
-            proxy.mend()
-            wait_until(lambda: _job(server, job_id)["state"] == "failed", 30, "the report")
-            error = _job(server, job_id)["error"]
-            assert error["code"] == "JOB_NODE_CUT_OFF", error
-            assert "could not reach the control plane for 6 s" in error["message"]
+        proxy.mend()
+        wait_until(lambda: _job(server, job_id)["state"] == "failed", 30, "the report")
+        error = _job(server, job_id)["error"]
+        assert error["code"] == "JOB_NODE_CUT_OFF", error
+        assert "could not reach the control plane for 6 s" in error["message"]
 
 
 def test_after_a_partition_no_new_job_starts_before_the_one_the_node_lost_is_gone(
@@ -106,34 +115,28 @@ def test_after_a_partition_no_new_job_starts_before_the_one_the_node_lost_is_gon
         "MODELFORGE_JOB_PROGRESS_INTERVAL_SECONDS": "1",
     }
     whole_node = {"resources": {"cpus": 2.0}}
-    with LiveServer(tmp_path / "cp", f"sqlite:///{tmp_path / 'cp.db'}", settings) as server:
-        with (
-            CuttableProxy(server.port) as proxy,
-            Node(
-                tmp_path / "node", proxy.url, token=server.mint()["token"], extra_env=AGENT
-            ) as node,
-        ):
-            # A job without stop_after_disconnect_seconds: it runs on through the partition.
-            a = server.submit_python(
-                ALIVE, "work", job_fields=whole_node, started=str(started), alive=str(alive)
-            )
-            node.start_worker().start_agent("--parallel", "2", "--cpus", "2")
-            wait_until(started.exists, 60, "job A to start")
-            # B needs the CPUs A holds: it waits, and the node's second slot claims meanwhile.
-            b = server.submit_python(
-                STARTED_AT, "work", job_fields=whole_node, started_at=str(b_started)
-            )
+    with _behind_a_proxy(tmp_path, settings) as (server, proxy, node):
+        # A job without stop_after_disconnect_seconds: it runs on through the partition.
+        a = server.submit_python(
+            ALIVE, "work", job_fields=whole_node, started=str(started), alive=str(alive)
+        )
+        node.start_worker().start_agent("--parallel", "2", "--cpus", "2")
+        wait_until(started.exists, 60, "job A to start")
+        # B needs the CPUs A holds: it waits, and the node's second slot claims meanwhile.
+        b = server.submit_python(
+            STARTED_AT, "work", job_fields=whole_node, started_at=str(b_started)
+        )
 
-            proxy.cut()
-            wait_until(lambda: _job(server, a)["state"] == "failed", 30, "A failed by the sweep")
-            assert _job(server, a)["error"]["code"] == "JOB_CONTACT_LOST"
-            assert not _still(alive, 0.5), "A stopped while the node was cut off"
-            assert _job(server, b)["state"] == "queued"
+        proxy.cut()
+        wait_until(lambda: _job(server, a)["state"] == "failed", 30, "A failed by the sweep")
+        assert _job(server, a)["error"]["code"] == "JOB_CONTACT_LOST"
+        assert not _still(alive, 0.5), "A stopped while the node was cut off"
+        assert _job(server, b)["state"] == "queued"
 
-            proxy.mend()
-            wait_until(b_started.exists, 60, "job B to start on the node")
-            wait_until(lambda: _still(alive), 10, "A to be gone")
-            assert float(alive.read_text()) < float(b_started.read_text()), (
-                "B started while A still ran on the node"
-            )
-            wait_until(lambda: _job(server, b)["state"] == "succeeded", 30, "B to end")
+        proxy.mend()
+        wait_until(b_started.exists, 60, "job B to start on the node")
+        wait_until(lambda: _still(alive), 10, "A to be gone")
+        assert float(alive.read_text()) < float(b_started.read_text()), (
+            "B started while A still ran on the node"
+        )
+        wait_until(lambda: _job(server, b)["state"] == "succeeded", 30, "B to end")

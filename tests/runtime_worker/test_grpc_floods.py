@@ -74,8 +74,8 @@ class _Front:
     """The front's process, listening on `port`."""
 
     def __init__(self, backend: int, *flags: str, files: int | None = None) -> None:
-        binary = grpc_native.binary({})
-        assert binary is not None, "the native gRPC front is not built: make install"
+        binary = grpc_native.BUILT
+        assert binary.exists(), "the native gRPC front is not built: make install"
 
         def limit_files() -> None:
             if files is not None:

@@ -253,7 +253,8 @@ mod tests {
         address
     }
 
-    async fn send_big(client: &Client<Upstream, Body>, address: SocketAddr) -> StatusCode {
+    /// A 64 MiB request body, sent as fast as it is taken.
+    fn big_body() -> Body {
         let (mut sender, body) = Body::channel();
         tokio::spawn(async move {
             let chunk = Bytes::from(vec![b'0'; 64 * 1024]);
@@ -263,9 +264,13 @@ mod tests {
                 }
             }
         });
+        body
+    }
+
+    async fn send_big(client: &Client<Upstream, Body>, address: SocketAddr) -> StatusCode {
         let request = Request::post(format!("http://{}/api/v1/jobs", address))
             .header(header::CONTENT_LENGTH, 64 * 1024 * 64 * 16)
-            .body(body)
+            .body(big_body())
             .unwrap();
         let response = tokio::time::timeout(Duration::from_secs(10), client.request(request))
             .await
@@ -297,18 +302,9 @@ mod tests {
             drop(socket); // reset: nothing answered
         });
         let client = Client::builder().build(Upstream::new(HttpConnector::new()));
-        let (mut sender, body) = Body::channel();
-        tokio::spawn(async move {
-            let chunk = Bytes::from(vec![b'0'; 64 * 1024]);
-            for _ in 0..(64 * 16) {
-                if sender.send_data(chunk.clone()).await.is_err() {
-                    return;
-                }
-            }
-        });
         let request = Request::post(format!("http://{}/x", address))
             .header(header::CONTENT_LENGTH, 64 * 1024 * 64 * 16)
-            .body(body)
+            .body(big_body())
             .unwrap();
         let outcome = tokio::time::timeout(Duration::from_secs(10), client.request(request))
             .await
