@@ -5,9 +5,9 @@ through a proxy that drops its traffic (tests/e2e/cut.py).
 - A job with `stop_after_disconnect_seconds` is killed on the node once the node has not reached
   the control plane for that long, and reported `JOB_NODE_CUT_OFF` when contact returns.
 - After a partition long enough for the control plane to fail a running job
-  (`JOB_CONTACT_LOST`) and free what it held, the node starts no new job before the old one is
-  gone, though the work waiting for those resources is claimed at the first call that gets
-  through.
+  (`JOB_CONTACT_LOST`) and free the GPU it held (a GPU of the NVML substitute), the node starts
+  no new job on that GPU before the old holder is gone, though the job waiting for it is
+  claimed at the first call that gets through.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 from tests.e2e.cut import CuttableProxy
 from tests.e2e.node import Node, wait_until
 from tests.e2e.server import FAST, LiveServer
+from tests.nvml_substitute import build_fake_nvml
 
 #: Marks that it started, then writes the time into `alive` ten times a second until killed
 #: (each time whole: a new file renamed over the old).
@@ -58,14 +59,15 @@ def _job(server: LiveServer, job_id: str) -> dict[str, Any]:
 
 @contextmanager
 def _behind_a_proxy(
-    root: Path, settings: dict[str, str]
+    root: Path, settings: dict[str, str], **node_options: Any
 ) -> Iterator[tuple[LiveServer, CuttableProxy, Node]]:
     """A control plane on SQLite and a node, its processes not started, whose every connection
     to the control plane goes through a proxy that can drop its traffic."""
     with LiveServer(root / "cp", f"sqlite:///{root / 'cp.db'}", settings) as server:
         with CuttableProxy(server.port) as proxy:
             token = server.mint()["token"]
-            with Node(root / "node", proxy.url, token=token, extra_env=AGENT) as node:
+            node = Node(root / "node", proxy.url, token=token, extra_env=AGENT, **node_options)
+            with node:
                 yield server, proxy, node
 
 
@@ -114,18 +116,17 @@ def test_after_a_partition_no_new_job_starts_before_the_one_the_node_lost_is_gon
         "MODELFORGE_JOB_CONTACT_TIMEOUT_SECONDS": "3",
         "MODELFORGE_JOB_PROGRESS_INTERVAL_SECONDS": "1",
     }
-    whole_node = {"resources": {"cpus": 2.0}}
-    with _behind_a_proxy(tmp_path, settings) as (server, proxy, node):
+    one_gpu = {"resources": {"cpus": 0.5, "gpus": 1}}
+    nvml = build_fake_nvml(tmp_path / "nvml")
+    with _behind_a_proxy(tmp_path, settings, mode="nvidia", nvml_dir=nvml) as (server, proxy, node):
         # A job without stop_after_disconnect_seconds: it runs on through the partition.
         a = server.submit_python(
-            ALIVE, "work", job_fields=whole_node, started=str(started), alive=str(alive)
+            ALIVE, "work", job_fields=one_gpu, started=str(started), alive=str(alive)
         )
-        node.start_worker().start_agent("--parallel", "2", "--cpus", "2")
+        # One GPU offered, two slots: B waits for the GPU A holds while a slot claims.
+        node.start_worker().start_agent("--parallel", "2", "--gpus", "1")
         wait_until(started.exists, 60, "job A to start")
-        # B needs the CPUs A holds: it waits, and the node's second slot claims meanwhile.
-        b = server.submit_python(
-            STARTED_AT, "work", job_fields=whole_node, started_at=str(b_started)
-        )
+        b = server.submit_python(STARTED_AT, "work", job_fields=one_gpu, started_at=str(b_started))
 
         proxy.cut()
         wait_until(lambda: _job(server, a)["state"] == "failed", 30, "A failed by the sweep")
@@ -140,3 +141,5 @@ def test_after_a_partition_no_new_job_starts_before_the_one_the_node_lost_is_gon
             "B started while A still ran on the node"
         )
         wait_until(lambda: _job(server, b)["state"] == "succeeded", 30, "B to end")
+        held = [_job(server, job)["assigned_gpus"] for job in (a, b)]
+        assert held[0] == held[1] and len(held[0]) == 1, held  # the same GPU, one at a time
