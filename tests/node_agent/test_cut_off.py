@@ -75,7 +75,7 @@ def test_a_job_asking_for_it_is_killed_once_its_node_is_cut_off_for_that_long(
     tmp_path: Path,
 ) -> None:
     started, alive = tmp_path / "started", tmp_path / "alive"
-    limit = 6.0
+    limit = 30.0  # the figure
     with _behind_a_proxy(tmp_path, FAST) as (server, proxy, node):
         job_id = server.submit_python(
             ALIVE,
@@ -91,12 +91,12 @@ def test_a_job_asking_for_it_is_killed_once_its_node_is_cut_off_for_that_long(
 
         proxy.cut()
         cut = time.monotonic()
-        wait_until(lambda: _still(alive), 30, "the job to be killed on the cut-off node")
+        wait_until(lambda: _still(alive), limit + 15, "the job to be killed on the cut-off node")
         killed_after = time.monotonic() - cut - 1.0  # it was still for the last second
         # Its limit counts from the last call that got through (at most a heartbeat, half a
         # second, before the cut); a call timing out (2 s) tells the agent it is cut off.
         assert limit - 1.0 <= killed_after <= limit + 4.0, killed_after
-        assert "stop_after_disconnect_seconds: 6); killing it" in node.log()
+        assert "stop_after_disconnect_seconds: 30); killing it" in node.log()
         # The control plane up all along knows nothing of it yet (its contact timeout: 90 s).
         assert _job(server, job_id)["state"] == "running"
 
@@ -104,7 +104,7 @@ def test_a_job_asking_for_it_is_killed_once_its_node_is_cut_off_for_that_long(
         wait_until(lambda: _job(server, job_id)["state"] == "failed", 30, "the report")
         error = _job(server, job_id)["error"]
         assert error["code"] == "JOB_NODE_CUT_OFF", error
-        assert "could not reach the control plane for 6 s" in error["message"]
+        assert "could not reach the control plane for 30 s" in error["message"]
 
 
 def test_after_a_partition_no_new_job_starts_before_the_one_the_node_lost_is_gone(
