@@ -6,7 +6,7 @@ a manifest edited after the load, a release image under another service's name, 
 PostgreSQL image that is not named by digest or not loaded, before Compose starts anything; a
 container from a different image under the same tag makes `up` fail and stop the stack.
 
-The control plane binds a LAN address of its own (on a dummy interface this test makes, beyond
+The control plane binds a LAN address of its own (on an interface this test makes, beyond
 loopback) and its nodes reach it over plain http:// on a trusted network (issue 42): the node's
 Compose files pass the opt-in (`MODELFORGE_AGENT_ALLOW_INSECURE_HTTP`), the wizard writes it
 once told the operator confirmed, and the node runs a job in the released worker image."""
@@ -61,13 +61,17 @@ LAN_ADDRESS = "10.213.7.1"
 
 @pytest.fixture
 def lan_address() -> Iterator[str]:
-    """`LAN_ADDRESS` on a dummy interface made for the test (removed after): an address of this
-    host beyond loopback, which nothing outside it reaches."""
+    """`LAN_ADDRESS` on an interface made for the test (one end of a veth pair whose other end
+    goes nowhere; removed after): an address of this host beyond loopback, which nothing outside
+    it reaches. (A veth pair, not a dummy interface: CI's kernel has no dummy module.)"""
     name = f"mflan{os.getpid() % 100000}"
-    subprocess.run(["ip", "link", "add", name, "type", "dummy"], check=True)
+    subprocess.run(
+        ["ip", "link", "add", name, "type", "veth", "peer", "name", f"{name}p"], check=True
+    )
     try:
         subprocess.run(["ip", "addr", "add", f"{LAN_ADDRESS}/32", "dev", name], check=True)
-        subprocess.run(["ip", "link", "set", name, "up"], check=True)
+        for end in (name, f"{name}p"):
+            subprocess.run(["ip", "link", "set", end, "up"], check=True)
         yield LAN_ADDRESS
     finally:
         subprocess.run(["ip", "link", "del", name], check=False)
