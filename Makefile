@@ -115,4 +115,4 @@ check: lint
 e2e: install
 	./scripts/ensure-postgres
 	./scripts/ensure-docker
-	$(VENV)/bin/pytest tests/e2e_docker --durations=30
+	$(VENV)/bin/pytest -n 2 --dist loadfile tests/e2e_docker --durations=30

@@ -110,6 +110,10 @@ _SHARING = {
     "tests/e2e/test_console_browser.py": "slurm cluster",
     "tests/e2e/test_provisioning.py": "slurm cluster",
     "tests/e2e/test_slurm_cluster.py": "slurm cluster",
+    # make e2e: the two modules that load and start the shared release (conftest.release_bundle,
+    # built once per worker) on one worker; test_images builds its own on the other.
+    "tests/e2e_docker/test_jobs_in_containers.py": "release bundle",
+    "tests/e2e_docker/test_release_docker.py": "release bundle",
 }
 
 #: Units of work handed out first, whatever their number of tests (the rest go by their number
