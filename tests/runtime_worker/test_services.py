@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -128,6 +129,17 @@ class Worker:
         return self.log.read_text(errors="replace")
 
 
+def _listening(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
 @pytest.fixture
 def worker(tmp_path: Path) -> Iterator[Worker]:
     socket_path = tmp_path / "worker.sock"
@@ -136,7 +148,9 @@ def worker(tmp_path: Path) -> Iterator[Worker]:
     with log.open("wb") as handle:
         process = subprocess.Popen([sys.executable, "-m", "runtime_worker"], env=env, stderr=handle)
     try:
-        wait_until(socket_path.exists, 10, "the worker's socket")
+        # Listening, not only there: the file exists from bind(), before listen() (a connection
+        # in between is refused: seen once in CI).
+        wait_until(lambda: _listening(socket_path), 10, "the worker's socket")
         yield Worker(socket_path, process, log)
     finally:
         if process.poll() is None:
