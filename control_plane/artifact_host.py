@@ -25,6 +25,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from anyio import to_thread
 from fastapi import FastAPI
+from sqlalchemy import Engine
 
 from control_plane import RELEASE_VERSION
 from control_plane.api import agent_artifacts, public
@@ -32,8 +33,7 @@ from control_plane.api.asgi import ASGIApp
 from control_plane.api.edge import Edge, JsonGuard
 from control_plane.app import install_error_handlers, make_context
 from control_plane.background.loops import every
-from control_plane.context import AppContext
-from control_plane.db import alembic_config
+from control_plane.db import alembic_config, make_engine
 from control_plane.settings import Settings
 
 
@@ -41,10 +41,10 @@ class SchemaNotCurrent(Exception):
     """The database is not at this release's schema (the message says what to do)."""
 
 
-def check_schema(ctx: AppContext) -> None:
+def check_schema(engine: Engine) -> None:
     """Refuse a database the control plane has not migrated to this release's schema."""
     head = ScriptDirectory.from_config(alembic_config()).get_current_head()
-    with ctx.engine.connect() as connection:
+    with engine.connect() as connection:
         current = MigrationContext.configure(connection).get_current_revision()
     if current != head:
         raise SchemaNotCurrent(
@@ -57,12 +57,11 @@ def check_schema(ctx: AppContext) -> None:
 def check_database(settings: Settings) -> None:
     """Before serving: the database reachable and at this release's schema, else
     `SchemaNotCurrent` (or SQLAlchemy's error for a database that does not answer)."""
-    ctx = make_context(settings, admin=False)
+    engine = make_engine(settings.sqlalchemy_url)
     try:
-        check_schema(ctx)
+        check_schema(engine)
     finally:
-        ctx.engine.dispose()
-        ctx.read_engine.dispose()
+        engine.dispose()
 
 
 def serve(settings: Settings, *, worker_kill_seconds: int) -> None:
@@ -95,7 +94,7 @@ def create_artifact_app(settings: Settings | None = None) -> ASGIApp:
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         def start() -> None:
-            check_schema(ctx)
+            check_schema(ctx.engine)
             with ctx.session_factory.begin() as session:
                 ctx.authority.start(session, signing=False)
 
