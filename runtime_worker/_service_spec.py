@@ -15,6 +15,7 @@ import math
 import re
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from modelforge_contracts.text import clean_line
@@ -27,6 +28,15 @@ from runtime_worker.serving.policy import (
 )
 
 ONNX_HEALTH_PATH = "/v2/health/ready"
+#: llama-server answers 200 here once its model is loaded (503 while loading).
+LLAMA_HEALTH_PATH = "/health"
+#: The `llama.cpp` runner's server, built by `make install` (scripts/build-llama-server).
+LLAMA_SERVER = Path(__file__).resolve().parent / "bin" / "llama-server"
+#: The runners the worker knows how to start.
+RUNNERS = ("onnx", "llama.cpp")
+#: A `llama.cpp` service's defaults (the control plane sends all of them; these are for a
+#: specification without `params.llm`).
+LLM_DEFAULTS = {"context_length": 4096, "slots": 4, "gpu_layers": None, "max_tokens": None}
 #: Where a service listens unless its agent turned direct access on: this node only, where the
 #: agent's tunnel (and the worker's health probe) reach it.
 LOOPBACK_HOST = "127.0.0.1"
@@ -45,6 +55,10 @@ class HealthCheck:
     timeout: float = 2.0
     failure_threshold: int = 3
     start_period: float = 60.0
+    #: A request made once after the first healthy answer and before the service is called
+    #: healthy (`POST path` with this JSON body): the `llama.cpp` runner's one-token
+    #: completion, so the first client does not pay for the engine's first run.
+    warm_up: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -118,16 +132,25 @@ class ServiceSpec:
             gpu_env = gpu_environment({**body, "resources": resources})
         except (TypeError, ValueError) as exc:
             raise InvalidService(str(exc)) from None
-        default_path = ONNX_HEALTH_PATH if body.get("runner") == "onnx" else "/"
-        if body.get("runner") == "onnx":
+        runner = body.get("runner")
+        default_path = {"onnx": ONNX_HEALTH_PATH, "llama.cpp": LLAMA_HEALTH_PATH}.get(
+            str(runner), "/"
+        )
+        warm_up = None
+        if runner == "onnx":
             argv += serving_flags(params, resources)
+        elif runner == "llama.cpp":
+            # The GPUs it was assigned (none named: the node's own, when it asked for some).
+            gpus = gpu_env.get("CUDA_VISIBLE_DEVICES") if gpu_env else resources.get("gpus")
+            argv += llama_flags(params, resources, gpus=bool(gpus))
+            warm_up = LLAMA_WARM_UP
         return cls(
             service_id=service_id,
             generation=generation,
             name=name,
             argv=tuple(argv),
             weights_path=weights_path,
-            health=_health(body.get("health"), default_path),
+            health=_health(body.get("health"), default_path, warm_up),
             restart=_restart(body.get("restart")),
             params=params,
             env=env,
@@ -158,6 +181,60 @@ def onnx_argv(name: str) -> list[str]:
     ]
 
 
+def llama_argv(name: str) -> list[str]:
+    """The built-in `llama.cpp` runner's command: llama.cpp's own server, serving the GGUF as
+    `name` (the model name its answers carry), with its Prometheus metrics and slot view on."""
+    return [
+        str(LLAMA_SERVER),
+        "--model",
+        "{weights}",
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+        "--alias",
+        name,
+        "--metrics",
+        "--slots",
+        "--no-webui",
+    ]
+
+
+#: The warm-up of a `llama.cpp` replica: one token of a completion.
+LLAMA_WARM_UP = ("/v1/completions", json.dumps({"prompt": "Hello", "max_tokens": 1}))
+
+
+def llama_flags(params: dict[str, Any], resources: dict[str, Any], *, gpus: bool) -> list[str]:
+    """llama-server's flags for the service's `llm` (kept in its params): each request's context
+    (`context_length`) times the parallel `slots` is the whole context llama-server holds, one
+    share per slot; `gpu_layers` (None: every layer when the replica holds a GPU, none on the
+    CPU); threads from the cores it holds (`resources.cpus`, rounded up)."""
+    llm = {**LLM_DEFAULTS, **_section(params.get("llm"), "params.llm")}
+    context, slots, layers = llm["context_length"], llm["slots"], llm["gpu_layers"]
+    for key, value, top in (("context_length", context, 1 << 20), ("slots", slots, 256)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+            raise InvalidService(f"params.llm.{key} must be an integer from 1 to {top}")
+    if layers is not None and (
+        isinstance(layers, bool) or not isinstance(layers, int) or layers < 0
+    ):
+        raise InvalidService("params.llm.gpu_layers must be a non-negative integer or null")
+    if layers is None:
+        layers = 999 if gpus else 0
+    flags = [
+        "--ctx-size",
+        str(context * slots),
+        "--parallel",
+        str(slots),
+        "--no-kv-unified",
+        "--n-gpu-layers",
+        str(layers),
+    ]
+    cpus = resources.get("cpus")
+    if isinstance(cpus, int | float) and not isinstance(cpus, bool) and 0 < cpus <= 4096:
+        flags += ["--threads", str(math.ceil(cpus))]
+    return flags
+
+
 def serving_flags(params: dict[str, Any], resources: dict[str, Any]) -> list[str]:
     """The onnx runner's flags for the service's `batching` and `instances` (kept in its
     params) and the cores it holds (`resources.cpus`, rounded up: onnxruntime's threads)."""
@@ -179,13 +256,15 @@ def serving_flags(params: dict[str, Any], resources: dict[str, Any]) -> list[str
 
 def _argv(command: Any, runner: Any, name: str, weights_path: str | None) -> list[str]:
     if runner is not None:
-        if runner != "onnx":
-            raise InvalidService(f"runner must be 'onnx' or null (got {str(runner)[:40]!r})")
+        if runner not in RUNNERS:
+            raise InvalidService(
+                f"runner must be 'onnx', 'llama.cpp' or null (got {str(runner)[:40]!r})"
+            )
         if command is not None:
             raise InvalidService("give either command or runner, not both")
         if weights_path is None:
-            raise InvalidService("runner 'onnx' needs weights_path")
-        command = onnx_argv(name)
+            raise InvalidService(f"runner {runner!r} needs weights_path")
+        command = onnx_argv(name) if runner == "onnx" else llama_argv(name)
     if (
         not isinstance(command, list)
         or not command
@@ -230,7 +309,7 @@ def _seconds(section: dict[str, Any], name: str, key: str, default: float, low: 
     return float(value)
 
 
-def _health(value: Any, default_path: str) -> HealthCheck:
+def _health(value: Any, default_path: str, warm_up: tuple[str, str] | None) -> HealthCheck:
     section = _section(value, "health")
     path = section.get("path", default_path)
     if not isinstance(path, str) or not path.startswith("/") or clean_line(path) != path:
@@ -244,6 +323,7 @@ def _health(value: Any, default_path: str) -> HealthCheck:
         timeout=_seconds(section, "health", "timeout_seconds", 2.0, 0.05),
         failure_threshold=threshold,
         start_period=_seconds(section, "health", "start_period_seconds", 60.0, 0.0),
+        warm_up=warm_up,
     )
 
 

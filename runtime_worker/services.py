@@ -14,7 +14,9 @@ job's, then its `env`, its `secrets`, `PORT`, `HOST` and the variables naming ex
 
 A thread per service keeps it running: it probes `http://127.0.0.1:{port}{health.path}` every
 interval (2xx and 3xx are healthy; before the first healthy answer, failures count only after the
-start period), stops a service that failed `failure_threshold` probes in a row, and starts it
+start period; a service with a warm-up, the `llama.cpp` runner's one-token completion, is
+healthy only once that answered too, and its `ready` event says how long it took), stops a
+service that failed `failure_threshold` probes in a row, and starts it
 again after any exit, waiting `initial × 2^(n−1)` seconds (at most the maximum) for the n-th
 failure in a row; a service healthy for the maximum backoff starts that count again. What
 happened is kept as numbered events (the last 100 per service), with the last 50 lines of its
@@ -46,8 +48,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from modelforge_contracts.text import clean_line
+from runtime_worker._service_spec import LLAMA_SERVER, HealthCheck, ServiceSpec
 from runtime_worker._service_spec import ONNX_HEALTH_PATH as ONNX_HEALTH_PATH
-from runtime_worker._service_spec import HealthCheck, ServiceSpec
 from runtime_worker._service_spec import InvalidService as InvalidService
 from runtime_worker.execution import (
     Redactor,
@@ -98,6 +100,31 @@ def probe(port: int, check: HealthCheck) -> str | None:
     finally:
         connection.close()
     return None if 200 <= status < 400 else f"HTTP {status}"
+
+
+#: The longest a service's warm-up request may take (its engine's first run).
+_WARM_UP_TIMEOUT = 120.0
+
+
+def warm_up(port: int, check: HealthCheck) -> str | None:
+    """The service's warm-up request (`check.warm_up`), made once before it is called healthy:
+    None when it answered 2xx; else what went wrong (the warm-up is tried again at the next
+    probe)."""
+    if check.warm_up is None:
+        return None
+    path, body = check.warm_up
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=_WARM_UP_TIMEOUT)
+    try:
+        connection.request("POST", path, body, {"Content-Type": "application/json"})
+        answer = connection.getresponse()
+        answer.read()
+        status = answer.status
+    except (OSError, http.client.HTTPException) as exc:
+        reason = getattr(exc, "strerror", None)
+        return f"warm-up: {type(exc).__name__}{f' ({reason})' if reason else ''}"
+    finally:
+        connection.close()
+    return None if 200 <= status < 300 else f"warm-up: HTTP {status}"
 
 
 def service_environment(
@@ -309,6 +336,12 @@ class Service:
         grpc_port = free_port(besides=port) if wants_grpc else None
         env = service_environment(spec, port, grpc_port)
         executable = spec.argv[0]
+        if executable == str(LLAMA_SERVER) and not _executable(executable, env):
+            raise _StartFailed(
+                "LLAMA_SERVER_MISSING",
+                f"the llama.cpp runner's server is not installed at {executable}: build it "
+                "with make install (scripts/build-llama-server), or run a worker image that has it",
+            )
         if not _executable(executable, env):
             raise _StartFailed(
                 "SERVICE_COMMAND_NOT_EXECUTABLE",
@@ -386,6 +419,11 @@ class Service:
             now = time.monotonic()
             if now >= next_probe:
                 problem = probe(run.port, check)
+                warm_up_seconds = None
+                if problem is None and not ever_healthy and check.warm_up is not None:
+                    asked = time.monotonic()
+                    problem = warm_up(run.port, check)
+                    warm_up_seconds = round(time.monotonic() - asked, 3)
                 now = time.monotonic()
                 if run.process.poll() is not None:
                     continue  # it exited meanwhile: that is the news, not the probe
@@ -394,7 +432,10 @@ class Service:
                         self._event("health", {"healthy": True, "failed_before": failing})
                     failing = 0
                     if not ever_healthy:  # the cold start: process start to first healthy
-                        self._event("ready", {"cold_start_seconds": round(now - started, 2)})
+                        ready: dict[str, Any] = {"cold_start_seconds": round(now - started, 2)}
+                        if warm_up_seconds is not None:
+                            ready["warm_up_seconds"] = warm_up_seconds
+                        self._event("ready", ready)
                     ever_healthy = True
                     if healthy_since is None:
                         healthy_since = now
