@@ -37,6 +37,7 @@ from control_plane.api import (
     jobs,
     metrics,
     models,
+    openai_models,
     provisioning,
     public,
     resources,
@@ -182,8 +183,10 @@ def create_front(
     app.include_router(provisioning.router)
     app.include_router(resources.router)
     app.include_router(tunnel.router)
+    app.include_router(openai_models.router)
     console.mount_console(app)
     front = compose_front(app, ctx)
+    app.state.gateway = front.gateway  # the OpenAI API's `GET /v1/models` checks keys with it
     return front
 
 

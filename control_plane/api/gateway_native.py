@@ -43,6 +43,7 @@ from control_plane.api.gateway import Answer, Gateway
 from control_plane.api.gateway_forward import encode_segment
 from control_plane.context import AppContext
 from control_plane.errors import ModelForgeError
+from control_plane.gateway import openai
 from control_plane.gateway.balancer import Refused
 from control_plane.gateway.paths import gateway_target
 from control_plane.gateway.routing import ReplicaTarget, RoutingSnapshot, ServiceTarget
@@ -76,6 +77,8 @@ class _Ticket:
     #: seconds the token's check stands here (`GatewayAuth.standing`); None for a token with a
     #: rate limit, whose every request comes here to its bucket.
     auth: dict[str, Any] | None = None
+    #: An OpenAI API call's facts (its answers in OpenAI's shape); None for any other request.
+    call: openai.Call | None = None
 
 
 class FrontTunnel:
@@ -199,15 +202,22 @@ class NativeChannel(asyncio.Protocol):
         if target is None:
             return {"id": ask, "pass": True}
         gateway = self.gateway
+        call = openai.Call.from_ask(message["openai"]) if "openai" in message else None
         started = gateway.clock.monotonic()
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in message["headers"]]
         prepared = await gateway.prepare(target, method, headers, message.get("query", ""))
         if isinstance(prepared, Answer):
             elapsed = gateway.clock.monotonic() - started
             gateway.metrics.answered(prepared.label, prepared.status, elapsed)
+            if call is not None:
+                prepared = await self._openai_answer(prepared, call, message)
             return _answer(ask, prepared)
         service = prepared.service
         label = service.name
+        if call is not None and (refused := openai.refusal(service, call)) is not None:
+            status, body = refused
+            gateway.metrics.answered(label, status, gateway.clock.monotonic() - started)
+            return _answer(ask, Answer(status, body, label=label))
         gateway.traffic.began(service.id)
         try:
             await gateway.admit(label)
@@ -216,7 +226,7 @@ class NativeChannel(asyncio.Protocol):
             gateway.metrics.error(label, "busy")
             busy = Answer(503, {"error": gateway.busy(service, full=refused.full)}, label=label)
             gateway.metrics.answered(label, 503, gateway.clock.monotonic() - started)
-            return _answer(ask, busy)
+            return _answer(ask, _shaped(busy, call))
         except BaseException:
             gateway.traffic.ended(service.id)
             raise
@@ -225,6 +235,7 @@ class NativeChannel(asyncio.Protocol):
         whole = expected is not None and expected <= min(MAX_PAYLOAD, gateway.limits.retry_bytes)
         number = next(self._numbers)
         ticket = _Ticket(service, prepared.snapshot, started, prepared.outbound, whole)
+        ticket.call = call
         if prepared.grant.rate_per_second is None:
             authorization = next((v for k, v in message["headers"] if k == "authorization"), "")
             standing = gateway.auth.standing(authorization)
@@ -264,9 +275,23 @@ class NativeChannel(asyncio.Protocol):
                 f"no replica of service {label!r} could be reached "
                 f"({ticket.failure or 'transport'}); retry in a few seconds"
             )
-            return Answer(502, {"error": message}, label=label)
+            return _shaped(Answer(502, {"error": message}, label=label), ticket.call)
         gateway.metrics.error(label, "no_replica")
-        return Answer(503, {"error": gateway.no_replica(ticket.service)}, label=label)
+        answer = Answer(503, {"error": gateway.no_replica(ticket.service)}, label=label)
+        return _shaped(answer, ticket.call)
+
+    async def _openai_answer(
+        self, answer: Answer, call: openai.Call, message: dict[str, Any]
+    ) -> Answer:
+        """The gateway's own answer to an OpenAI call, in OpenAI's shape: a key refused for
+        this model is told apart from a key that opens nothing (`openai.reshaped`)."""
+        key_valid = False
+        if answer.status == 401:
+            authorization = next((v for k, v in message["headers"] if k == "authorization"), "")
+            key_valid = await self.gateway.auth.holder_async(authorization) is not None
+        status, body = openai.reshaped(answer.status, answer.body, call, key_valid=key_valid)
+        extra = [pair for pair in answer.extra if status == 401 or pair[0] != b"www-authenticate"]
+        return Answer(status, body, extra, answer.label)
 
     async def _retry(self, message: dict[str, Any]) -> None:
         ask, number = message["id"], message["ticket"]
@@ -426,6 +451,14 @@ class NativeChannel(asyncio.Protocol):
             )
         if self._tunnels.get(node_id) is tunnel:
             del self._tunnels[node_id]
+
+
+def _shaped(answer: Answer, call: openai.Call | None) -> Answer:
+    """`answer` in OpenAI's shape for an OpenAI call (unchanged for any other request)."""
+    if call is None:
+        return answer
+    status, body = openai.reshaped(answer.status, answer.body, call, key_valid=True)
+    return Answer(status, body, answer.extra, answer.label)
 
 
 def _answer(ask: int, answer: Answer) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field, StringConstraints
 
 from control_plane.schemas import Digest, Name, StrictModel
 
-Runner = Literal["onnx", "command"]
+Runner = Literal["onnx", "llama.cpp", "command"]
 #: A model by `name@version`, as jobs and services name the one they run.
 ModelRef = Annotated[
     str,

@@ -133,7 +133,22 @@ class GatewayAuth:
     def authorize(self, presented: str | None, service: str) -> Grant:
         """The grant of the `Authorization` header's token for `service` (its name or id), or
         `GatewayDenied`. Blocking: a token not in the cache is read from the database."""
-        token = _bearer(presented)
+        return self._admit(self._look_up(_bearer(presented)), service)
+
+    async def holder_async(self, presented: str | None) -> Grant | None:
+        """What the `Authorization` header's token opens, whichever service that is (None: no
+        valid token): how the OpenAI API tells a model a valid key does not open (404) from
+        a key that opens nothing (401). Takes nothing from the token's rate; the same cache."""
+        try:
+            token = _bearer(presented)
+        except GatewayDenied:
+            return None
+        cached = self._fresh(sha256_hex(token))
+        if cached is not None:
+            return cached.grant
+        return await asyncio.to_thread(self._look_up, token)
+
+    def _look_up(self, token: str) -> Grant | None:
         digest = sha256_hex(token)
         cached = self._fresh(digest)
         if cached is None:
@@ -142,7 +157,7 @@ class GatewayAuth:
             with self._read_sessions() as session:
                 grant = access_tokens.verify(session, token)
             cached = self._remember(digest, grant, read_at)
-        return self._admit(cached.grant, service)
+        return cached.grant
 
     def standing(self, presented: str | None) -> float:
         """Seconds the remembered answer for this `Authorization` value still stands (0: none):

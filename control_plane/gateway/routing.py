@@ -28,6 +28,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
 from control_plane.models import Node, Service, ServiceReplica
+from control_plane.services.schemas import LLM_RUNNERS
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +64,16 @@ class ServiceTarget:
 
     id: str
     name: str
-    #: `onnx` (the Open Inference Protocol at /v2) or `command` (at /services/{name}/...).
+    #: `onnx` (the Open Inference Protocol at /v2), `llm` (an LLM runner's engine: the OpenAI
+    #: API at /v1) or `command` (at /services/{name}/...); every one also at /services/{name}/.
     kind: str
     #: The model's name on the replicas' own servers (`/v2/models/{model_name}`).
     model_name: str
     state: str
     replicas: tuple[ReplicaTarget, ...] = ()
     autoscale: dict[str, Any] | None = None
+    #: An `llm` service's most `max_tokens` a request may ask for (None: up to its context).
+    max_tokens: int | None = None
 
     @property
     def scales_from_zero(self) -> bool:
@@ -107,6 +111,7 @@ def read_snapshot(session: Session) -> RoutingSnapshot:
             Service.command,
             Service.runner,
             Service.autoscale,
+            Service.params,
             ServiceReplica.id,
             ServiceReplica.node_id,
             ServiceReplica.state,
@@ -119,17 +124,21 @@ def read_snapshot(session: Session) -> RoutingSnapshot:
     ).all()
     heads: dict[str, tuple[Any, ...]] = {}
     replicas: dict[str, list[ReplicaTarget]] = {}
-    for sid, name, state, command, runner, autoscale, rid, node, rstate, ready, rev in rows:
-        heads.setdefault(sid, (name, state, command, runner, autoscale))
+    for sid, name, state, command, runner, autoscale, params, rid, node, rstate, ready, rev in rows:
+        heads.setdefault(sid, (name, state, command, runner, autoscale, params))
         group = replicas.setdefault(sid, [])
         if rid is not None:
             draining = rstate == "draining"
             group.append(ReplicaTarget(rid, node, rstate, ready, rev or 1, draining))
     services = []
-    for sid, (name, state, command, runner, autoscale) in heads.items():
+    for sid, (name, state, command, runner, autoscale, params) in heads.items():
         kind = "command" if command is not None and runner is None else "onnx"
+        max_tokens = None
+        if runner in LLM_RUNNERS:
+            kind = "llm"
+            max_tokens = ((params or {}).get("llm") or {}).get("max_tokens")
         services.append(
-            ServiceTarget(sid, name, kind, name, state, tuple(replicas[sid]), autoscale)
+            ServiceTarget(sid, name, kind, name, state, tuple(replicas[sid]), autoscale, max_tokens)
         )
     nodes = {r.node_id for group in replicas.values() for r in group if r.node_id is not None}
     heartbeats: dict[str, datetime | None] = {}

@@ -27,11 +27,13 @@ from control_plane.security import new_id
 from control_plane.services import replicas
 from control_plane.services._changes import record_event
 from control_plane.services.schemas import (
+    LLM_RUNNERS,
     Instances,
     ServiceBatching,
     ServiceCreate,
     ServiceEventPublic,
     ServiceHealth,
+    ServiceLlm,
     ServicePublic,
 )
 from control_plane.vault import vault
@@ -39,6 +41,10 @@ from control_plane.vault import vault
 #: The built-in onnx runner's readiness path (Open Inference Protocol), its health check's
 #: path when none is given; the runtime worker defaults to the same.
 ONNX_HEALTH_PATH = "/v2/health/ready"
+#: Each runner's health path when none is given (llama-server: 200 once its model is loaded).
+HEALTH_PATHS = {"onnx": ONNX_HEALTH_PATH, "llama.cpp": "/health"}
+#: The runners a service (or a model it names) may run without a command.
+RUNNERS = frozenset(HEALTH_PATHS)
 
 
 def deploy(*, session: Session, clock: Clock, request: ServiceCreate) -> Service:
@@ -102,25 +108,27 @@ def resolve_spec(*, session: Session, request: ServiceCreate) -> dict[str, Any]:
     """What a replica of `request` runs (`replicas.REVISION_FIELDS`): its model resolved to
     weights, params and runner, its weights and secrets checked, its health path the runner's
     own when not given. Raises what a deploy of it would."""
-    runner, weights, params = request.runner, request.weights, dict(request.params)
+    runner: str | None = request.runner
+    weights, params = request.weights, dict(request.params)
     if request.model is not None:
         model = catalog.resolve(session, request.model, named_by="The service")
         weights, params = model.weights, {**model.params, **params}
         if request.command is None:
-            if model.runner != "onnx":
+            if model.runner not in RUNNERS:
                 raise InvalidRequest(
                     f"Model {model.ref} has runner {model.runner}: the service needs a command.",
-                    "Give `command` (argv, with {weights} and {port}), or name an onnx model.",
+                    "Give `command` (argv, with {weights} and {port}), or name a model of "
+                    "runner onnx or llama.cpp.",
                     code="SERVICE_NEEDS_COMMAND",
                 )
-            runner = "onnx"
+            runner = model.runner
     elif weights is not None:
         reference_artifacts(session, [weights], required=True, named_by="The service")
     vault.required_labels(session, list(request.secrets), named_by="The service")
     params = _serving_params(params, request, runner)
     health = (request.health or ServiceHealth()).model_dump()
     if health["path"] is None:  # the runner's own: the onnx model server answers 404 on `/`
-        health["path"] = ONNX_HEALTH_PATH if runner == "onnx" else "/"
+        health["path"] = HEALTH_PATHS.get(runner or "", "/")
     return {
         "command": list(request.command) if request.command is not None else None,
         "runner": runner,
@@ -146,6 +154,20 @@ def _serving_params(
         params["batching"] = request.batching.model_dump()
     if request.instances is not None:
         params["instances"] = request.instances
+    if runner in LLM_RUNNERS:  # the engine's options, each default filled in
+        if request.llm is not None:
+            params["llm"] = request.llm.model_dump()
+        try:
+            params["llm"] = ServiceLlm.model_validate(params.get("llm") or {}).model_dump()
+        except ValidationError as exc:
+            _refuse_serving_params("llm", exc)
+        return params
+    if request.llm is not None:  # a model that named another runner
+        raise InvalidRequest(
+            f"The service gives `llm` but runs {runner or 'a command'}.",
+            "Give `llm` only with runner llama.cpp (docs/llm.md).",
+            code="INVALID_SERVING_OPTIONS",
+        )
     if runner != "onnx":  # a command (the schema refuses batching and instances beside one)
         return params
     for field, check in (
@@ -168,9 +190,10 @@ def _refuse_serving_params(field: str, exc: ValidationError) -> NoReturn:
         location[-1:] = ["<key>"]
     where = ".".join([field, *location])
     raise InvalidRequest(
-        f"The service's params (or its model's) give an invalid batching or instances "
+        f"The service's params (or its model's) give an invalid batching, instances or llm "
         f"({where}: {problem['msg']}).",
-        "Give `batching` and `instances` with the service (docs/services.md), or register "
+        "Give `batching`, `instances` or `llm` with the service (docs/services.md, "
+        "docs/llm.md), or register "
         "a model version with valid ones.",
         code="INVALID_SERVING_OPTIONS",
     )
@@ -269,6 +292,7 @@ def service_public(
         log_tail=list(shown.log_tail or []) if shown else [],
         batching=(service.params or {}).get("batching") if service.runner == "onnx" else None,
         instances=(service.params or {}).get("instances") if service.runner == "onnx" else None,
+        llm=(service.params or {}).get("llm") if service.runner in LLM_RUNNERS else None,
         desired_replicas=service.replicas,
         replicas=[replicas.replica_public(copy) for copy in copies if copy.state != "stopped"],
         revision=service.revision,

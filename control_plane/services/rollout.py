@@ -36,7 +36,7 @@ from control_plane.models import Service, ServiceEvent, ServiceReplica, ServiceR
 from control_plane.security import new_id
 from control_plane.services import lifecycle, replicas
 from control_plane.services._changes import record_event
-from control_plane.services.schemas import ServiceCreate, ServiceUpdate
+from control_plane.services.schemas import LLM_RUNNERS, ServiceCreate, ServiceUpdate
 
 #: A new replica in one of these states (or restarted once) fails its rollout.
 _FAILING = ("failed", "unhealthy", "restarting")
@@ -135,11 +135,13 @@ def _merged(service: Service, request: ServiceUpdate) -> ServiceCreate:
     if service.runner == "onnx":
         body["batching"] = params.pop("batching", None)
         body["instances"] = params.pop("instances", None)
+    if service.runner in LLM_RUNNERS:
+        body["llm"] = params.pop("llm", None)
     body["params"] = params
     if given & {"model", "weights"}:
         body.update(model=None, weights=None, params={}, batching=None, instances=None)
     if given & {"command", "runner"}:
-        body.update(command=None, runner=None, batching=None, instances=None)
+        body.update(command=None, runner=None, batching=None, instances=None, llm=None)
         body["health"] = {**service.health, "path": None}  # the new runner's own
     for name in given - set(_SCALING):
         value = getattr(request, name)
@@ -154,7 +156,7 @@ def _merged(service: Service, request: ServiceUpdate) -> ServiceCreate:
         raise InvalidRequest(
             f"With this change the service would be invalid ({where}: {problem['msg']}).",
             "Send the fields that go together (e.g. `runner` with `weights` or `model`, "
-            "`command` without `batching`); docs/services.md, Rolling updates.",
+            "`command` without `batching` or `llm`); docs/services.md, Rolling updates.",
             code="INVALID_SERVICE_UPDATE",
         ) from None
 

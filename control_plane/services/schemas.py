@@ -100,6 +100,33 @@ class ServiceAutoscale(StrictModel):
         return self
 
 
+class ServiceLlm(StrictModel):
+    """An LLM runner's engine (`llama.cpp`; docs/llm.md): each request's context in tokens, the
+    requests the engine runs at once (its slots, each holding a context), the layers it puts
+    on the GPU (None: all of them when the replica holds a GPU, none on the CPU), and the most
+    `max_tokens` a request may ask for (None: up to its context)."""
+
+    model_config = ConfigDict(strict=True)
+
+    context_length: Annotated[int, Field(ge=64, le=1 << 20)] = 4096
+    slots: Annotated[int, Field(ge=1, le=256)] = 4
+    gpu_layers: Annotated[int, Field(ge=0, le=100_000)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+
+    @model_validator(mode="after")
+    def _within_context(self) -> ServiceLlm:
+        if self.max_tokens is not None and self.max_tokens > self.context_length:
+            raise ValueError("max_tokens must not exceed context_length")
+        return self
+
+
+#: The runners a service may name: the ONNX model server, and llama.cpp's `llama-server` for a
+#: GGUF (an LLM, called through the OpenAI API at `/v1`).
+Runner = Literal["onnx", "llama.cpp"]
+#: The runners that serve an LLM (their services are the OpenAI API's models).
+LLM_RUNNERS = frozenset({"llama.cpp"})
+
+
 #: How many copies run, each placed on a node of its own where one fits (else on other GPUs).
 ReplicaCount = Annotated[int, Field(ge=1, le=16, strict=True)]
 
@@ -108,13 +135,15 @@ ReplicaCount = Annotated[int, Field(ge=1, le=16, strict=True)]
 SERVING_OPTIONS_NOT_FOR_A_COMMAND = (
     "batching and instances are the onnx runner's; not for a command"
 )
+#: The refusal of `llm` for anything but an LLM runner.
+LLM_OPTIONS_NOT_FOR_THIS_RUNNER = "llm is the llama.cpp runner's; give runner 'llama.cpp'"
 
 
 class ServiceCreate(StrictModel):
     name: Name
     #: argv; `{weights}` becomes the local path of the weights, `{port}` a free port.
     command: Annotated[list[Argument], Field(min_length=1, max_length=200)] | None = None
-    runner: Literal["onnx"] | None = None
+    runner: Runner | None = None
     weights: Digest | None = None
     model: ModelRef | None = None
     params: dict[str, Any] = Field(default_factory=dict)
@@ -128,6 +157,8 @@ class ServiceCreate(StrictModel):
     #: The onnx runner's dynamic batching and model instances (kept with its params).
     batching: ServiceBatching | None = None
     instances: Instances | None = None
+    #: The `llama.cpp` runner's engine (kept with its params; None: the defaults).
+    llm: ServiceLlm | None = None
     #: How many copies run, each placed on a node of its own where one fits (else on other GPUs).
     replicas: ReplicaCount = 1
     #: Replicas that follow the gateway's traffic (then `replicas` is only the start, kept in
@@ -137,13 +168,19 @@ class ServiceCreate(StrictModel):
     @model_validator(mode="after")
     def _what_runs(self) -> ServiceCreate:
         if self.command is None and self.runner is None and self.model is None:
-            raise ValueError("give a command, a runner (onnx) or a model (name@version)")
+            raise ValueError(
+                "give a command, a runner (onnx or llama.cpp) or a model (name@version)"
+            )
         if self.command is not None and self.runner is not None:
             raise ValueError("give either command or runner, not both")
         if self.weights is not None and self.model is not None:
             raise ValueError("give either weights or model, not both")
-        if self.runner == "onnx" and self.weights is None and self.model is None:
-            raise ValueError("the onnx runner needs weights (a digest) or a model")
+        if self.runner is not None and self.weights is None and self.model is None:
+            raise ValueError(f"the {self.runner} runner needs weights (a digest) or a model")
+        if self.llm is not None and self.runner not in (None, *LLM_RUNNERS):
+            raise ValueError(LLM_OPTIONS_NOT_FOR_THIS_RUNNER)
+        if self.llm is not None and self.command is not None:
+            raise ValueError(LLM_OPTIONS_NOT_FOR_THIS_RUNNER)
         if self.command is not None and self.weights is None and self.model is None:
             if any("{weights}" in argument for argument in self.command):
                 raise ValueError("the command names {weights} but no weights or model is given")
@@ -160,7 +197,7 @@ class ServiceUpdate(StrictModel):
     A new `model` or `weights` brings its own params, batching and instances unless given."""
 
     command: Annotated[list[Argument], Field(min_length=1, max_length=200)] | None = None
-    runner: Literal["onnx"] | None = None
+    runner: Runner | None = None
     weights: Digest | None = None
     model: ModelRef | None = None
     params: dict[str, Any] | None = None
@@ -173,6 +210,7 @@ class ServiceUpdate(StrictModel):
     secrets: SecretNames | None = None
     batching: ServiceBatching | None = None
     instances: Instances | None = None
+    llm: ServiceLlm | None = None
     replicas: ReplicaCount | None = None
     #: null turns autoscaling off (`replicas` stays as it is).
     autoscale: ServiceAutoscale | None = None
@@ -181,7 +219,13 @@ class ServiceUpdate(StrictModel):
     def _something(self) -> ServiceUpdate:
         if not self.model_fields_set:
             raise ValueError("give at least one field to change")
-        for name in self.model_fields_set - {"autoscale", "batching", "instances", "health"}:
+        for name in self.model_fields_set - {
+            "autoscale",
+            "batching",
+            "instances",
+            "llm",
+            "health",
+        }:
             if getattr(self, name) is None and name not in (
                 "command",
                 "runner",
@@ -191,6 +235,8 @@ class ServiceUpdate(StrictModel):
                 raise ValueError(f"{name} must not be null")
         if self.command is not None and (self.batching, self.instances) != (None, None):
             raise ValueError(SERVING_OPTIONS_NOT_FOR_A_COMMAND)
+        if self.command is not None and self.llm is not None:
+            raise ValueError(LLM_OPTIONS_NOT_FOR_THIS_RUNNER)
         return self
 
 
@@ -263,6 +309,8 @@ class ServicePublic(BaseModel):
     #: The onnx runner's dynamic batching and instances, as deployed (None: off, the default).
     batching: dict[str, Any] | None = None
     instances: int | None = None
+    #: An LLM runner's engine, as deployed (`ServiceLlm`, its defaults filled in).
+    llm: dict[str, Any] | None = None
     #: How many replicas it runs, and each of them (stopped ones left out).
     desired_replicas: int = 1
     replicas: list[ServiceReplicaPublic] = Field(default_factory=list)

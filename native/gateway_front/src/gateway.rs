@@ -56,7 +56,7 @@ const INTERNAL_HEADER: &str = "x-modelforge-";
 /// The reset code of a stream the front gives up on.
 const CANCELLED: &str = "CANCELLED";
 /// The 400 of a request whose framing is ambiguous (`gateway_headers.AMBIGUOUS_FRAMING`).
-const AMBIGUOUS_FRAMING: &str = "the request declares its body's framing ambiguously \
+pub const AMBIGUOUS_FRAMING: &str = "the request declares its body's framing ambiguously \
 (Content-Length with Transfer-Encoding, a Transfer-Encoding other than chunked, or differing \
 Content-Length values); send one Content-Length, or Transfer-Encoding: chunked alone";
 /// A client's word on who it is or came through: never passed on (the front says it).
@@ -78,18 +78,32 @@ const DROPPED_RESPONSE_HEADERS: [&str; 4] = [
 /// Carry one gateway request (see the module's docstring).
 pub async fn handle(
     front: &Arc<Front>,
+    request: Request<Body>,
+    peer: SocketAddr,
+) -> Response<FrontBody> {
+    carry(front, request, peer, None).await
+}
+
+/// Carry one gateway request; `call` (an OpenAI call's facts, `openai.rs`) goes with the ask,
+/// and such a call is always asked, never taken by the fast path.
+pub async fn carry(
+    front: &Arc<Front>,
     mut request: Request<Body>,
     peer: SocketAddr,
+    call: Option<String>,
 ) -> Response<FrontBody> {
     if framing_refusal(request.headers()) {
         return crate::error_answer(front, StatusCode::BAD_REQUEST, AMBIGUOUS_FRAMING, true);
     }
     set_forwarding(request.headers_mut(), peer, front.config.scheme());
     let head = request.method() == Method::HEAD;
-    if let Some(plan) = front.fast.plan(&request, &front.config) {
-        return fast_path(front, plan, request).await;
+    if call.is_none() {
+        if let Some(plan) = front.fast.plan(&request, &front.config) {
+            return fast_path(front, plan, request).await;
+        }
     }
-    let mut reply = match front.control.ask_request(request_ask(&request, peer)).await {
+    let ask = request_ask(&request, peer, call.as_deref());
+    let mut reply = match front.control.ask_request(ask).await {
         Ok(reply) => reply,
         Err(Lost) => return crate::restarting(front),
     };
@@ -216,7 +230,7 @@ async fn fast_path(front: &Arc<Front>, plan: Plan, request: Request<Body>) -> Re
 /// Whether the request's body framing is ambiguous: `Content-Length` with `Transfer-Encoding`,
 /// a coding other than `chunked` alone, or lengths that differ or are not numbers. (hyper
 /// refuses most of these itself; it passes a `Content-Length` sent before `Transfer-Encoding`.)
-fn framing_refusal(headers: &HeaderMap) -> bool {
+pub fn framing_refusal(headers: &HeaderMap) -> bool {
     let mut lengths: Vec<&[u8]> = Vec::new();
     for value in headers.get_all(header::CONTENT_LENGTH) {
         lengths.push(trim(value.as_bytes())); // a list ("5, 5") is not a number either
@@ -273,7 +287,7 @@ fn reaches_client(name: &str) -> bool {
 
 /// The `request` ask: the method, the path as received (still percent-encoded), the raw
 /// query, every header and the client's address.
-fn request_ask(request: &Request<Body>, peer: SocketAddr) -> String {
+fn request_ask(request: &Request<Body>, peer: SocketAddr, call: Option<&str>) -> String {
     let uri = request.uri();
     let mut ask = String::with_capacity(256 + 64 * request.headers().len());
     ask.push_str("{\"op\":\"request\",\"method\":");
@@ -286,7 +300,12 @@ fn request_ask(request: &Request<Body>, peer: SocketAddr) -> String {
     crate::push_headers(&mut ask, request.headers());
     ask.push_str(",\"client\":\"");
     crate::push_address(&mut ask, peer);
-    ask.push_str("\"}");
+    ask.push('"');
+    if let Some(call) = call {
+        ask.push_str(",\"openai\":");
+        ask.push_str(call);
+    }
+    ask.push('}');
     ask
 }
 

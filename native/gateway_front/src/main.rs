@@ -28,6 +28,7 @@ mod control;
 mod fast;
 mod gateway;
 mod hub;
+mod openai;
 mod tls;
 mod upstream;
 
@@ -267,7 +268,15 @@ pub fn error_answer(
     }
     add_security_headers(front, headers);
     response
+        .extensions_mut()
+        .insert(OwnAnswer(message.to_string()));
+    response
 }
+
+/// Marks an answer the front made itself (`error_answer`), with its message, so a caller
+/// that answers in another error shape (`openai.rs`) can reshape it. Never sent.
+#[derive(Clone, Debug)]
+pub struct OwnAnswer(pub String);
 
 pub fn add_security_headers(front: &Front, headers: &mut HeaderMap) {
     for (name, value) in &front.config.security_headers {
@@ -338,6 +347,9 @@ async fn route(front: Arc<Front>, request: Request<Body>, peer: SocketAddr) -> R
     let path = request.uri().path();
     if path.starts_with("/v2") || path.starts_with("/services/") {
         return gateway::handle(&front, request, peer).await;
+    }
+    if openai::is_call(request.method(), path) {
+        return openai::handle(&front, request, peer).await;
     }
     if path == front.config.tunnel_path
         && request.method() == hyper::Method::GET

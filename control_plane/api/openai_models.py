@@ -1,0 +1,61 @@
+"""The OpenAI API's routes the control plane answers itself (issue 43; docs/llm.md):
+`GET /v1/models`, the LLM services the caller's key opens, in OpenAI's list shape.
+
+The calls (`POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings`) are the gateway's,
+carried by the native front (`native/gateway_front/src/openai.rs`, decided in
+`gateway/openai.py`). They reach these routes only when the gateway runs in Python (with a peer
+address, or `MODELFORGE_GATEWAY_FRONT=python`), which does not carry them: the answer is a 503
+in OpenAI's shape that names why, never a 404 that looks like an unknown route.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from control_plane.api.deps import ContextDep
+from control_plane.gateway import openai
+
+router = APIRouter(tags=["openai"])
+
+
+@router.get("/v1/models")
+async def list_models(request: Request, ctx: ContextDep) -> JSONResponse:
+    """The LLM services the `Authorization: Bearer` key opens (a service's access token opens
+    its own service)."""
+    gateway = request.app.state.gateway
+    grant = await gateway.auth.holder_async(request.headers.get("authorization"))
+    if grant is None:
+        message = (
+            "Send an API key as `Authorization: Bearer <key>`: a service's access token, "
+            "minted with POST /api/v1/services/{service_id}/tokens."
+        )
+        return JSONResponse(
+            openai.error_body(401, message, "invalid_api_key"),
+            status_code=401,
+            headers={"WWW-Authenticate": 'Bearer realm="modelforge"'},
+        )
+    with ctx.read_session_factory() as session:
+        data = openai.models_opened(session, grant.service_id)
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def _not_carried(ctx: ContextDep) -> JSONResponse:
+    settings = ctx.settings
+    reason = (
+        "MODELFORGE_GATEWAY_FRONT=python"
+        if settings.gateway_front == "python"
+        else "a peer address is set"
+        if settings.gateway_peer_address
+        else "its native front is not running"
+    )
+    message = (
+        f"The OpenAI API's calls are carried by the native gateway front, and this control "
+        f"plane runs its gateway in Python ({reason}). Unset MODELFORGE_GATEWAY_FRONT and "
+        "run one control-plane replica without MODELFORGE_GATEWAY_PEER_ADDRESS (docs/llm.md)."
+    )
+    return JSONResponse(openai.error_body(503, message, "openai_api_unavailable"), status_code=503)
+
+
+for _path in openai.ENDPOINTS:
+    router.add_api_route(_path, _not_carried, methods=["POST"], include_in_schema=False)

@@ -1,0 +1,285 @@
+"""LLMs at the control plane's address (issue 43): the `llama.cpp` runner serving SmolLM2's GGUF
+(llama.cpp's own `llama-server`, built by `make install`), deployed through the real control
+plane, node agent and runtime worker (`--local-node`), and called with the unchanged `openai`
+client at `$CP/v1`: through the native gateway front and the agent's tunnel, never the
+replica's own port.
+
+One control plane and one service for the module (a replica's cold start is the slow part);
+each test is one behaviour: chat and completions, streamed and not; the first event before the
+engine is done (the engine's own slot view, read through the gateway); a client that hangs up
+frees its slot; every refusal in OpenAI's shape with its status, and hostile bodies refused
+before a replica sees them (the replica's request count does not move).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.local_node import LocalControlPlane, short_directory
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "smollm2"
+CONTEXT = 512
+MAX_TOKENS = 256
+GGUF = ROOT / "build" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF, pinned in locks/llm.lock, and the server to run it: both
+    made by `make install` (the README's test command runs it first)."""
+    server = ROOT / "runtime_worker" / "bin" / "llama-server"
+    assert server.is_file(), f"{server} is missing: run make install"
+    assert GGUF.is_file(), f"{GGUF} is missing: run make install"
+    return GGUF
+
+
+@dataclass
+class Llm:
+    server: LocalControlPlane
+    service_id: str
+    key: str
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.server.url}/v1"
+
+    def client(self, key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=key or self.key, max_retries=0)
+
+    def slots(self) -> list[dict[str, Any]]:
+        """llama-server's slot view, through the gateway (the service's own path)."""
+        answer = httpx.get(
+            f"{self.server.url}/services/{MODEL}/slots",
+            headers={"Authorization": f"Bearer {self.key}"},
+            timeout=10,
+        )
+        assert answer.status_code == 200, answer.text
+        return list(answer.json())
+
+    def processed(self) -> int:
+        """Prompt tokens the engine has taken, all requests together (llama-server's own
+        counter, read through the gateway): any request that reached it moves it."""
+        answer = httpx.get(
+            f"{self.server.url}/services/{MODEL}/metrics",
+            headers={"Authorization": f"Bearer {self.key}"},
+            timeout=10,
+        )
+        assert answer.status_code == 200, answer.text
+        for line in answer.text.splitlines():
+            if line.startswith("llamacpp:prompt_tokens_total "):
+                return int(float(line.split()[-1]))
+        raise AssertionError(f"no llamacpp:prompt_tokens_total in {answer.text[:500]}")
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[Llm]:
+    gguf = smollm2_gguf()
+    with short_directory() as short:
+        server = LocalControlPlane(short / "cp")
+        with server:
+            server.wait_online_node(timeout=60)
+            admin = server.admin()
+            upload = httpx.post(
+                f"{server.url}/api/v1/artifacts",
+                headers=admin,
+                content=gguf.read_bytes(),
+                timeout=60,
+            )
+            assert upload.status_code in (200, 201), upload.text
+            deploy = httpx.post(
+                f"{server.url}/api/v1/services",
+                headers=admin,
+                json={
+                    "name": MODEL,
+                    "runner": "llama.cpp",
+                    "weights": upload.json()["digest"],
+                    "llm": {"context_length": CONTEXT, "slots": 2, "max_tokens": MAX_TOKENS},
+                    "resources": {"cpus": 1},
+                },
+                timeout=30,
+            )
+            assert deploy.status_code == 201, deploy.text
+            service_id = deploy.json()["service_id"]
+            deadline = time.monotonic() + 180
+            view: dict[str, Any] = {}
+            while time.monotonic() < deadline:
+                view = server.get(f"/api/v1/services/{service_id}")
+                if view["state"] == "healthy":
+                    break
+                time.sleep(0.5)
+            assert view.get("state") == "healthy", f"{view}\n{server.child_logs()}"
+            minted = httpx.post(
+                f"{server.url}/api/v1/services/{service_id}/access-tokens",
+                headers=admin,
+                json={"name": "llm tests"},
+                timeout=10,
+            )
+            assert minted.status_code == 201, minted.text
+            yield Llm(server, service_id, minted.json()["token"])
+
+
+def test_the_replica_is_healthy_after_a_warm_up(llm: Llm) -> None:
+    events = llm.server.get(f"/api/v1/services/{llm.service_id}/events")
+    ready = [event for event in events if event["kind"] == "ready"]
+    assert ready, events
+    assert ready[0]["data"]["cold_start_seconds"] > 0
+    assert ready[0]["data"]["warm_up_seconds"] >= 0
+    view = llm.server.get(f"/api/v1/services/{llm.service_id}")
+    assert view["llm"] == {
+        "context_length": CONTEXT,
+        "slots": 2,
+        "gpu_layers": None,
+        "max_tokens": MAX_TOKENS,
+    }
+
+
+def test_chat_and_completions_answer_the_openai_client(llm: Llm) -> None:
+    client = llm.client()
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=12,
+        temperature=0,
+    )
+    assert chat.choices[0].message.content
+    assert chat.usage is not None and 0 < chat.usage.completion_tokens <= 12
+    completion = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert completion.choices[0].text
+    assert completion.usage is not None and completion.usage.prompt_tokens > 0
+    listed = client.models.list()
+    assert [model.id for model in listed.data] == [MODEL]
+
+
+def test_a_stream_arrives_while_the_engine_generates(llm: Llm) -> None:
+    client = llm.client()
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count from one to fifty in words."}],
+        max_tokens=120,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    arrivals: list[float] = []
+    text: list[str] = []
+    seen_busy = False
+    usage = None
+    for chunk in stream:
+        arrivals.append(time.monotonic())
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if chunk.choices and chunk.choices[0].delta.content:
+            text.append(chunk.choices[0].delta.content)
+        if len(text) == 2:
+            # The first events are here; the engine is still at work on this request.
+            seen_busy = any(slot.get("is_processing") for slot in llm.slots())
+    assert seen_busy, "the engine had finished before the client saw its first tokens"
+    assert len(text) > 10
+    assert arrivals[-1] - arrivals[1] > 0.05  # spread over the generation, not one burst
+    assert usage is not None and usage.completion_tokens == 120
+
+
+def test_a_completion_streams_too(llm: Llm) -> None:
+    stream = llm.client().completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0, stream=True
+    )
+    pieces = [chunk.choices[0].text for chunk in stream if chunk.choices]
+    assert len([piece for piece in pieces if piece]) > 5
+
+
+def test_a_client_that_hangs_up_frees_its_slot(llm: Llm) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {llm.key}"}
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", f"{llm.base_url}/chat/completions", json=body, headers=headers) as r,
+    ):
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        events = [line for line in (next(lines) for _ in range(6)) if line.startswith("data:")]
+        assert events
+        assert any(slot.get("is_processing") for slot in llm.slots())
+    hung_up = time.monotonic()
+    while any(slot.get("is_processing") for slot in llm.slots()):
+        assert time.monotonic() - hung_up < 1.0, "the slot still generates after the client left"
+        time.sleep(0.05)
+
+
+def _post(llm: Llm, content: bytes, *, key: str | None = None) -> httpx.Response:
+    headers = {"Content-Type": "application/json"}
+    headers["Authorization"] = f"Bearer {key if key is not None else llm.key}"
+    return httpx.post(
+        f"{llm.base_url}/chat/completions", content=content, headers=headers, timeout=30
+    )
+
+
+def _error(answer: httpx.Response) -> dict[str, Any]:
+    body = answer.json()
+    assert set(body) == {"error"}, body
+    assert {"message", "type", "code"} <= set(body["error"]), body
+    return dict(body["error"])
+
+
+def test_refusals_come_in_openais_shape(llm: Llm) -> None:
+    client = llm.client()
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.chat.completions.create(model="no-such-model", messages=messages, max_tokens=4)
+    assert unknown.value.status_code == 404
+    assert unknown.value.code == "model_not_found"
+    with pytest.raises(openai.AuthenticationError) as wrong:
+        llm.client("mfs_" + "x" * 43).chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4
+        )
+    assert wrong.value.status_code == 401
+    assert wrong.value.code == "invalid_api_key"
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS + 1)
+    assert too_many.value.code == "max_tokens_exceeded"
+    # A prompt beyond the context: the engine's own 400.
+    with pytest.raises(openai.BadRequestError) as beyond:
+        client.completions.create(model=MODEL, prompt="word " * (CONTEXT * 2), max_tokens=4)
+    assert beyond.value.status_code == 400
+    no_key = httpx.post(f"{llm.base_url}/chat/completions", json={"model": MODEL}, timeout=10)
+    assert no_key.status_code == 401 and _error(no_key)["code"] == "invalid_api_key"
+    models = httpx.get(f"{llm.base_url}/models", timeout=10)
+    assert models.status_code == 401 and _error(models)["type"] == "authentication_error"
+
+
+def test_hostile_bodies_never_reach_the_replica(llm: Llm) -> None:
+    before = llm.processed()
+    huge = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 10_000_000}]})
+    answer = _post(llm, huge.encode())
+    assert answer.status_code == 413 and _error(answer)["code"] == "request_too_large"
+    deep = b'{"model": "smollm2", "messages": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    answer = _post(llm, deep)
+    assert answer.status_code == 400 and _error(answer)["type"] == "invalid_request_error"
+    for hostile in (
+        b'{"model": "smollm2", "messages": [], "temperature": NaN}',
+        b'{"model": "smollm2", "messages": [{"role": "user", "content": "a\x01b"}]}',
+        b'{"messages": []}',
+        b"[]",
+        b"not json",
+    ):
+        answer = _post(llm, hostile)
+        assert answer.status_code == 400, hostile
+        assert _error(answer)["code"] == "invalid_request", hostile
+    assert llm.processed() == before
