@@ -1,10 +1,14 @@
-"""Wait until a service just deployed is healthy, then print its URL:
+"""Wait until a service just deployed is healthy, then mint it an access token and print it:
+the key its clients call it with at the control plane's address ($CP).
 
-    curl -s "$CP/api/v1/services" -H "$ADMIN" ... -d '{...}' | python3 examples/await_service.py
+    KEY=$(curl -s "$CP/api/v1/services" -H "$ADMIN" ... -d '{...}' \
+      | python3 examples/await_service.py --key my-app)
 
 It reads the deploy's answer (the service, or an error) on stdin, and follows
 `GET $CP/api/v1/services/<id>` with the admin header `$ADMIN` ("X-ModelForge-Admin-Token: …")
-until the service is healthy (at most `--timeout` seconds, 120 by default). Standard library only.
+until the service is healthy (at most `--timeout` seconds, 120 by default), then asks
+`POST $CP/api/v1/services/<id>/access-tokens` for a token named by `--key` (shown once: only its
+digest is kept). Without `--key` it prints the service's id instead. Standard library only.
 
 A `failed` service (it could not start) is tried again by the control plane with backoff, so
 this keeps waiting, saying on stderr why it failed each time that changes. It exits non-zero,
@@ -23,10 +27,16 @@ import urllib.request
 from typing import Any
 
 
-def _get(url: str, header: str) -> Any:
-    """The JSON answer; an HTTP error or an unreachable control plane ends here in one line."""
+def _get(url: str, header: str, body: dict[str, Any] | None = None) -> Any:
+    """The JSON answer (to a POST of `body` when given); an HTTP error or an unreachable control
+    plane ends here in one line."""
     name, _, value = header.partition(":")
-    request = urllib.request.Request(url, headers={name.strip(): value.strip()})  # noqa: S310
+    headers = {name.strip(): value.strip()}
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    request = urllib.request.Request(url, data=data, headers=headers)  # noqa: S310
     try:
         with urllib.request.urlopen(request, timeout=10) as answer:  # noqa: S310 - $CP, http(s)
             return json.load(answer)
@@ -41,7 +51,7 @@ def _get(url: str, header: str) -> Any:
         except (ValueError, AttributeError):
             error = {}
         sys.exit(
-            f"await_service.py: GET {url} answered HTTP {exc.code}: "
+            f"await_service.py: {request.get_method()} {url} answered HTTP {exc.code}: "
             f"{error.get('message', exc.reason)} {error.get('next_step', '')}".rstrip()
         )
     except (urllib.error.URLError, TimeoutError) as exc:
@@ -67,9 +77,11 @@ def _last_error(events: list[dict[str, Any]], error: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description="Wait until the service deployed (on stdin) is healthy; print its URL."
+        description="Wait until the service deployed (on stdin) is healthy; print a new key "
+        "for it (--key NAME), or its id."
     )
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--key", metavar="NAME", help="mint an access token named NAME; print it")
     args = parser.parse_args()
     control_plane, header = os.environ.get("CP"), os.environ.get("ADMIN")
     if not control_plane or not header:
@@ -106,7 +118,10 @@ def main() -> int:
             )
         time.sleep(0.5)
         service = _get(url, header)
-    print(service["url"])
+    if args.key is None:
+        print(service["service_id"])
+        return 0
+    print(_get(f"{url}/access-tokens", header, {"name": args.key})["token"])
     return 0
 
 
