@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Table, text
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Table, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from control_plane.table_base import Base
@@ -170,6 +170,25 @@ class GatewayTraffic(Base):
     )
     in_flight: Mapped[int] = mapped_column(Integer)
     reported_at: Mapped[datetime]
+
+
+class LlmUsage(Base):
+    """The tokens an access token's OpenAI calls to a service used in one minute, as the engine
+    counted them (issue 43): each control-plane process adds its calls' counts to the minute's
+    row (`gateway/usage.py`), so the rows are the sum over the processes."""
+
+    __tablename__ = "llm_usage"
+
+    token_id: Mapped[str] = mapped_column(
+        ForeignKey("service_access_tokens.id", ondelete="CASCADE"), primary_key=True
+    )
+    service_id: Mapped[str] = mapped_column(
+        ForeignKey("services.id", ondelete="CASCADE"), primary_key=True
+    )
+    minute: Mapped[datetime] = mapped_column(primary_key=True)
+    requests: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
 
 
 class GatewayPeerKey(Base):

@@ -39,6 +39,7 @@ from control_plane.context import AppContext
 from control_plane.gateway.auth import GatewayAuth
 from control_plane.gateway.metrics import GatewayMetrics
 from control_plane.gateway.routing import RoutingSnapshot, RoutingTable, read_snapshot
+from control_plane.gateway.usage import UsageBook
 from control_plane.scheduling.placement import free_capacity
 from control_plane.services import autoscale, placement
 
@@ -118,6 +119,7 @@ def compose_gateway(app: ASGIApp, ctx: AppContext) -> Gateway:
         ),
         scale_up=lambda target: asyncio.to_thread(wake_service, ctx, target.id),
         traffic=ctx.traffic,
+        usage=UsageBook(write_sessions=ctx.session_factory, clock=ctx.clock),
     )
 
 

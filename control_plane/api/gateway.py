@@ -61,6 +61,7 @@ from control_plane.gateway.routing import (
     RoutingTable,
     ServiceTarget,
 )
+from control_plane.gateway.usage import UsageBook
 from control_plane.services.access_tokens import Grant
 from control_plane.services.autoscale import Traffic
 
@@ -128,8 +129,11 @@ class Gateway:
         limits: GatewayLimits,
         scale_up: ScaleUp | None = None,
         traffic: Traffic | None = None,
+        usage: UsageBook | None = None,
     ) -> None:
         self.app = app
+        #: The OpenAI calls' tokens per key and service (`gateway/usage.py`); None: not kept.
+        self.usage = usage
         self.table = table
         self.opener = opener
         self.auth = auth

@@ -41,6 +41,7 @@ from control_plane.api.deps import require_node
 from control_plane.api.edge import SECURITY_HEADERS
 from control_plane.api.gateway import Answer, Gateway
 from control_plane.api.gateway_forward import encode_segment
+from control_plane.api.openai_models import openai_answer, shaped
 from control_plane.context import AppContext
 from control_plane.errors import ModelForgeError
 from control_plane.gateway import openai
@@ -48,6 +49,7 @@ from control_plane.gateway.balancer import Refused
 from control_plane.gateway.paths import gateway_target
 from control_plane.gateway.routing import ReplicaTarget, RoutingSnapshot, ServiceTarget
 from control_plane.gateway.tunnels import CLOSE_REPLACED
+from control_plane.gateway.usage import reported_usage
 from modelforge_contracts.tunnel import MAX_PAYLOAD
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,8 @@ class _Ticket:
     auth: dict[str, Any] | None = None
     #: An OpenAI API call's facts (its answers in OpenAI's shape); None for any other request.
     call: openai.Call | None = None
+    #: The access token it came with (its usage is counted against it).
+    token_id: str = ""
 
 
 class FrontTunnel:
@@ -165,7 +169,8 @@ class NativeChannel(asyncio.Protocol):
     def _dispatch(self, message: dict[str, Any]) -> None:
         op = message.get("op")
         if op == "done":
-            self._done(message["ticket"], int(message["status"]), message.get("error", ""))
+            counted = reported_usage(message.get("usage"))
+            self._done(message["ticket"], int(message["status"]), message["error"], counted)
         elif op == "request":
             self._spawn(self._request(message))
         elif op == "retry":
@@ -210,7 +215,7 @@ class NativeChannel(asyncio.Protocol):
             elapsed = gateway.clock.monotonic() - started
             gateway.metrics.answered(prepared.label, prepared.status, elapsed)
             if call is not None:
-                prepared = await self._openai_answer(prepared, call, message)
+                prepared = await openai_answer(gateway, prepared, call, message["headers"])
             return _answer(ask, prepared)
         service = prepared.service
         label = service.name
@@ -226,7 +231,7 @@ class NativeChannel(asyncio.Protocol):
             gateway.metrics.error(label, "busy")
             busy = Answer(503, {"error": gateway.busy(service, full=refused.full)}, label=label)
             gateway.metrics.answered(label, 503, gateway.clock.monotonic() - started)
-            return _answer(ask, _shaped(busy, call))
+            return _answer(ask, shaped(busy, call))
         except BaseException:
             gateway.traffic.ended(service.id)
             raise
@@ -235,7 +240,7 @@ class NativeChannel(asyncio.Protocol):
         whole = expected is not None and expected <= min(MAX_PAYLOAD, gateway.limits.retry_bytes)
         number = next(self._numbers)
         ticket = _Ticket(service, prepared.snapshot, started, prepared.outbound, whole)
-        ticket.call = call
+        ticket.call, ticket.token_id = call, prepared.grant.token_id
         if prepared.grant.rate_per_second is None:
             authorization = next((v for k, v in message["headers"] if k == "authorization"), "")
             standing = gateway.auth.standing(authorization)
@@ -275,23 +280,10 @@ class NativeChannel(asyncio.Protocol):
                 f"no replica of service {label!r} could be reached "
                 f"({ticket.failure or 'transport'}); retry in a few seconds"
             )
-            return _shaped(Answer(502, {"error": message}, label=label), ticket.call)
+            return shaped(Answer(502, {"error": message}, label=label), ticket.call)
         gateway.metrics.error(label, "no_replica")
         answer = Answer(503, {"error": gateway.no_replica(ticket.service)}, label=label)
-        return _shaped(answer, ticket.call)
-
-    async def _openai_answer(
-        self, answer: Answer, call: openai.Call, message: dict[str, Any]
-    ) -> Answer:
-        """The gateway's own answer to an OpenAI call, in OpenAI's shape: a key refused for
-        this model is told apart from a key that opens nothing (`openai.reshaped`)."""
-        key_valid = False
-        if answer.status == 401:
-            authorization = next((v for k, v in message["headers"] if k == "authorization"), "")
-            key_valid = await self.gateway.auth.holder_async(authorization) is not None
-        status, body = openai.reshaped(answer.status, answer.body, call, key_valid=key_valid)
-        extra = [pair for pair in answer.extra if status == 401 or pair[0] != b"www-authenticate"]
-        return Answer(status, body, extra, answer.label)
+        return shaped(answer, ticket.call)
 
     async def _retry(self, message: dict[str, Any]) -> None:
         ask, number = message["id"], message["ticket"]
@@ -321,11 +313,15 @@ class NativeChannel(asyncio.Protocol):
             self._done(number, 500, "")
             raise
 
-    def _done(self, number: int, status: int, error: str) -> None:
+    def _done(
+        self, number: int, status: int, error: str, usage: tuple[int, int] | None = None
+    ) -> None:
         ticket = self._tickets.pop(number, None)
         if ticket is None:
             return
         gateway, service = self.gateway, ticket.service
+        if ticket.call is not None and gateway.usage is not None and ticket.token_id:
+            gateway.usage.record(ticket.token_id, service.id, usage)
         label = service.name
         if ticket.replica is not None:
             gateway.balancer.ended(ticket.replica)
@@ -451,14 +447,6 @@ class NativeChannel(asyncio.Protocol):
             )
         if self._tunnels.get(node_id) is tunnel:
             del self._tunnels[node_id]
-
-
-def _shaped(answer: Answer, call: openai.Call | None) -> Answer:
-    """`answer` in OpenAI's shape for an OpenAI call (unchanged for any other request)."""
-    if call is None:
-        return answer
-    status, body = openai.reshaped(answer.status, answer.body, call, key_valid=True)
-    return Answer(status, body, answer.extra, answer.label)
 
 
 def _answer(ask: int, answer: Answer) -> dict[str, Any]:

@@ -1,5 +1,7 @@
 """The OpenAI API's routes the control plane answers itself (issue 43; docs/llm.md):
-`GET /v1/models`, the LLM services the caller's key opens, in OpenAI's list shape.
+`GET /v1/models`, the LLM services the caller's key opens, in OpenAI's list shape; and the
+gateway's own answers to an OpenAI call in OpenAI's error shape (`openai_answer`, `shaped`: the
+native front's decisions, `api/gateway_native.py`, apply them).
 
 The calls (`POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings`) are the gateway's,
 carried by the native front (`native/gateway_front/src/openai.rs`, decided in
@@ -14,9 +16,32 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from control_plane.api.deps import ContextDep
+from control_plane.api.gateway import Answer, Gateway
 from control_plane.gateway import openai
 
 router = APIRouter(tags=["openai"])
+
+
+async def openai_answer(
+    gateway: Gateway, answer: Answer, call: openai.Call, headers: list[list[str]]
+) -> Answer:
+    """The gateway's own answer to an OpenAI call, in OpenAI's shape: a key refused for this
+    model is told apart from a key that opens nothing (`openai.reshaped`)."""
+    key_valid = False
+    if answer.status == 401:
+        authorization = next((v for k, v in headers if k == "authorization"), "")
+        key_valid = await gateway.auth.holder_async(authorization) is not None
+    status, body = openai.reshaped(answer.status, answer.body, call, key_valid=key_valid)
+    extra = [pair for pair in answer.extra if status == 401 or pair[0] != b"www-authenticate"]
+    return Answer(status, body, extra, answer.label)
+
+
+def shaped(answer: Answer, call: openai.Call | None) -> Answer:
+    """`answer` in OpenAI's shape for an OpenAI call (unchanged for any other request)."""
+    if call is None:
+        return answer
+    status, body = openai.reshaped(answer.status, answer.body, call, key_valid=True)
+    return Answer(status, body, answer.extra, answer.label)
 
 
 @router.get("/v1/models")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response, status
@@ -18,6 +19,8 @@ from control_plane.api.deps import (
 )
 from control_plane.api.routing import LaneRoute
 from control_plane.context import AppContext
+from control_plane.errors import InvalidRequest
+from control_plane.gateway import usage
 from control_plane.gateway.traffic import ServiceTraffic, read_traffic
 from control_plane.models import Service, ServiceReplica
 from control_plane.scheduling.waiting import explain
@@ -33,6 +36,8 @@ from control_plane.services.schemas import (
     ServiceEventPublic,
     ServicePublic,
     ServiceUpdate,
+    ServiceUsage,
+    TokenUsage,
 )
 
 router = APIRouter(
@@ -178,6 +183,44 @@ def mint_access_token(
     response.headers["Cache-Control"] = "no-store"
     public = access_tokens.token_public(minted.row)
     return AccessTokenMinted(**public.model_dump(), token=minted.token)
+
+
+@router.get("/services/{service_id}/usage", response_model=ServiceUsage)
+def service_usage(
+    service_id: ResourceId,
+    ctx: ContextDep,
+    session: SessionDep,
+    since: Annotated[datetime | None, Query()] = None,
+    until: Annotated[datetime | None, Query()] = None,
+) -> ServiceUsage:
+    """The tokens of its OpenAI calls per access token, from `since` (default: a day ago) to
+    `until` (default: now), as the engine counted them (docs/llm.md, Usage)."""
+    lifecycle.get_service(session=session, service_id=service_id)
+    until = _aware(until) if until is not None else ctx.clock.now()
+    since = _aware(since) if since is not None else until - timedelta(days=1)
+    if since > until:
+        raise InvalidRequest(
+            "since is after until.",
+            "Give since before until (ISO 8601 times, e.g. 2026-12-07T10:00:00Z).",
+            code="INVALID_WINDOW",
+        )
+    rows = [
+        TokenUsage.model_validate(row) for row in usage.usage_of(session, service_id, since, until)
+    ]
+    return ServiceUsage(
+        service_id=service_id,
+        since=since,
+        until=until,
+        tokens=rows,
+        requests=sum(row.requests for row in rows),
+        prompt_tokens=sum(row.prompt_tokens for row in rows),
+        completion_tokens=sum(row.completion_tokens for row in rows),
+    )
+
+
+def _aware(moment: datetime) -> datetime:
+    """A time without a zone is taken as UTC."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 @router.get("/services/{service_id}/access-tokens", response_model=list[AccessTokenPublic])

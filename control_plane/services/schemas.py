@@ -430,3 +430,31 @@ class AccessTokenPublic(BaseModel):
 class AccessTokenMinted(AccessTokenPublic):
     #: Shown once, in the answer to the mint; only its SHA-256 digest is kept.
     token: str = Field(repr=False)
+
+
+# -- the OpenAI API's usage --------------------------------------------------------------------
+
+
+class TokenUsage(BaseModel):
+    """One access token's OpenAI calls to a service over a window, as the engine counted
+    their tokens (a call whose answer carried no count adds a request and no tokens)."""
+
+    token_id: str
+    name: str
+    hint: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class ServiceUsage(BaseModel):
+    """`GET /api/v1/services/{id}/usage`: its OpenAI calls from `since` to `until` (whole
+    minutes), per token and in total."""
+
+    service_id: str
+    since: datetime
+    until: datetime
+    tokens: list[TokenUsage]
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int

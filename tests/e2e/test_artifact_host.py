@@ -105,6 +105,7 @@ def test_an_artifact_host_refuses_a_database_the_control_plane_has_not_migrated(
 
     engine = create_engine(pg_database_url)
     with engine.begin() as connection:
+        head = connection.execute(text("SELECT version_num FROM alembic_version")).scalar_one()
         connection.execute(text("UPDATE alembic_version SET version_num = '0018'"))
     engine.dispose()
     try:
@@ -117,7 +118,9 @@ def test_an_artifact_host_refuses_a_database_the_control_plane_has_not_migrated(
     finally:
         engine = create_engine(pg_database_url)
         with engine.begin() as connection:
-            connection.execute(text("UPDATE alembic_version SET version_num = '0019'"))
+            connection.execute(
+                text("UPDATE alembic_version SET version_num = :head"), {"head": head}
+            )
         engine.dispose()
 
 

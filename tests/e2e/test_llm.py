@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +49,17 @@ class Llm:
     server: LocalControlPlane
     service_id: str
     key: str
+    #: The clients made, closed with the module's control plane.
+    clients: list[openai.OpenAI] = field(default_factory=list)
 
     @property
     def base_url(self) -> str:
         return f"{self.server.url}/v1"
 
     def client(self, key: str | None = None) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base_url, api_key=key or self.key, max_retries=0)
+        made = openai.OpenAI(base_url=self.base_url, api_key=key or self.key, max_retries=0)
+        self.clients.append(made)
+        return made
 
     def slots(self) -> list[dict[str, Any]]:
         """llama-server's slot view, through the gateway (the service's own path)."""
@@ -126,7 +130,12 @@ def llm() -> Iterator[Llm]:
                 timeout=10,
             )
             assert minted.status_code == 201, minted.text
-            yield Llm(server, service_id, minted.json()["token"])
+            llm = Llm(server, service_id, minted.json()["token"])
+            try:
+                yield llm
+            finally:
+                for client in llm.clients:
+                    client.close()
 
 
 def test_the_replica_is_healthy_after_a_warm_up(llm: Llm) -> None:
@@ -283,3 +292,72 @@ def test_hostile_bodies_never_reach_the_replica(llm: Llm) -> None:
         assert answer.status_code == 400, hostile
         assert _error(answer)["code"] == "invalid_request", hostile
     assert llm.processed() == before
+
+
+def _engine_counter(llm: Llm, name: str) -> int:
+    answer = httpx.get(
+        f"{llm.server.url}/services/{MODEL}/metrics",
+        headers={"Authorization": f"Bearer {llm.key}"},
+        timeout=10,
+    )
+    for line in answer.text.splitlines():
+        if line.startswith(f"llamacpp:{name} "):
+            return int(float(line.split()[-1]))
+    raise AssertionError(f"no llamacpp:{name}")
+
+
+def test_usage_per_key_matches_the_engines_counts(llm: Llm) -> None:
+    minted = httpx.post(
+        f"{llm.server.url}/api/v1/services/{llm.service_id}/access-tokens",
+        headers=llm.server.admin(),
+        json={"name": "usage"},
+        timeout=10,
+    )
+    key = minted.json()["token"]
+    client = llm.client(key)
+    # Counted from an idle engine: an earlier test's generation is over, its count final.
+    deadline = time.monotonic() + 10
+    while any(slot.get("is_processing") for slot in llm.slots()):
+        assert time.monotonic() < deadline, "the engine is still busy with an earlier call"
+        time.sleep(0.1)
+    predicted_before = _engine_counter(llm, "tokens_predicted_total")
+    prompt, completion = 0, 0
+    for index in range(100):
+        messages = [{"role": "user", "content": f"Say a word about the number {index}."}]
+        if index % 3 == 0:
+            chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
+            assert chat.usage is not None
+            prompt += chat.usage.prompt_tokens
+            completion += chat.usage.completion_tokens
+        elif index % 3 == 1:  # streamed, usage asked for: the client sees the engine's count
+            stream = client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=3,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            chunks = list(stream)
+            assert chunks[-1].usage is not None and chunks[-1].choices == []
+            prompt += chunks[-1].usage.prompt_tokens
+            completion += chunks[-1].usage.completion_tokens
+        else:  # streamed without asking: counted at the gateway, never shown to the client
+            stream = client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=3, stream=True
+            )
+            chunks = list(stream)
+            assert all(chunk.usage is None and chunk.choices for chunk in chunks)
+    predicted = _engine_counter(llm, "tokens_predicted_total") - predicted_before
+    deadline = time.monotonic() + 10
+    while True:
+        view = llm.server.get(f"/api/v1/services/{llm.service_id}/usage")
+        mine = [row for row in view["tokens"] if row["token_id"] == minted.json()["id"]]
+        if mine and mine[0]["requests"] == 100:
+            break
+        assert time.monotonic() < deadline, view
+        time.sleep(0.2)
+    assert mine[0]["completion_tokens"] == predicted  # the engine's own total
+    assert mine[0]["prompt_tokens"] >= prompt > 0
+    assert mine[0]["name"] == "usage"
+    shown = json.dumps(view)
+    assert key not in shown and llm.key not in shown  # hints only, never a key

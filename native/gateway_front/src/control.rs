@@ -31,6 +31,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::fast::Fast;
 use crate::hub::Hub;
 use crate::log;
+use crate::meter::Usage;
 
 /// How long to wait before connecting again.
 const RETRY: Duration = Duration::from_millis(100);
@@ -269,7 +270,7 @@ impl Control {
             Orphan::Ignored => {}
             Orphan::EndsTicket => {
                 if let (Some(_), Some(ticket)) = (reply.get("open"), reply.get("ticket")) {
-                    self.tell(done_line(ticket, 499, "client_gone"));
+                    self.tell(done_line(ticket, 499, "client_gone", None));
                 }
             }
             Orphan::ClosesTunnel => {
@@ -287,11 +288,17 @@ impl Control {
 }
 
 /// The `done` event for `ticket` (the control plane's own value, echoed).
-pub fn done_line(ticket: &Value, status: u16, error: &str) -> String {
-    format!(
-        r#"{{"op":"done","ticket":{},"status":{},"error":"{}"}}"#,
-        ticket, status, error
-    )
+pub fn done_line(ticket: &Value, status: u16, error: &str, usage: Option<Usage>) -> String {
+    match usage {
+        None => format!(
+            r#"{{"op":"done","ticket":{},"status":{},"error":"{}"}}"#,
+            ticket, status, error
+        ),
+        Some(usage) => format!(
+            r#"{{"op":"done","ticket":{},"status":{},"error":"{}","usage":[{},{}]}}"#,
+            ticket, status, error, usage.prompt, usage.completion
+        ),
+    }
 }
 
 /// The `tunnel_closed` event for `node`.

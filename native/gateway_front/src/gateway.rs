@@ -38,7 +38,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use hyper::body::HttpBody;
 use hyper::header::{self, HeaderName, HeaderValue};
 use hyper::{Body, HeaderMap, Method, Request, Response, StatusCode};
@@ -49,6 +49,7 @@ use crate::control::{self, Control, Lost};
 use crate::fast::{Fast, Plan};
 use crate::frames;
 use crate::hub::{Failed, Stream};
+use crate::meter::Meter;
 use crate::{Broken, Front, FrontBody};
 
 /// The prefix of the control plane's own headers: none crosses to a client.
@@ -84,13 +85,14 @@ pub async fn handle(
     carry(front, request, peer, None).await
 }
 
-/// Carry one gateway request; `call` (an OpenAI call's facts, `openai.rs`) goes with the ask,
-/// and such a call is always asked, never taken by the fast path.
+/// Carry one gateway request; `call` (an OpenAI call's facts, `openai.rs`, and whether the
+/// engine's usage event is taken out of its stream) goes with the ask, and such a call is
+/// always asked, never taken by the fast path; its answer's tokens are counted (`meter.rs`).
 pub async fn carry(
     front: &Arc<Front>,
     mut request: Request<Body>,
     peer: SocketAddr,
-    call: Option<String>,
+    call: Option<(String, bool)>,
 ) -> Response<FrontBody> {
     if framing_refusal(request.headers()) {
         return crate::error_answer(front, StatusCode::BAD_REQUEST, AMBIGUOUS_FRAMING, true);
@@ -102,7 +104,11 @@ pub async fn carry(
             return fast_path(front, plan, request).await;
         }
     }
-    let ask = request_ask(&request, peer, call.as_deref());
+    let ask = request_ask(
+        &request,
+        peer,
+        call.as_ref().map(|(facts, _)| facts.as_str()),
+    );
     let mut reply = match front.control.ask_request(ask).await {
         Ok(reply) => reply,
         Err(Lost) => return crate::restarting(front),
@@ -129,6 +135,7 @@ pub async fn carry(
         status: 499,
         error: "client_gone",
         fast: None,
+        meter: call.map(|(_, strip)| Meter::new(strip)),
     };
     let mut body = RequestBody::new(request.into_body(), &front.config);
     loop {
@@ -178,6 +185,7 @@ async fn fast_path(front: &Arc<Front>, plan: Plan, request: Request<Body>) -> Re
         ticket: Value::Null,
         status: 499,
         error: "client_gone",
+        meter: None,
         fast: Some(FastDone {
             fast: front.fast.clone(),
             service: plan.service.clone(),
@@ -318,6 +326,8 @@ struct Done {
     error: &'static str,
     /// A fast-path request's: counted for the report, not told as a ticket.
     fast: Option<FastDone>,
+    /// An OpenAI call's: its answer's tokens, told with the ticket's end.
+    meter: Option<Meter>,
 }
 
 /// What a fast-path request gives back when it ends.
@@ -356,9 +366,15 @@ impl Drop for Done {
                 fast.fast
                     .ended(&fast.service, self.status, seconds, self.error);
             }
-            None => self
-                .control
-                .tell(control::done_line(&self.ticket, self.status, self.error)),
+            None => {
+                let usage = self.meter.as_ref().and_then(|meter| meter.usage);
+                self.control.tell(control::done_line(
+                    &self.ticket,
+                    self.status,
+                    self.error,
+                    usage,
+                ))
+            }
         }
     }
 }
@@ -651,9 +667,18 @@ fn start_relay(
     mut stream: Stream,
     response: Response<FrontBody>,
     mut body: RequestBody,
-    done: Done,
+    mut done: Done,
 ) -> Response<FrontBody> {
-    if let Some(whole) = stream.whole_body() {
+    if let Some(meter) = done.meter.as_mut() {
+        let kind = response.headers().get(header::CONTENT_TYPE);
+        meter.begin(kind.map(HeaderValue::as_bytes));
+    }
+    if let Some(mut whole) = stream.whole_body() {
+        if let Some(meter) = done.meter.as_mut() {
+            let mut read = BytesMut::from(&meter.feed(whole)[..]);
+            read.extend_from_slice(&meter.finish());
+            whole = read.freeze();
+        }
         // Answered: the rest of the request (if any) is not wanted; the ticket ends here.
         drop(stream);
         drop(done);
@@ -690,12 +715,24 @@ async fn relay(
         tokio::select! {
             biased;
             piece = stream.chunk() => match piece {
-                Ok(Some(piece)) => {
+                Ok(Some(mut piece)) => {
+                    if let Some(meter) = done.meter.as_mut() {
+                        piece = meter.feed(piece);
+                        if piece.is_empty() {
+                            continue; // a partial event, or one taken out
+                        }
+                    }
                     if pieces.send(Ok(piece)).await.is_err() {
                         break;
                     }
                 }
                 Ok(None) => {
+                    if let Some(rest) = done.meter.as_mut().map(Meter::finish) {
+                        if !rest.is_empty() && pieces.send(Ok(rest)).await.is_err() {
+                            done.set(499, "client_gone");
+                            return;
+                        }
+                    }
                     // Dropping `pieces` ends the client's body.
                     done.set(status, "");
                     return;

@@ -28,6 +28,7 @@ mod control;
 mod fast;
 mod gateway;
 mod hub;
+mod meter;
 mod openai;
 mod tls;
 mod upstream;

@@ -94,7 +94,7 @@ pub async fn handle(
             );
         }
     };
-    let call = match read_call(&bytes) {
+    let mut call = match read_call(&bytes) {
         Ok(call) => call,
         Err(message) => {
             return refuse(
@@ -127,20 +127,27 @@ pub async fn handle(
             );
         }
     };
+    let bytes = call.body.take().unwrap_or(bytes);
     parts.headers.remove(header::TRANSFER_ENCODING);
     parts
         .headers
         .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
     let request = Request::from_parts(parts, Body::from(bytes));
-    let response = gateway::carry(front, request, peer, Some(call.facts())).await;
+    let facts = (call.facts(), call.strip_usage);
+    let response = gateway::carry(front, request, peer, Some(facts)).await;
     reshape(response)
 }
 
-/// What the control plane is told of a call.
+/// What the control plane is told of a call, and what goes to the engine.
 #[derive(Debug, PartialEq)]
 pub struct Call {
     pub model: String,
     pub max_tokens: Option<u64>,
+    /// A streamed call that did not ask for the engine's usage event: it is asked for (the
+    /// gateway counts every call's tokens, `meter.rs`) and taken out of the client's stream.
+    pub strip_usage: bool,
+    /// The body the engine gets, when it is not the client's (usage asked for).
+    pub body: Option<Bytes>,
 }
 
 impl Call {
@@ -185,10 +192,33 @@ pub fn read_call(bytes: &[u8]) -> Result<Call, String> {
         .iter()
         .filter_map(|name| object.get(*name).and_then(Value::as_u64))
         .max();
-    Ok(Call {
-        model: model.clone(),
+    let model = model.clone();
+    let streamed = object.get("stream").and_then(Value::as_bool) == Some(true);
+    let asked = object
+        .get("stream_options")
+        .and_then(|options| options.get("include_usage"))
+        .and_then(Value::as_bool)
+        == Some(true);
+    let mut call = Call {
+        model,
         max_tokens,
-    })
+        strip_usage: streamed && !asked,
+        body: None,
+    };
+    if call.strip_usage {
+        let mut body = body;
+        if let Some(object) = body.as_object_mut() {
+            let options = object
+                .entry("stream_options")
+                .or_insert_with(|| Value::Object(Default::default()));
+            if !options.is_object() {
+                *options = Value::Object(Default::default());
+            }
+            options["include_usage"] = Value::Bool(true);
+        }
+        call.body = serde_json::to_vec(&body).ok().map(Bytes::from);
+    }
+    Ok(call)
 }
 
 enum ReadError {
@@ -302,13 +332,17 @@ mod tests {
     fn a_call_names_its_model_and_its_limit() {
         let call =
             read_call(br#"{"model":"smol","messages":[],"max_tokens":16,"stream":true}"#).unwrap();
-        assert_eq!(
-            call,
-            Call {
-                model: "smol".into(),
-                max_tokens: Some(16)
-            }
-        );
+        assert_eq!(call.model, "smol");
+        assert_eq!(call.max_tokens, Some(16));
+        // Streamed without asking for usage: asked for, to be taken out again.
+        assert!(call.strip_usage);
+        let sent: Value = serde_json::from_slice(call.body.as_ref().unwrap()).unwrap();
+        assert_eq!(sent["stream_options"]["include_usage"], true);
+        assert_eq!(sent["max_tokens"], 16);
+        let asked =
+            read_call(br#"{"model":"smol","stream":true,"stream_options":{"include_usage":true}}"#)
+                .unwrap();
+        assert!(!asked.strip_usage && asked.body.is_none());
         let newer = read_call(br#"{"model":"smol","max_completion_tokens":99}"#).unwrap();
         assert_eq!(newer.max_tokens, Some(99));
         assert_eq!(newer.facts(), r#"{"model":"smol","max_tokens":99}"#);
