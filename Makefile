@@ -11,6 +11,12 @@ CONSOLE_SOURCES := $(wildcard $(CONSOLE)/src/*) $(CONSOLE)/index.html $(CONSOLE)
 
 .PHONY: install run test check lint lint-rust e2e console browser
 
+## Two jobs: `install`'s parts build side by side (the Python install and the downloads wait on
+## the network while the Rust and llama.cpp compilers run; scripts/build-llama-server takes its
+## CMake from PyPI, so no two parts use Debian's package manager at once). A recipe's own
+## commands still run one after another.
+MAKEFLAGS += --jobs=2
+
 ## Tests run in parallel (pytest-xdist, --dist loadfile): each test file on one worker; the tests
 ## marked alone (tests/conftest.py: timing bounds, the shared Slurm cluster) after, one at a time.
 ## The tests mostly wait on processes, so more workers than cores pays; PYTEST_WORKERS=1 runs
@@ -66,7 +72,7 @@ $(GATEWAY_FRONT): $(NATIVE_STAMP)
 LLAMA_SERVER := runtime_worker/bin/llama-server
 SMOLLM2 := build/models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-$(LLAMA_SERVER): locks/llm.lock scripts/build-llama-server scripts/fetch-pinned
+$(LLAMA_SERVER): locks/llm.lock locks/cmake.lock scripts/build-llama-server scripts/fetch-pinned
 	./scripts/build-llama-server $@
 
 $(SMOLLM2): locks/llm.lock scripts/fetch-pinned

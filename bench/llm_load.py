@@ -84,7 +84,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     figures: dict[str, Any] = {"ttft": [], "itl": [], "requests": 0, "tokens": 0}
     figures.update(failures=0, reason="")
-    limits = httpx.Limits(max_connections=args.streams, max_keepalive_connections=args.streams)
+    # A connection per request, on every path alike: llama-server closes kept-alive
+    # connections between calls without saying so, which a reusing client takes for a failure.
+    limits = httpx.Limits(max_connections=args.streams, max_keepalive_connections=0)
     timeout = httpx.Timeout(120.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         started = time.monotonic()

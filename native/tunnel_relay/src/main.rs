@@ -103,7 +103,9 @@ fn main() {
         client: Client::builder()
             .pool_idle_timeout(Duration::from_secs(4))
             .pool_max_idle_per_host(64)
-            .build(connector),
+            .build(connector.clone()),
+        // A connection of its own for a request tried again (`relay::closed_unanswered`).
+        fresh: Client::builder().pool_max_idle_per_host(0).build(connector),
     });
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

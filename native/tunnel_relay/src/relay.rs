@@ -62,6 +62,8 @@ pub struct Shared {
     pub peak_buffered: AtomicI64,
     pub out: UnboundedSender<String>,
     pub client: Client<HttpConnector, Body>,
+    /// Never reuses a connection: a request tried again after a closed one.
+    pub fresh: Client<HttpConnector, Body>,
 }
 
 impl Shared {
@@ -543,12 +545,17 @@ impl Stream {
         if ended && declared.is_some_and(|length| length != taken as u64) {
             return self.reset(frames::PROTOCOL_ERROR, LENGTH_MISMATCH);
         }
+        // A whole body is kept, so a kept-alive connection the replica closed as the request
+        // went (no answer begun) can be tried once more on a connection of its own.
+        let mut whole: Option<Bytes> = None;
         let body = if ended {
-            match pieces.len() {
-                0 => Body::empty(),
-                1 => Body::from(pieces.pop().unwrap()),
-                _ => Body::from(pieces.concat()),
-            }
+            let bytes = match pieces.len() {
+                0 => Bytes::new(),
+                1 => pieces.pop().unwrap(),
+                _ => Bytes::from(pieces.concat()),
+            };
+            whole = Some(bytes.clone());
+            Body::from(bytes)
         } else {
             let (sender, body) = Body::channel();
             guard.pump = Some(tokio::spawn(pump(
@@ -600,7 +607,20 @@ impl Stream {
                 return self.reset(frames::PROTOCOL_ERROR, "a request that is not valid HTTP")
             }
         };
-        let response = match self.shared.client.request(outbound).await {
+        let again = whole.map(|bytes| {
+            let mut copy = Request::new(Body::from(bytes));
+            *copy.method_mut() = outbound.method().clone();
+            *copy.uri_mut() = outbound.uri().clone();
+            *copy.headers_mut() = outbound.headers().clone();
+            copy
+        });
+        let mut sent = self.shared.client.request(outbound).await;
+        if let (Err(error), Some(again)) = (&sent, again) {
+            if closed_unanswered(error) {
+                sent = self.shared.fresh.request(again).await;
+            }
+        }
+        let response = match sent {
             Ok(response) => response,
             Err(error) => {
                 let message = format!(
@@ -837,6 +857,14 @@ async fn pump(
             consumed = 0;
         }
     }
+}
+
+/// A kept-alive connection the server closed before any answer: it took the request for the
+/// next on a connection it was closing (llama.cpp's server does, between calls). Tried once more
+/// on a fresh connection, as the gateway tries another replica after a failure before any
+/// answer.
+fn closed_unanswered(error: &hyper::Error) -> bool {
+    error.is_incomplete_message() || error.is_canceled()
 }
 
 fn describe(error: &hyper::Error) -> &'static str {
