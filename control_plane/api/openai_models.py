@@ -17,9 +17,10 @@ from fastapi.responses import JSONResponse
 
 from control_plane.api.deps import ContextDep
 from control_plane.api.gateway import Answer, Gateway
+from control_plane.api.routing import LaneRoute
 from control_plane.gateway import openai
 
-router = APIRouter(tags=["openai"])
+router = APIRouter(tags=["openai"], route_class=LaneRoute)
 
 
 async def openai_answer(
