@@ -90,15 +90,9 @@ def free_port(*, besides: int | None = None) -> int:
 
 def probe(port: int, check: HealthCheck) -> str | None:
     """None when the service answers its health path with 2xx or 3xx; else what went wrong."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=check.timeout)
-    try:
-        connection.request("GET", check.path)
-        status = connection.getresponse().status
-    except (OSError, http.client.HTTPException) as exc:
-        reason = getattr(exc, "strerror", None)
-        return f"{type(exc).__name__}{f' ({reason})' if reason else ''}"
-    finally:
-        connection.close()
+    status = _ask(port, "GET", check.path, None, check.timeout)
+    if isinstance(status, str):
+        return status
     return None if 200 <= status < 400 else f"HTTP {status}"
 
 
@@ -113,18 +107,25 @@ def warm_up(port: int, check: HealthCheck) -> str | None:
     if check.warm_up is None:
         return None
     path, body = check.warm_up
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=_WARM_UP_TIMEOUT)
+    status = _ask(port, "POST", path, body, _WARM_UP_TIMEOUT)
+    if isinstance(status, str):
+        return f"warm-up: {status}"
+    return None if 200 <= status < 300 else f"warm-up: HTTP {status}"
+
+
+def _ask(port: int, method: str, path: str, body: str | None, timeout: float) -> int | str:
+    """One request to the service on this node: its status, or what went wrong (the exception's
+    kind and reason, never a body)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    headers = {} if body is None else {"Content-Type": "application/json"}
     try:
-        connection.request("POST", path, body, {"Content-Type": "application/json"})
-        answer = connection.getresponse()
-        answer.read()
-        status = answer.status
+        connection.request(method, path, body, headers)
+        return connection.getresponse().status
     except (OSError, http.client.HTTPException) as exc:
         reason = getattr(exc, "strerror", None)
-        return f"warm-up: {type(exc).__name__}{f' ({reason})' if reason else ''}"
+        return f"{type(exc).__name__}{f' ({reason})' if reason else ''}"
     finally:
         connection.close()
-    return None if 200 <= status < 300 else f"warm-up: HTTP {status}"
 
 
 def service_environment(

@@ -72,8 +72,12 @@ class Llm:
         return list(answer.json())
 
     def processed(self) -> int:
-        """Prompt tokens the engine has taken, all requests together (llama-server's own
-        counter, read through the gateway): any request that reached it moves it."""
+        """Prompt tokens the engine has taken, all requests together: any request that reached
+        it moves it."""
+        return self.counter("prompt_tokens_total")
+
+    def counter(self, name: str) -> int:
+        """One of llama-server's own counters (its Prometheus metrics, through the gateway)."""
         answer = httpx.get(
             f"{self.server.url}/services/{MODEL}/metrics",
             headers={"Authorization": f"Bearer {self.key}"},
@@ -81,9 +85,9 @@ class Llm:
         )
         assert answer.status_code == 200, answer.text
         for line in answer.text.splitlines():
-            if line.startswith("llamacpp:prompt_tokens_total "):
+            if line.startswith(f"llamacpp:{name} "):
                 return int(float(line.split()[-1]))
-        raise AssertionError(f"no llamacpp:prompt_tokens_total in {answer.text[:500]}")
+        raise AssertionError(f"no llamacpp:{name} in {answer.text[:500]}")
 
 
 @pytest.fixture(scope="module")
@@ -294,18 +298,6 @@ def test_hostile_bodies_never_reach_the_replica(llm: Llm) -> None:
     assert llm.processed() == before
 
 
-def _engine_counter(llm: Llm, name: str) -> int:
-    answer = httpx.get(
-        f"{llm.server.url}/services/{MODEL}/metrics",
-        headers={"Authorization": f"Bearer {llm.key}"},
-        timeout=10,
-    )
-    for line in answer.text.splitlines():
-        if line.startswith(f"llamacpp:{name} "):
-            return int(float(line.split()[-1]))
-    raise AssertionError(f"no llamacpp:{name}")
-
-
 def test_usage_per_key_matches_the_engines_counts(llm: Llm) -> None:
     minted = httpx.post(
         f"{llm.server.url}/api/v1/services/{llm.service_id}/access-tokens",
@@ -320,7 +312,7 @@ def test_usage_per_key_matches_the_engines_counts(llm: Llm) -> None:
     while any(slot.get("is_processing") for slot in llm.slots()):
         assert time.monotonic() < deadline, "the engine is still busy with an earlier call"
         time.sleep(0.1)
-    predicted_before = _engine_counter(llm, "tokens_predicted_total")
+    predicted_before = llm.counter("tokens_predicted_total")
     prompt, completion = 0, 0
     for index in range(100):
         messages = [{"role": "user", "content": f"Say a word about the number {index}."}]
@@ -347,7 +339,7 @@ def test_usage_per_key_matches_the_engines_counts(llm: Llm) -> None:
             )
             chunks = list(stream)
             assert all(chunk.usage is None and chunk.choices for chunk in chunks)
-    predicted = _engine_counter(llm, "tokens_predicted_total") - predicted_before
+    predicted = llm.counter("tokens_predicted_total") - predicted_before
     deadline = time.monotonic() + 10
     while True:
         view = llm.server.get(f"/api/v1/services/{llm.service_id}/usage")
