@@ -63,13 +63,17 @@ class Llm:
 
     def slots(self) -> list[dict[str, Any]]:
         """llama-server's slot view, through the gateway (the service's own path)."""
+        return list(self.engine("slots").json())
+
+    def engine(self, path: str) -> httpx.Response:
+        """One of llama-server's own routes, through the gateway with the module's key."""
         answer = httpx.get(
-            f"{self.server.url}/services/{MODEL}/slots",
+            f"{self.server.url}/services/{MODEL}/{path}",
             headers={"Authorization": f"Bearer {self.key}"},
             timeout=10,
         )
         assert answer.status_code == 200, answer.text
-        return list(answer.json())
+        return answer
 
     def processed(self) -> int:
         """Prompt tokens the engine has taken, all requests together: any request that reached
@@ -78,12 +82,7 @@ class Llm:
 
     def counter(self, name: str) -> int:
         """One of llama-server's own counters (its Prometheus metrics, through the gateway)."""
-        answer = httpx.get(
-            f"{self.server.url}/services/{MODEL}/metrics",
-            headers={"Authorization": f"Bearer {self.key}"},
-            timeout=10,
-        )
-        assert answer.status_code == 200, answer.text
+        answer = self.engine("metrics")
         for line in answer.text.splitlines():
             if line.startswith(f"llamacpp:{name} "):
                 return int(float(line.split()[-1]))

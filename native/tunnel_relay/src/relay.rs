@@ -572,52 +572,24 @@ impl Stream {
             )));
             body
         };
-        let query = if request.query.is_empty() {
-            String::new()
-        } else {
-            format!("?{}", request.query)
-        };
-        let uri = format!(
-            "http://{}:{}{}{}",
-            self.shared.local_host, port, request.path, query
-        );
-        let mut builder = Request::builder()
-            .method(request.method.as_bytes())
-            .uri(uri);
-        for (name, value) in &request.headers {
-            let lowered = name.to_ascii_lowercase();
-            if hop_by_hop(&lowered) || lowered == "content-length" {
-                continue; // the framing is this end's: below
-            }
-            if value.chars().any(|c| c as u32 > 0xFF) {
-                return self.reset(frames::PROTOCOL_ERROR, "a header value that is not Latin-1");
-            }
-            let raw: Vec<u8> = value.chars().map(|c| c as u8).collect();
-            builder = builder.header(name.as_str(), raw);
-        }
-        builder = match (declared, ended) {
-            (Some(length), _) => builder.header(header::CONTENT_LENGTH, length),
-            // Streamed, its length unknown: chunked (hyper would send a GET's as empty).
-            (None, false) => builder.header(header::TRANSFER_ENCODING, "chunked"),
-            (None, true) => builder, // whole: hyper gives it its length
-        };
-        let outbound = match builder.body(body) {
+        let outbound = match to_replica(&self.shared, &request, port, declared, ended, body) {
             Ok(outbound) => outbound,
-            Err(_) => {
-                return self.reset(frames::PROTOCOL_ERROR, "a request that is not valid HTTP")
-            }
+            Err(reason) => return self.reset(frames::PROTOCOL_ERROR, reason),
         };
-        let again = whole.map(|bytes| {
-            let mut copy = Request::new(Body::from(bytes));
-            *copy.method_mut() = outbound.method().clone();
-            *copy.uri_mut() = outbound.uri().clone();
-            *copy.headers_mut() = outbound.headers().clone();
-            copy
-        });
         let mut sent = self.shared.client.request(outbound).await;
-        if let (Err(error), Some(again)) = (&sent, again) {
+        if let (Err(error), Some(bytes)) = (&sent, whole) {
             if closed_unanswered(error) {
-                sent = self.shared.fresh.request(again).await;
+                // Built again only here: a request sent once pays for no copy.
+                if let Ok(again) = to_replica(
+                    &self.shared,
+                    &request,
+                    port,
+                    declared,
+                    ended,
+                    Body::from(bytes),
+                ) {
+                    sent = self.shared.fresh.request(again).await;
+                }
             }
         }
         let response = match sent {
@@ -857,6 +829,51 @@ async fn pump(
             consumed = 0;
         }
     }
+}
+
+/// The request to the replica's local port: the tunnel's method, path, query and headers (but
+/// those of one hop and the length: the framing is this end's), framed by `declared` and
+/// `ended`; the reason for a request that cannot be sent.
+fn to_replica(
+    shared: &Shared,
+    request: &frames::OpenRequest,
+    port: u16,
+    declared: Option<u64>,
+    ended: bool,
+    body: Body,
+) -> Result<Request<Body>, &'static str> {
+    let query = if request.query.is_empty() {
+        String::new()
+    } else {
+        format!("?{}", request.query)
+    };
+    let uri = format!(
+        "http://{}:{}{}{}",
+        shared.local_host, port, request.path, query
+    );
+    let mut builder = Request::builder()
+        .method(request.method.as_bytes())
+        .uri(uri);
+    for (name, value) in &request.headers {
+        let lowered = name.to_ascii_lowercase();
+        if hop_by_hop(&lowered) || lowered == "content-length" {
+            continue; // the framing is this end's: below
+        }
+        if value.chars().any(|c| c as u32 > 0xFF) {
+            return Err("a header value that is not Latin-1");
+        }
+        let raw: Vec<u8> = value.chars().map(|c| c as u8).collect();
+        builder = builder.header(name.as_str(), raw);
+    }
+    builder = match (declared, ended) {
+        (Some(length), _) => builder.header(header::CONTENT_LENGTH, length),
+        // Streamed, its length unknown: chunked (hyper would send a GET's as empty).
+        (None, false) => builder.header(header::TRANSFER_ENCODING, "chunked"),
+        (None, true) => builder, // whole: hyper gives it its length
+    };
+    builder
+        .body(body)
+        .map_err(|_| "a request that is not valid HTTP")
 }
 
 /// A kept-alive connection the server closed before any answer: it took the request for the
