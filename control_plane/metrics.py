@@ -12,7 +12,9 @@ Two kinds of value:
   and forgets it after a rollback — the pattern of `dispatch.jobs_changed`.
 - read at scrape time from the database (`_StoreCollector`): nodes by liveness state, jobs by
   state, services by state, each deployed service's state and restarts, artifact store bytes,
-  each GPU's health state; one short read-only session of a few queries a scrape.
+  each GPU's health state, each LLM service's engines' own requests processing and waiting
+  (as the nodes read them from the engines); one short read-only session of a few queries a
+  scrape.
 
 This module never holds or prints a token; authentication is the router's (`api/metrics.py`).
 """
@@ -31,7 +33,7 @@ from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import Clock
-from control_plane.models import Artifact, GpuHealth, Job, Node, Service
+from control_plane.models import Artifact, GpuHealth, Job, Node, Service, ServiceReplica
 
 #: The Prometheus text format (0.0.4), as the library writes it with `generate_latest`.
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -170,6 +172,9 @@ class _ServiceSample(NamedTuple):
     name: str
     state: str
     restarts: int
+    #: An LLM service's engines' own requests (processing, waiting), its replicas' summed as
+    #: their nodes last reported them; None when none reported one.
+    engine: tuple[int, int] | None = None
 
 
 class _GpuSample(NamedTuple):
@@ -218,6 +223,7 @@ class _StoreCollector:
             service_state,
             restarts,
             gpu_health,
+            engine_requests,
         ) = families
         for state in NODE_STATES:
             by_state.add_metric([state], reading.nodes[state])
@@ -235,6 +241,10 @@ class _StoreCollector:
                     [service.name, service.id, one], float(service.state == one)
                 )
             restarts.add_metric([service.name, service.id], service.restarts)
+            if service.engine is not None:
+                processing, waiting = service.engine
+                engine_requests.add_metric([service.name, service.id, "processing"], processing)
+                engine_requests.add_metric([service.name, service.id, "waiting"], waiting)
         for service_state_name in SERVICE_STATES:
             by_service_state.add_metric([service_state_name], counted[service_state_name])
         for gpu in reading.gpus:
@@ -278,8 +288,20 @@ class _StoreCollector:
             artifact_bytes = session.execute(
                 select(func.coalesce(func.sum(Artifact.size_bytes), 0))
             ).scalar_one()
+            engines: dict[str, tuple[int, int]] = {}
+            for service_id, load in session.execute(
+                select(ServiceReplica.service_id, ServiceReplica.engine).where(
+                    ServiceReplica.state != "stopped"
+                )
+            ):
+                if isinstance(load, dict):
+                    had = engines.get(service_id, (0, 0))
+                    engines[service_id] = (
+                        had[0] + int(load.get("processing", 0)),
+                        had[1] + int(load.get("waiting", 0)),
+                    )
             services = [
-                _ServiceSample(service_id, name, state, int(restarts or 0))
+                _ServiceSample(service_id, name, state, int(restarts or 0), engines.get(service_id))
                 for service_id, name, state, restarts in session.execute(
                     select(Service.id, Service.name, Service.state, Service.restarts)
                     .where(Service.state != "stopped")
@@ -340,5 +362,11 @@ def _families() -> list[GaugeMetricFamily]:
             "Each GPU's health (by node id and GPU uuid): 1 for its state (healthy, degraded, "
             "unhealthy, quarantined), 0 for the other three.",
             labels=["node", "gpu", "state"],
+        ),
+        GaugeMetricFamily(
+            "modelforge_llm_engine_requests",
+            "Each LLM service's requests its engines generate for (processing) and hold in "
+            "their own queues (waiting), read from the engines' metrics by their nodes.",
+            labels=["name", "service", "state"],
         ),
     ]

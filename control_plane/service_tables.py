@@ -117,6 +117,9 @@ class ServiceReplica(Base):
     in_flight: Mapped[int | None] = mapped_column(Integer)
     in_flight_at: Mapped[datetime | None]
     in_flight_since: Mapped[datetime | None]
+    #: An LLM replica's engine's own load as its agent last reported it: `processing` and
+    #: `waiting` requests (None: not an LLM's, or not read).
+    engine: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
 class ServiceAccessToken(Base):
@@ -136,6 +139,8 @@ class ServiceAccessToken(Base):
     #: Requests per second allowed (a token bucket of `burst`); None: unlimited.
     rate_per_second: Mapped[float | None] = mapped_column(Float)
     burst: Mapped[int | None] = mapped_column(Integer)
+    #: LLM tokens (prompt and completion) its OpenAI calls may use per minute; None: unlimited.
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime]
     created_by: Mapped[str] = mapped_column(String(64))
     last_used_at: Mapped[datetime | None]

@@ -119,6 +119,8 @@ class ServiceKeeper:
         #: requests are in flight to a replica through the tunnel (set by the agent: the
         #: tunnel's count): reported for the draining ones, whose drain ends when none is left.
         self._draining: set[str] = set()
+        #: Those whose engine's own load is reported (`engine`: the spec said `engine_load`).
+        self._engine_load: set[str] = set()
         self.in_flight: Callable[[str], int] | None = None
         self.worker_socket = worker_socket
         self.agent_socket = agent_socket
@@ -200,6 +202,7 @@ class ServiceKeeper:
         desired = [_keyed(spec) for spec in desired]
         self._wanted = _service_ids(desired)
         self._draining = _service_ids([spec for spec in desired if _draining(spec)])
+        self._engine_load = _service_ids([s for s in desired if _flag(s, "engine_load")])
         self.activity.services(len(self._ran | self._wanted))
         self._services_down.want(desired)
         if view is not None:
@@ -245,6 +248,8 @@ class ServiceKeeper:
             ]
             if self.in_flight is not None and service_id in self._draining:
                 entry["in_flight"] = self.in_flight(service_id)
+            if service_id in self._engine_load:
+                entry["engine"] = _engine(status.get("engine"))
             entries[service_id] = self._services_down.counted(service_id, entry)
         down = self._services_down.entries() if view is None and self.worker.lost else {}
         entries.update(down)
@@ -410,7 +415,21 @@ def _service_ids(services: Any) -> set[str]:
 
 
 def _draining(spec: Any) -> bool:
-    return isinstance(spec, dict) and spec.get("draining") is True
+    return _flag(spec, "draining")
+
+
+def _flag(spec: Any, name: str) -> bool:
+    return isinstance(spec, dict) and spec.get(name) is True
+
+
+def _engine(load: Any) -> dict[str, int] | None:
+    """The worker's `engine` of a replica, as the control plane takes it (None: unknown)."""
+    if not isinstance(load, dict):
+        return None
+    counts = {key: load.get(key) for key in ("processing", "waiting")}
+    if all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts.values()):
+        return counts  # type: ignore[return-value]
+    return None
 
 
 def _keyed(spec: Any) -> Any:

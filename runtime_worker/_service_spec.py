@@ -30,6 +30,9 @@ from runtime_worker.serving.policy import (
 ONNX_HEALTH_PATH = "/v2/health/ready"
 #: llama-server answers 200 here once its model is loaded (503 while loading).
 LLAMA_HEALTH_PATH = "/health"
+#: llama-server's Prometheus metrics (`--metrics`): `llamacpp:requests_processing` and
+#: `llamacpp:requests_deferred` are the requests it generates for and holds waiting.
+LLAMA_METRICS_PATH = "/metrics"
 #: The `llama.cpp` runner's server, built by `make install` (scripts/build-llama-server).
 LLAMA_SERVER = Path(__file__).resolve().parent / "bin" / "llama-server"
 #: The runners the worker knows how to start.
@@ -59,6 +62,9 @@ class HealthCheck:
     #: healthy (`POST path` with this JSON body): the `llama.cpp` runner's one-token
     #: completion, so the first client does not pay for the engine's first run.
     warm_up: tuple[str, str] | None = None
+    #: The engine's Prometheus metrics, read after each healthy probe for the requests it
+    #: generates for and holds waiting (`services.engine_load`): the `llama.cpp` runner's.
+    load: str | None = None
 
 
 @dataclass(frozen=True)
@@ -136,21 +142,21 @@ class ServiceSpec:
         default_path = {"onnx": ONNX_HEALTH_PATH, "llama.cpp": LLAMA_HEALTH_PATH}.get(
             str(runner), "/"
         )
-        warm_up = None
+        warm_up, load = None, None
         if runner == "onnx":
             argv += serving_flags(params, resources)
         elif runner == "llama.cpp":
             # The GPUs it was assigned (none named: the node's own, when it asked for some).
             gpus = gpu_env.get("CUDA_VISIBLE_DEVICES") if gpu_env else resources.get("gpus")
             argv += llama_flags(params, resources, gpus=bool(gpus))
-            warm_up = LLAMA_WARM_UP
+            warm_up, load = LLAMA_WARM_UP, LLAMA_METRICS_PATH
         return cls(
             service_id=service_id,
             generation=generation,
             name=name,
             argv=tuple(argv),
             weights_path=weights_path,
-            health=_health(body.get("health"), default_path, warm_up),
+            health=_health(body.get("health"), default_path, warm_up, load),
             restart=_restart(body.get("restart")),
             params=params,
             env=env,
@@ -309,7 +315,9 @@ def _seconds(section: dict[str, Any], name: str, key: str, default: float, low: 
     return float(value)
 
 
-def _health(value: Any, default_path: str, warm_up: tuple[str, str] | None) -> HealthCheck:
+def _health(
+    value: Any, default_path: str, warm_up: tuple[str, str] | None, load: str | None
+) -> HealthCheck:
     section = _section(value, "health")
     path = section.get("path", default_path)
     if not isinstance(path, str) or not path.startswith("/") or clean_line(path) != path:
@@ -324,6 +332,7 @@ def _health(value: Any, default_path: str, warm_up: tuple[str, str] | None) -> H
         failure_threshold=threshold,
         start_period=_seconds(section, "health", "start_period_seconds", 60.0, 0.0),
         warm_up=warm_up,
+        load=load,
     )
 
 

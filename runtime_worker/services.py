@@ -90,10 +90,10 @@ def free_port(*, besides: int | None = None) -> int:
 
 def probe(port: int, check: HealthCheck) -> str | None:
     """None when the service answers its health path with 2xx or 3xx; else what went wrong."""
-    status = _ask(port, "GET", check.path, None, check.timeout)
-    if isinstance(status, str):
-        return status
-    return None if 200 <= status < 400 else f"HTTP {status}"
+    answer = _ask(port, "GET", check.path, None, check.timeout)
+    if isinstance(answer, str):
+        return answer
+    return None if 200 <= answer[0] < 400 else f"HTTP {answer[0]}"
 
 
 #: The longest a service's warm-up request may take (its engine's first run).
@@ -107,20 +107,53 @@ def warm_up(port: int, check: HealthCheck) -> str | None:
     if check.warm_up is None:
         return None
     path, body = check.warm_up
-    status = _ask(port, "POST", path, body, _WARM_UP_TIMEOUT)
-    if isinstance(status, str):
-        return f"warm-up: {status}"
-    return None if 200 <= status < 300 else f"warm-up: HTTP {status}"
+    answer = _ask(port, "POST", path, body, _WARM_UP_TIMEOUT)
+    if isinstance(answer, str):
+        return f"warm-up: {answer}"
+    return None if 200 <= answer[0] < 300 else f"warm-up: HTTP {answer[0]}"
 
 
-def _ask(port: int, method: str, path: str, body: str | None, timeout: float) -> int | str:
-    """One request to the service on this node: its status, or what went wrong (the exception's
-    kind and reason, never a body)."""
+#: The largest metrics page read for an engine's load.
+_MAX_METRICS_BYTES = 256 * 1024
+#: llama-server's gauges of its load, by what the status calls them.
+_LOAD_GAUGES = {
+    "llamacpp:requests_processing": "processing",
+    "llamacpp:requests_deferred": "waiting",
+}
+
+
+def engine_load(port: int, check: HealthCheck) -> dict[str, int] | None:
+    """The requests the engine generates for (`processing`) and holds in its own queue
+    (`waiting`), from its Prometheus metrics (`check.load`); None when it has none or they
+    cannot be read."""
+    if check.load is None:
+        return None
+    answer = _ask(port, "GET", check.load, None, check.timeout, read=True)
+    if isinstance(answer, str) or answer[0] != 200:
+        return None
+    load: dict[str, int] = {}
+    for line in answer[1].decode("utf-8", "replace").splitlines():
+        name, _, value = line.partition(" ")
+        if name in _LOAD_GAUGES:
+            try:
+                load[_LOAD_GAUGES[name]] = max(0, int(float(value)))
+            except ValueError:
+                return None
+    return load if len(load) == len(_LOAD_GAUGES) else None
+
+
+def _ask(
+    port: int, method: str, path: str, body: str | None, timeout: float, *, read: bool = False
+) -> tuple[int, bytes] | str:
+    """One request to the service on this node: its status and (`read`) the first
+    `_MAX_METRICS_BYTES` of its body, or what went wrong (the exception's kind and reason,
+    never a body)."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     headers = {} if body is None else {"Content-Type": "application/json"}
     try:
         connection.request(method, path, body, headers)
-        return connection.getresponse().status
+        answer = connection.getresponse()
+        return answer.status, answer.read(_MAX_METRICS_BYTES) if read else b""
     except (OSError, http.client.HTTPException) as exc:
         reason = getattr(exc, "strerror", None)
         return f"{type(exc).__name__}{f' ({reason})' if reason else ''}"
@@ -195,6 +228,8 @@ class Service:
         self.port: int | None = None
         self.grpc_port: int | None = None
         self.pid: int | None = None
+        #: The engine's own load at the last healthy probe (`engine_load`), None unknown.
+        self.engine: dict[str, int] | None = None
         self.restarts = 0
         self.last_exit: dict[str, Any] | None = None
         self._events: deque[dict[str, Any]] = deque(maxlen=_EVENTS_KEPT)
@@ -245,6 +280,7 @@ class Service:
                 "port": self.port,
                 "grpc_port": self.grpc_port,
                 "pid": self.pid,
+                "engine": dict(self.engine) if self.engine is not None else None,
                 "restarts": self.restarts,
                 "last_exit": dict(self.last_exit) if self.last_exit else None,
                 "events": [dict(event) for event in self._events],
@@ -438,6 +474,10 @@ class Service:
                             ready["warm_up_seconds"] = warm_up_seconds
                         self._event("ready", ready)
                     ever_healthy = True
+                    if check.load is not None:
+                        load = engine_load(run.port, check)
+                        with self._lock:
+                            self.engine = load
                     if healthy_since is None:
                         healthy_since = now
                         self._set_state("healthy")
@@ -466,6 +506,7 @@ class Service:
         with self._lock:
             self.last_exit = last_exit
             self.pid = None
+            self.engine = None
         self._event("exit", {"code": last_exit["code"], "signal": last_exit["signal"]})
         log.warning(
             "service %s exited (code %s, signal %s)",

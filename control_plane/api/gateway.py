@@ -186,12 +186,19 @@ class Gateway:
             self.traffic.ended(service.id)
 
     async def prepare(
-        self, target: Target, method: str, headers: list[tuple[bytes, bytes]], query: str
+        self,
+        target: Target,
+        method: str,
+        headers: list[tuple[bytes, bytes]],
+        query: str,
+        *,
+        openai: bool = False,
     ) -> Answer | Prepared:
         """What a gateway request gets before any replica: the gateway's own answer (health,
         metadata, a refusal: counted in the metrics already; an ambiguous framing first, as
         nothing of it may be carried), or the service and the request to carry to one of its
-        replicas. The Python path (`__call__`) and the native front's both start here."""
+        replicas. The Python path (`__call__`) and the native front's both start here;
+        `openai`: the request is an OpenAI API call the native front rewrote to its service."""
         what = target.what
         if (ambiguous := framing_refusal(headers)) is not None:
             return _refusal(400, ambiguous, [(b"connection", b"close")])
@@ -208,7 +215,7 @@ class Gateway:
             return _refusal(503, message)
         if what == "ready":
             return Answer(200, {"ready": True})
-        return await self._prepare_service(target, snapshot, method, headers, query)
+        return await self._prepare_service(target, snapshot, method, headers, query, openai)
 
     async def _prepare_service(
         self,
@@ -217,6 +224,7 @@ class Gateway:
         method: str,
         headers: list[tuple[bytes, bytes]],
         query: str,
+        openai: bool,
     ) -> Answer | Prepared:
         authorization = _header(headers, b"authorization")
         service = snapshot.services.get(target.name)
@@ -236,10 +244,21 @@ class Gateway:
             raise AssertionError("a grant for no service")
         if target.what in ("model", "model_ready") and service.kind != "onnx":
             message = (
-                f"service {service.name!r} runs a command, not a model: reach it at "
+                f"service {service.name!r} is an LLM: call it with the OpenAI API at /v1 "
+                f"(model {service.name!r})"
+                if service.kind == "llm"
+                else f"service {service.name!r} runs a command, not a model: reach it at "
                 f"/services/{service.name}/<path>"
             )
             return _refusal(404, message, label=label)
+        if service.kind == "llm" and not openai and method not in ("GET", "HEAD"):
+            # Generation goes through /v1 only, where its tokens are counted and limited.
+            message = (
+                f"service {service.name!r} is an LLM: call it with the OpenAI API at /v1 "
+                f"(model {service.name!r}); its engine's own routes at /services/"
+                f"{service.name}/<path> answer GET only"
+            )
+            return _refusal(405, message, [(b"allow", b"GET, HEAD")], label)
         if target.what == "model_ready":
             ready = bool(self.table.rotation(snapshot, service))
             body = {"name": service.name, "ready": ready}

@@ -45,11 +45,12 @@ from control_plane.api.openai_models import openai_answer, shaped
 from control_plane.context import AppContext
 from control_plane.errors import ModelForgeError
 from control_plane.gateway import openai
+from control_plane.gateway.auth import RATE_LIMITED
 from control_plane.gateway.balancer import Refused
 from control_plane.gateway.paths import gateway_target
 from control_plane.gateway.routing import ReplicaTarget, RoutingSnapshot, ServiceTarget
 from control_plane.gateway.tunnels import CLOSE_REPLACED
-from control_plane.gateway.usage import reported_usage
+from control_plane.gateway.usage import reported_timing, reported_usage
 from modelforge_contracts.tunnel import MAX_PAYLOAD
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,8 @@ class NativeChannel(asyncio.Protocol):
         op = message.get("op")
         if op == "done":
             counted = reported_usage(message.get("usage"))
-            self._done(message["ticket"], int(message["status"]), message["error"], counted)
+            timing = reported_timing(message.get("timing"))
+            self._done(message["ticket"], int(message["status"]), message["error"], counted, timing)
         elif op == "request":
             self._spawn(self._request(message))
         elif op == "retry":
@@ -210,7 +212,9 @@ class NativeChannel(asyncio.Protocol):
         call = openai.Call.from_ask(message["openai"]) if "openai" in message else None
         started = gateway.clock.monotonic()
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in message["headers"]]
-        prepared = await gateway.prepare(target, method, headers, message.get("query", ""))
+        prepared = await gateway.prepare(
+            target, method, headers, message.get("query", ""), openai=call is not None
+        )
         if isinstance(prepared, Answer):
             elapsed = gateway.clock.monotonic() - started
             gateway.metrics.answered(prepared.label, prepared.status, elapsed)
@@ -223,6 +227,14 @@ class NativeChannel(asyncio.Protocol):
             status, body = refused
             gateway.metrics.answered(label, status, gateway.clock.monotonic() - started)
             return _answer(ask, Answer(status, body, label=label))
+        limit = prepared.grant.tokens_per_minute
+        if call is not None and limit is not None and gateway.usage is not None:
+            if (wait := gateway.usage.wait_for(prepared.grant.token_id, limit)) is not None:
+                gateway.metrics.error(label, RATE_LIMITED)
+                gateway.metrics.answered(label, 429, gateway.clock.monotonic() - started)
+                status, body = openai.tokens_exhausted(limit, wait)
+                answer = Answer(status, body, [(b"retry-after", str(wait).encode())], label)
+                return _answer(ask, answer)
         gateway.traffic.began(service.id)
         try:
             await gateway.admit(label)
@@ -314,15 +326,22 @@ class NativeChannel(asyncio.Protocol):
             raise
 
     def _done(
-        self, number: int, status: int, error: str, usage: tuple[int, int] | None = None
+        self,
+        number: int,
+        status: int,
+        error: str,
+        usage: tuple[int, int] | None = None,
+        timing: tuple[float, float] | None = None,
     ) -> None:
         ticket = self._tickets.pop(number, None)
         if ticket is None:
             return
         gateway, service = self.gateway, ticket.service
-        if ticket.call is not None and gateway.usage is not None and ticket.token_id:
-            gateway.usage.record(ticket.token_id, service.id, usage)
         label = service.name
+        if ticket.call is not None:
+            gateway.metrics.llm_call(label, usage, timing)
+            if gateway.usage is not None and ticket.token_id:
+                gateway.usage.record(ticket.token_id, service.id, usage)
         if ticket.replica is not None:
             gateway.balancer.ended(ticket.replica)
         if error in _DONE_ERRORS:
@@ -362,6 +381,8 @@ class NativeChannel(asyncio.Protocol):
     def _routes(self, snapshot: RoutingSnapshot) -> list[dict[str, Any]]:
         gateway, routes = self.gateway, []
         for service in snapshot.services.values():
+            if service.kind == "llm":  # every call decided here: its tokens, its method
+                continue
             replicas = [
                 [replica.id, replica.node_id]
                 for replica in gateway.table.rotation(snapshot, service)

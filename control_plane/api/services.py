@@ -248,11 +248,14 @@ def revoke_access_token(
 @router.get("/services/{service_id}/traffic", response_model=ServiceTraffic)
 def service_traffic(service_id: ResourceId, ctx: ContextDep, session: SessionDep) -> ServiceTraffic:
     """The gateway's counters for the service in this control-plane process, cumulative since
-    it started (what `/metrics` exports, for one service): the console turns reads into rates."""
+    it started (what `/metrics` exports, for one service): the console turns reads into rates.
+    An LLM service's also has its engines' own load, as the nodes last read it."""
     service = lifecycle.get_service(session=session, service_id=service_id)
-    return read_traffic(
+    traffic = read_traffic(
         ctx.metrics.registry, service_id=service.id, name=service.name, read_at=ctx.clock.now()
     )
+    traffic.engine = replicas.engine_load(session, service.id)
+    return traffic
 
 
 # -- the agents' service sync -------------------------------------------------------------------

@@ -10,6 +10,18 @@
   `client_timeout`, `busy`, `no_replica`, `transport`, `retried`, `client_gone`,
   `response_broken`, ...).
 
+And for an LLM service's OpenAI calls (issue 43), as the native front measured each one
+(`native/gateway_front/src/meter.rs`):
+
+- `modelforge_llm_time_to_first_token_seconds{service}`: a streamed call's arrival to its first
+  event (the engine writes none before its first token);
+- `modelforge_llm_inter_token_seconds{service}`: a streamed call's mean time between tokens
+  (first event to last, over its completion tokens less one);
+- `modelforge_llm_tokens_total{service,kind}`: prompt and completion tokens, as the engine
+  counted them (`rate()` of `kind="completion"` is the tokens per second);
+- the requests waiting in each engine's own queue are read from the engines and reported by the
+  nodes (`modelforge_llm_engine_waiting`, `control_plane/metrics.py`).
+
 A service label is a deployed service's name (one the routing table knows), never what a
 client typed, so a client cannot grow the number of series.
 """
@@ -20,6 +32,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 #: Seconds: from 1 ms (what the gateway adds) to a minute (a long inference).
 REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+#: Seconds to a first token: a small model's few ms to a long prompt's prefill on a busy engine.
+FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+#: Seconds between tokens: a fast GPU's 2 ms to a loaded CPU's half second.
+INTER_TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1)
 
 
 class GatewayMetrics:
@@ -55,6 +71,41 @@ class GatewayMetrics:
             ["service", "cause"],
             registry=registry,
         )
+
+        self.first_token = Histogram(
+            "modelforge_llm_time_to_first_token_seconds",
+            "Seconds from a streamed OpenAI call's arrival to its first token, by service.",
+            ["service"],
+            buckets=FIRST_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.inter_token = Histogram(
+            "modelforge_llm_inter_token_seconds",
+            "A streamed OpenAI call's mean seconds between tokens, by service.",
+            ["service"],
+            buckets=INTER_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "modelforge_llm_tokens",
+            "Tokens of the OpenAI calls as the engine counted them, by service and kind "
+            "(prompt, completion).",
+            ["service", "kind"],
+            registry=registry,
+        )
+
+    def llm_call(
+        self, service: str, usage: tuple[int, int] | None, timing: tuple[float, float] | None
+    ) -> None:
+        """One OpenAI call's end: its tokens and, when it streamed, its timing (seconds to the
+        first event, and from the first to the last)."""
+        if usage is not None:
+            self.tokens.labels(service, "prompt").inc(usage[0])
+            self.tokens.labels(service, "completion").inc(usage[1])
+        if timing is not None:
+            self.first_token.labels(service).observe(timing[0])
+            if usage is not None and usage[1] > 1:
+                self.inter_token.labels(service).observe(timing[1] / (usage[1] - 1))
 
     def answered(self, service: str, status: int, seconds: float) -> None:
         self.requests.labels(service, str(status)).inc()

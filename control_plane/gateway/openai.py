@@ -12,6 +12,8 @@ rate, a replica), and here:
   model that is not an LLM service, is 404 `model_not_found` (the same answer whether the model
   exists or not, so a key learns no other service's name);
 - `max_tokens` (or `max_completion_tokens`) above the service's `llm.max_tokens` is 400;
+- a key whose calls of the last minute used its `tokens_per_minute` is 429 with `Retry-After`
+  (`tokens_exhausted`; the window is `gateway/usage.py`'s);
 - every answer the gateway gives itself is reshaped to `{"error": {"message", "type", "param",
   "code"}}` with the same status. The engine's own answers (a prompt beyond the context is
   llama-server's 400) reach the client as the engine gave them.
@@ -104,6 +106,15 @@ def refusal(service: ServiceTarget, call: Call) -> tuple[int, dict[str, Any]] | 
         )
         return 400, error_body(400, message, "max_tokens_exceeded", "max_tokens")
     return None
+
+
+def tokens_exhausted(limit: int, wait: int) -> tuple[int, dict[str, Any]]:
+    """429 for a key whose calls of the last minute used its `tokens_per_minute`."""
+    message = (
+        f"This API key's limit of {limit} tokens per minute is reached. Retry after {wait} s; "
+        "an administrator can mint a key with a higher tokens_per_minute."
+    )
+    return 429, error_body(429, message, "tokens_per_minute_exceeded")
 
 
 def reshaped(status: int, body: Any, call: Call, *, key_valid: bool) -> tuple[int, dict[str, Any]]:

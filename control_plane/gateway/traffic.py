@@ -23,7 +23,21 @@ _SUM = "modelforge_gateway_request_seconds_sum"
 _IN_FLIGHT = "modelforge_gateway_in_flight"
 _QUEUE = "modelforge_gateway_queue"
 _ERRORS = "modelforge_gateway_errors_total"
-_NAMES = (_REQUESTS, _BUCKETS, _COUNT, _SUM, _IN_FLIGHT, _QUEUE, _ERRORS)
+_TO_FIRST = "modelforge_llm_time_to_first_token_seconds"
+_BETWEEN = "modelforge_llm_inter_token_seconds"
+_LLM_COUNTS = "modelforge_llm_tokens_total"
+_NAMES = (
+    _REQUESTS,
+    _BUCKETS,
+    _COUNT,
+    _SUM,
+    _IN_FLIGHT,
+    _QUEUE,
+    _ERRORS,
+    f"{_TO_FIRST}_bucket",
+    f"{_BETWEEN}_bucket",
+    _LLM_COUNTS,
+)
 
 
 class LatencyBucket(BaseModel):
@@ -51,6 +65,14 @@ class ServiceTraffic(BaseModel):
     seconds_sum: float = 0.0
     in_flight: int = 0
     queue: int = 0
+    #: An LLM service's streamed calls: time to first token and mean time between tokens
+    #: (cumulative histograms, as `buckets`), and its tokens by kind (prompt, completion).
+    first_token_buckets: list[LatencyBucket] = Field(default_factory=list)
+    inter_token_buckets: list[LatencyBucket] = Field(default_factory=list)
+    tokens: dict[str, int] = Field(default_factory=dict)
+    #: An LLM service's engines' own requests, processing and waiting in their queues, as the
+    #: nodes last read them (None: not an LLM service, or none read yet).
+    engine: dict[str, int] | None = None
 
 
 def read_traffic(
@@ -63,14 +85,21 @@ def read_traffic(
             if sample.labels.get("service") != name:
                 continue
             value = sample.value
-            if sample.name == _REQUESTS:
+            if sample.name in (f"{_TO_FIRST}_bucket", f"{_BETWEEN}_bucket"):
+                into = (
+                    traffic.first_token_buckets
+                    if sample.name.startswith(_TO_FIRST)
+                    else traffic.inter_token_buckets
+                )
+                into.append(_bucket(sample.labels["le"], value))
+            elif sample.name == _LLM_COUNTS:
+                traffic.tokens[sample.labels["kind"]] = int(value)
+            elif sample.name == _REQUESTS:
                 traffic.requests[sample.labels["code"]] = int(value)
             elif sample.name == _ERRORS:
                 traffic.errors[sample.labels["cause"]] = int(value)
             elif sample.name == _BUCKETS:
-                bound = float(sample.labels["le"])
-                le = None if math.isinf(bound) else bound
-                traffic.buckets.append(LatencyBucket(le=le, count=int(value)))
+                traffic.buckets.append(_bucket(sample.labels["le"], value))
             elif sample.name == _COUNT:
                 traffic.count = int(value)
             elif sample.name == _SUM:
@@ -79,5 +108,11 @@ def read_traffic(
                 traffic.in_flight = int(value)
             elif sample.name == _QUEUE:
                 traffic.queue = int(value)
-    traffic.buckets.sort(key=lambda bucket: math.inf if bucket.le is None else bucket.le)
+    for buckets in (traffic.buckets, traffic.first_token_buckets, traffic.inter_token_buckets):
+        buckets.sort(key=lambda bucket: math.inf if bucket.le is None else bucket.le)
     return traffic
+
+
+def _bucket(le: str, count: float) -> LatencyBucket:
+    bound = float(le)
+    return LatencyBucket(le=None if math.isinf(bound) else bound, count=int(count))

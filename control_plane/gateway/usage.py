@@ -11,13 +11,22 @@ request with no tokens. What a process had not written when it died is lost (at 
 
 `usage_of` reads a service's rows over a window, per token: the answer of
 `GET /api/v1/services/{id}/usage`.
+
+A key may be limited in tokens per minute (`tokens_per_minute`): the book also keeps, per key,
+the tokens its calls used in each of the last `WINDOW_SECONDS` seconds, and `wait_for` says how
+long a key at its limit must wait (the gateway answers 429 with that `Retry-After`). A call is
+let through while the key's last minute is under the limit, and counted when it ends, so calls
+already in flight when the limit is reached may take the key past it (by at most what they
+use). Like the request rate, each control-plane process holds the window of its own calls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -33,6 +42,8 @@ log = logging.getLogger(__name__)
 
 #: The longest a counted call waits to be written.
 FLUSH_SECONDS = 1.0
+#: The window a key's `tokens_per_minute` is counted over, in seconds.
+WINDOW_SECONDS = 60
 
 
 @dataclass
@@ -51,6 +62,8 @@ class UsageBook:
         self._lock = threading.Lock()
         self._counts: dict[tuple[str, str, datetime], _Counts] = {}
         self._flushing: asyncio.Task[None] | None = None
+        #: Per key: [second, tokens] of its calls' ends within the window, oldest first.
+        self._recent: dict[str, deque[list[int]]] = {}
 
     def record(self, token_id: str, service_id: str, usage: tuple[int, int] | None) -> None:
         """One call's end on the event loop: its tokens (None: the engine counted none)."""
@@ -61,8 +74,44 @@ class UsageBook:
             if usage is not None:
                 counts.prompt += usage[0]
                 counts.completion += usage[1]
+                self._spend(token_id, usage[0] + usage[1])
         if self._flushing is None or self._flushing.done():
             self._flushing = asyncio.get_running_loop().create_task(self._flush_soon())
+
+    def wait_for(self, token_id: str, limit: int) -> int | None:
+        """Whole seconds until the key's calls of the last minute used fewer than `limit`
+        tokens (None: they already do)."""
+        now = math.floor(self._clock.monotonic())
+        with self._lock:
+            seconds = self._recent.get(token_id)
+            if seconds is None:
+                return None
+            self._forget(token_id, seconds, now)
+            spent = sum(tokens for _, tokens in seconds)
+            if spent < limit:
+                return None
+            for second, tokens in seconds:
+                spent -= tokens
+                if spent < limit:
+                    return max(1, second + WINDOW_SECONDS - now)
+        return WINDOW_SECONDS  # not reached: with every second gone, 0 tokens are spent
+
+    def _spend(self, token_id: str, tokens: int) -> None:
+        """Under the lock."""
+        now = math.floor(self._clock.monotonic())
+        seconds = self._recent.setdefault(token_id, deque())
+        if seconds and seconds[-1][0] == now:
+            seconds[-1][1] += tokens
+        else:
+            seconds.append([now, tokens])
+        self._forget(token_id, seconds, now)
+
+    def _forget(self, token_id: str, seconds: deque[list[int]], now: int) -> None:
+        """Under the lock: the seconds that left the window go (and the key, with its last)."""
+        while seconds and seconds[0][0] <= now - WINDOW_SECONDS:
+            seconds.popleft()
+        if not seconds:
+            del self._recent[token_id]
 
     async def _flush_soon(self) -> None:
         await asyncio.sleep(FLUSH_SECONDS)
@@ -76,6 +125,9 @@ class UsageBook:
         failure the counts are kept for the next write."""
         with self._lock:
             counts, self._counts = self._counts, {}
+            now = math.floor(self._clock.monotonic())
+            for token_id, seconds in list(self._recent.items()):
+                self._forget(token_id, seconds, now)
         if not counts:
             return 0
         try:
@@ -116,6 +168,14 @@ def reported_usage(value: object) -> tuple[int, int] | None:
     """The front's `done` report's `usage` (`[prompt, completion]`), or None."""
     if isinstance(value, list) and len(value) == 2 and all(isinstance(n, int) for n in value):
         return int(value[0]), int(value[1])
+    return None
+
+
+def reported_timing(value: object) -> tuple[float, float] | None:
+    """The front's `done` report's `timing` (`[to_first, first_to_last]` seconds), or None."""
+    if isinstance(value, list) and len(value) == 2:
+        if all(isinstance(n, int | float) and 0 <= n < 86_400 for n in value):
+            return float(value[0]), float(value[1])
     return None
 
 

@@ -50,13 +50,15 @@ class MintedAccessToken:
 
 @dataclass(frozen=True)
 class Grant:
-    """What a verified token opens: one service, at its rate (None: unlimited)."""
+    """What a verified token opens: one service, at its rate and its LLM tokens per minute
+    (None: unlimited)."""
 
     service_id: str
     service_name: str
     token_id: str
     rate_per_second: float | None
     burst: int | None
+    tokens_per_minute: int | None = None
 
 
 def mint(
@@ -100,6 +102,7 @@ def mint(
         hint=token[:HINT_LENGTH],
         rate_per_second=rate,
         burst=burst,
+        tokens_per_minute=request.tokens_per_minute,
         created_at=clock.now(),
         created_by=actor[:64],
     )
@@ -165,6 +168,7 @@ def verify(session: Session, presented: str) -> Grant | None:
         token_id=row.id,
         rate_per_second=row.rate_per_second,
         burst=row.burst,
+        tokens_per_minute=row.tokens_per_minute,
     )
 
 
@@ -195,6 +199,7 @@ def token_public(row: ServiceAccessToken) -> AccessTokenPublic:
         hint=row.hint,
         rate_per_second=row.rate_per_second,
         burst=row.burst,
+        tokens_per_minute=row.tokens_per_minute,
         created_at=row.created_at,
         created_by=row.created_by,
         last_used_at=row.last_used_at,

@@ -22,7 +22,7 @@ from control_plane.fleet.schemas import AssignedGpu
 from control_plane.models import Service, ServiceReplica, ServiceRevision
 from control_plane.security import new_id
 from control_plane.services._changes import DEPLOYED, record_event
-from control_plane.services.schemas import ServiceReplicaPublic
+from control_plane.services.schemas import EngineLoad, ServiceReplicaPublic
 
 #: The fields a replica is started from: a revision's `spec` (as migration 0013 writes them).
 REVISION_FIELDS = (
@@ -204,6 +204,23 @@ def representative(replicas: list[ServiceReplica]) -> ServiceReplica | None:
     return first[0] if first else None
 
 
+def engine_load(session: Session, service_id: str) -> dict[str, int] | None:
+    """The requests the service's engines process and hold waiting, summed over its replicas
+    as their nodes last reported them (None: none reported one)."""
+    loads = [
+        load
+        for load in session.scalars(
+            select(ServiceReplica.engine).where(
+                ServiceReplica.service_id == service_id, ServiceReplica.state != "stopped"
+            )
+        )
+        if isinstance(load, dict)
+    ]
+    if not loads:
+        return None
+    return {key: sum(int(load.get(key, 0)) for load in loads) for key in ("processing", "waiting")}
+
+
 def replica_public(replica: ServiceReplica) -> ServiceReplicaPublic:
     return ServiceReplicaPublic(
         id=replica.id,
@@ -217,4 +234,5 @@ def replica_public(replica: ServiceReplica) -> ServiceReplicaPublic:
         last_exit=replica.last_exit,
         ready_at=replica.ready_at,
         assigned_gpus=[AssignedGpu.model_validate(gpu) for gpu in replica.assigned_gpus or []],
+        engine=EngineLoad.model_validate(replica.engine) if replica.engine else None,
     )

@@ -256,6 +256,14 @@ ServiceState = Literal[
 ]
 
 
+class EngineLoad(StrictModel):
+    """The requests an engine generates for now and holds in its own queue, as it reports them
+    (llama-server's `requests_processing` and `requests_deferred`)."""
+
+    processing: Annotated[int, Field(ge=0, le=DB_INT_MAX)]
+    waiting: Annotated[int, Field(ge=0, le=DB_INT_MAX)]
+
+
 class ServiceReplicaPublic(BaseModel):
     """One running copy of a service (issue 27)."""
 
@@ -271,6 +279,9 @@ class ServiceReplicaPublic(BaseModel):
     #: When it last turned healthy (warm); None while it is not.
     ready_at: datetime | None
     assigned_gpus: list[AssignedGpu]
+    #: An LLM replica's engine's own load (requests generating and waiting in its queue), as
+    #: its node last read it; None for other runners or when unknown.
+    engine: EngineLoad | None = None
 
 
 class ServicePublic(BaseModel):
@@ -360,6 +371,9 @@ class AgentServiceStatus(StrictModel):
     #: replicas of two releases serve together, an older one refuses such a sync 422 until the
     #: drain ends; the agent tries again each poll).
     in_flight: Annotated[int, Field(ge=0, le=DB_INT_MAX)] | None = None
+    #: The engine's own load at its last healthy probe: reported for a replica whose spec said
+    #: `engine_load` (an LLM runner's), None when it could not be read.
+    engine: EngineLoad | None = None
 
 
 ServiceHost = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.:\[\]-]{1,255}$")]
@@ -391,6 +405,9 @@ class AgentServiceSpec(BaseModel):
     #: Out of the gateway's rotation, finishing its requests: the agent reports its
     #: `in_flight` until it is stopped.
     draining: bool = False
+    #: An engine whose own load the agent reports (`engine`: an LLM runner's requests
+    #: generating and waiting), so only to control planes that read it.
+    engine_load: bool = False
 
 
 class AgentServicesDesired(BaseModel):
@@ -403,13 +420,15 @@ class AgentServicesDesired(BaseModel):
 
 class AccessTokenCreate(StrictModel):
     """A service's access token: `rate_per_second` requests a second with bursts of `burst`
-    (default: a second's worth), per control-plane process; neither: unlimited."""
+    (default: a second's worth), per control-plane process; neither: unlimited.
+    `tokens_per_minute`: the LLM tokens its OpenAI calls may use in any 60 s (None: no limit)."""
 
     model_config = ConfigDict(strict=True)
 
     name: Annotated[Line, StringConstraints(min_length=1, max_length=100)]
     rate_per_second: Annotated[float, Field(gt=0, le=1_000_000)] | None = None
     burst: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    tokens_per_minute: Annotated[int, Field(ge=1, le=1_000_000_000)] | None = None
 
 
 class AccessTokenPublic(BaseModel):
@@ -421,6 +440,7 @@ class AccessTokenPublic(BaseModel):
     hint: str
     rate_per_second: float | None
     burst: int | None
+    tokens_per_minute: int | None
     created_at: datetime
     created_by: str
     last_used_at: datetime | None

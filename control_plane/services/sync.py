@@ -25,7 +25,7 @@ from control_plane.fleet.schemas import AssignedGpu
 from control_plane.models import Service, ServiceReplica
 from control_plane.services import replicas, rollout
 from control_plane.services._changes import DEPLOYED, record_event
-from control_plane.services.schemas import AgentServiceSpec, AgentServicesSync
+from control_plane.services.schemas import LLM_RUNNERS, AgentServiceSpec, AgentServicesSync
 from control_plane.vault import vault as secrets_vault
 from control_plane.vault.vault import Vault
 
@@ -79,6 +79,7 @@ def sync(
         replica.log_tail = status.log_tail[-_LOG_TAIL:]
         replica.url = _url(host, status.port) if status.port and host else None
         replica.grpc_url = _address(host, status.grpc_port) if status.grpc_port and host else None
+        replica.engine = None if status.engine is None else status.engine.model_dump()
         replica.updated_at = service.updated_at = now
     desired = []
     # Each replica runs its own revision's spec (a rollout runs two side by side).
@@ -121,6 +122,7 @@ def sync(
                 health=spec["health"],
                 restart=spec["restart"],
                 draining=replica.state == "draining",
+                engine_load=spec["runner"] in LLM_RUNNERS,
             )
         )
     copies = replicas.by_service(session, touched)

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from control_plane.background.service_placement import place_services
+from control_plane.clock import ManualClock
+from control_plane.gateway.usage import UsageBook
 from runtime_worker._service_spec import (
     LLAMA_HEALTH_PATH,
     LLAMA_SERVER,
@@ -152,3 +154,49 @@ def _flags(argv: tuple[str, ...]) -> dict[str, str]:
         for index, arg in enumerate(argv[:-1])
         if arg.startswith("--") and not argv[index + 1].startswith("--")
     }
+
+
+def test_a_keys_tokens_per_minute_window_says_how_long_to_wait(tmp_path: Path) -> None:
+    """`UsageBook.wait_for`: a key at its limit waits until enough of its last minute's tokens
+    have left the window; another key, and calls with no count, are not held."""
+    clock = ManualClock()
+    book = UsageBook(write_sessions=lambda: pytest.fail("nothing is written here"), clock=clock)
+    spend = book._spend  # what `record` adds for a counted call, without its write
+    with book._lock:
+        spend("key_a", 30)
+    assert book.wait_for("key_a", 100) is None
+    clock.advance(20)
+    with book._lock:
+        spend("key_a", 80)  # 110 in the last minute: over 100
+    assert book.wait_for("key_a", 100) == 40  # the first 30 leave 60 s after they came
+    assert book.wait_for("key_b", 100) is None
+    assert book.wait_for("key_a", 200) is None
+    clock.advance(40)
+    assert book.wait_for("key_a", 100) is None  # 80 left
+    assert book.wait_for("key_a", 80) == 20
+    clock.advance(20)
+    assert book.wait_for("key_a", 1) is None
+    assert "key_a" not in book._recent  # nothing kept for a key whose minute is empty
+
+
+def test_a_tokens_per_minute_is_kept_with_the_key_and_checked(
+    tmp_path: Path, database_url: str
+) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        weights = _upload(cp, b"GGUF weights")
+        body = {"name": "smol", "runner": "llama.cpp", "weights": weights}
+        service = cp.client.post("/api/v1/services", headers=cp.admin, json=body).json()
+        tokens = f"/api/v1/services/{service['service_id']}/access-tokens"
+        for bad in (0, -5, 1.5, "100", 10**10):
+            refused = cp.client.post(
+                tokens, headers=cp.admin, json={"name": "k", "tokens_per_minute": bad}
+            )
+            assert refused.status_code == 422, bad
+        assert cp.client.get(tokens, headers=cp.admin).json() == []
+        minted = cp.client.post(
+            tokens, headers=cp.admin, json={"name": "k", "tokens_per_minute": 5000}
+        )
+        assert minted.status_code == 201, minted.text
+        assert minted.json()["tokens_per_minute"] == 5000
+        listed = cp.client.get(tokens, headers=cp.admin).json()
+        assert [row["tokens_per_minute"] for row in listed] == [5000]

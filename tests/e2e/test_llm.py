@@ -8,7 +8,8 @@ One control plane and one service for the module (a replica's cold start is the 
 each test is one behaviour: chat and completions, streamed and not; the first event before the
 engine is done (the engine's own slot view, read through the gateway); a client that hangs up
 frees its slot; every refusal in OpenAI's shape with its status, and hostile bodies refused
-before a replica sees them (the replica's request count does not move).
+before a replica sees them (the replica's request count does not move); a key's tokens per
+minute; and, last, an engine killed mid-stream ends the stream with an error event.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.e2e.local_node import LocalControlPlane, short_directory
@@ -274,6 +276,43 @@ def test_refusals_come_in_openais_shape(llm: Llm) -> None:
     assert no_key.status_code == 401 and _error(no_key)["code"] == "invalid_api_key"
     models = httpx.get(f"{llm.base_url}/models", timeout=10)
     assert models.status_code == 401 and _error(models)["type"] == "authentication_error"
+    # Generation only through /v1, where it is counted: the service's own path reads.
+    direct = httpx.post(
+        f"{llm.server.url}/services/{MODEL}/v1/chat/completions",
+        json={"model": MODEL, "messages": messages},
+        headers={"Authorization": f"Bearer {llm.key}"},
+        timeout=10,
+    )
+    assert direct.status_code == 405 and direct.headers["allow"] == "GET, HEAD", direct.text
+    assert "/v1" in direct.json()["error"]
+
+
+def test_a_key_past_its_tokens_per_minute_is_answered_429(llm: Llm) -> None:
+    minted = httpx.post(
+        f"{llm.server.url}/api/v1/services/{llm.service_id}/access-tokens",
+        headers=llm.server.admin(),
+        json={"name": "limited", "tokens_per_minute": 20},
+        timeout=10,
+    )
+    assert minted.status_code == 201, minted.text
+    client = llm.client(minted.json()["token"])
+    messages = [{"role": "user", "content": "Say one word about the sea, please."}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
+    assert first.usage is not None and first.usage.total_tokens >= 20  # the minute is spent
+    # Counted when the front reports the call's end, a moment after the client has it.
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
+        except openai.RateLimitError as refused:
+            limited = refused
+            break
+        assert time.monotonic() < deadline, "a key past its tokens per minute was let through"
+    assert limited.status_code == 429 and limited.code == "tokens_per_minute_exceeded"
+    assert 1 <= int(limited.response.headers["retry-after"]) <= 60
+    assert limited.body is not None and "20 tokens per minute" in str(limited.body)
+    # Another key of the same service is not held back by it.
+    assert llm.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
 
 
 def test_hostile_bodies_never_reach_the_replica(llm: Llm) -> None:
@@ -352,3 +391,85 @@ def test_usage_per_key_matches_the_engines_counts(llm: Llm) -> None:
     assert mine[0]["name"] == "usage"
     shown = json.dumps(view)
     assert key not in shown and llm.key not in shown  # hints only, never a key
+
+
+def test_the_gateway_measures_tokens_and_reads_the_engines_load(llm: Llm) -> None:
+    """Time to first token, between tokens and tokens per kind, as the front measured a
+    streamed call; the engine's own load, read from it by its node: in the service's traffic
+    (the console's panel) and in `/metrics`."""
+    traffic = f"/api/v1/services/{llm.service_id}/traffic"
+    before = llm.server.get(traffic)
+    asked = time.monotonic()
+    stream = llm.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name three colours."}],
+        max_tokens=16,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    took = time.monotonic() - asked
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens > 1
+
+    def count(buckets: list[dict[str, Any]]) -> int:
+        return int(buckets[-1]["count"]) if buckets else 0
+
+    def tokens(view: dict[str, Any], kind: str) -> int:
+        return int(view["tokens"].get(kind, 0))
+
+    deadline = time.monotonic() + 15
+    while True:  # counted when the front reports the call's end; the load at a node's sync
+        after = llm.server.get(traffic)
+        if count(after["first_token_buckets"]) > count(before["first_token_buckets"]) and (
+            after["engine"] is not None
+        ):
+            break
+        assert time.monotonic() < deadline, after
+        time.sleep(0.2)
+    assert count(after["first_token_buckets"]) - count(before["first_token_buckets"]) == 1
+    assert count(after["inter_token_buckets"]) - count(before["inter_token_buckets"]) == 1
+    assert tokens(after, "completion") - tokens(before, "completion") == usage.completion_tokens
+    assert tokens(after, "prompt") - tokens(before, "prompt") == usage.prompt_tokens
+    # The first token came within the call (the bucket it fell in starts below its length).
+    first = [b for b in after["first_token_buckets"] if b["count"] > 0]
+    lower = [b["le"] for b in after["first_token_buckets"] if b["count"] == 0 and b["le"]]
+    assert first and (not lower or max(lower) < took)
+    assert set(after["engine"]) == {"processing", "waiting"}
+    metrics = httpx.get(f"{llm.server.url}/metrics", headers=llm.server.admin(), timeout=10)
+    assert metrics.status_code == 200, metrics.text
+    for series in (
+        f'modelforge_llm_time_to_first_token_seconds_count{{service="{MODEL}"}}',
+        f'modelforge_llm_tokens_total{{kind="completion",service="{MODEL}"}}',
+        f'modelforge_llm_engine_requests{{name="{MODEL}",service="{llm.service_id}",state="waiting"}}',
+    ):
+        assert series in metrics.text, series
+
+
+def test_a_replica_dying_mid_stream_ends_it_with_an_error_event(llm: Llm) -> None:
+    """Last in the module: it kills the engine (the worker then starts another)."""
+    assert llm.server.process is not None
+    tree = psutil.Process(llm.server.process.pid).children(recursive=True)
+    engines = [process for process in tree if process.name() == "llama-server"]
+    assert len(engines) == 1, engines
+    stream = (
+        llm.client()
+        .with_options(timeout=20)
+        .chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Write a very long story about a dragon."}],
+            max_tokens=MAX_TOKENS,
+            stream=True,
+        )
+    )
+    received: list[str] = []
+    with pytest.raises(openai.APIError) as failed:
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                received.append(chunk.choices[0].delta.content)
+            if len(received) == 3:
+                engines[0].kill()
+    # The stream's own last event, not a cut connection (APIConnectionError) or a timeout.
+    assert type(failed.value) is openai.APIError, repr(failed.value)
+    assert failed.value.code == "replica_failed"
+    assert len(received) >= 3

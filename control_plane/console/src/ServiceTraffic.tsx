@@ -79,6 +79,12 @@ export function ServiceTrafficPanel({ serviceId }: { serviceId: string }) {
   const requests = measured ? sum(measured.last.traffic.requests) - sum(measured.first.traffic.requests) : 0;
   const failures = measured ? serverErrors(measured.last.traffic) - serverErrors(measured.first.traffic) : 0;
   const causes = traffic ? Object.entries(traffic.errors).filter(([, count]) => count > 0) : [];
+  const llm = traffic !== undefined && traffic !== null && (traffic.engine !== null || Object.keys(traffic.tokens).length > 0);
+  const toFirst = measured ? minus(measured.last.traffic.first_token_buckets, measured.first.traffic.first_token_buckets) : [];
+  const between = measured ? minus(measured.last.traffic.inter_token_buckets, measured.first.traffic.inter_token_buckets) : [];
+  const generated = measured
+    ? (measured.last.traffic.tokens.completion ?? 0) - (measured.first.traffic.tokens.completion ?? 0)
+    : 0;
   return (
     <section aria-labelledby="traffic-heading">
       <h2 id="traffic-heading">Traffic</h2>
@@ -112,6 +118,22 @@ export function ServiceTrafficPanel({ serviceId }: { serviceId: string }) {
               {traffic.count > 0 &&
                 ` · p50 ${latency(quantile(0.5, traffic.buckets))} · p99 ${latency(quantile(0.99, traffic.buckets))}`}
             </dd>
+            {llm && (
+              <>
+                <dt>Time to first token p50 · p99</dt>
+                <dd data-testid="llm-first-token">
+                  {latency(quantile(0.5, toFirst))} · {latency(quantile(0.99, toFirst))}
+                </dd>
+                <dt>Between tokens p50</dt>
+                <dd data-testid="llm-inter-token">{latency(quantile(0.5, between))}</dd>
+                <dt>Tokens/s (generated)</dt>
+                <dd data-testid="llm-tokens-rate">{measured ? perSecond(generated, span) : "—"}</dd>
+                <dt>Engine: generating · waiting</dt>
+                <dd data-testid="llm-engine">
+                  {traffic.engine ? `${traffic.engine.processing} · ${traffic.engine.waiting}` : "—"}
+                </dd>
+              </>
+            )}
             <dt>Gateway refusals and retries</dt>
             <dd data-testid="traffic-causes">
               {causes.length ? causes.map(([cause, count]) => `${cause}: ${count}`).join(", ") : "none"}
@@ -121,6 +143,8 @@ export function ServiceTrafficPanel({ serviceId }: { serviceId: string }) {
             Rates and latencies are over the last {measured ? Math.round(span / 1000) : 0} s of this page's reads
             (every {REFRESH_MS / 1000} s; up to {WINDOW_MS / 1000} s), as counted by the control-plane process that
             answered; latency is from a request's arrival to its response's end.
+            {llm &&
+              " Token figures are the streamed OpenAI calls' (first token: from arrival; between tokens: each call's mean); the engine's load is what its node last read from it."}
           </p>
         </>
       )}

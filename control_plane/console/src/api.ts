@@ -548,6 +548,12 @@ export interface ServiceTraffic {
   seconds_sum: number;
   in_flight: number;
   queue: number;
+  // An LLM service's streamed calls (cumulative histograms) and tokens by kind.
+  first_token_buckets: { le: number | null; count: number }[];
+  inter_token_buckets: { le: number | null; count: number }[];
+  tokens: Record<string, number>;
+  // Its engines' own requests, as the nodes last read them (null: not an LLM service).
+  engine: { processing: number; waiting: number } | null;
 }
 
 export interface SecretView {

@@ -270,7 +270,7 @@ impl Control {
             Orphan::Ignored => {}
             Orphan::EndsTicket => {
                 if let (Some(_), Some(ticket)) = (reply.get("open"), reply.get("ticket")) {
-                    self.tell(done_line(ticket, 499, "client_gone", None));
+                    self.tell(done_line(ticket, 499, "client_gone", None, None));
                 }
             }
             Orphan::ClosesTunnel => {
@@ -288,17 +288,25 @@ impl Control {
 }
 
 /// The `done` event for `ticket` (the control plane's own value, echoed).
-pub fn done_line(ticket: &Value, status: u16, error: &str, usage: Option<Usage>) -> String {
-    match usage {
-        None => format!(
-            r#"{{"op":"done","ticket":{},"status":{},"error":"{}"}}"#,
-            ticket, status, error
-        ),
-        Some(usage) => format!(
-            r#"{{"op":"done","ticket":{},"status":{},"error":"{}","usage":[{},{}]}}"#,
-            ticket, status, error, usage.prompt, usage.completion
-        ),
+pub fn done_line(
+    ticket: &Value,
+    status: u16,
+    error: &str,
+    usage: Option<Usage>,
+    timing: Option<(f64, f64)>,
+) -> String {
+    let mut line = format!(
+        r#"{{"op":"done","ticket":{},"status":{},"error":"{}""#,
+        ticket, status, error
+    );
+    if let Some(usage) = usage {
+        line.push_str(&format!(r#","usage":[{},{}]"#, usage.prompt, usage.completion));
     }
+    if let Some((to_first, between)) = timing {
+        line.push_str(&format!(r#","timing":[{:.6},{:.6}]"#, to_first, between));
+    }
+    line.push('}');
+    line
 }
 
 /// The `tunnel_closed` event for `node`.

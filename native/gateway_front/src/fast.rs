@@ -5,8 +5,8 @@
 //! The control plane pushes what it decided and keeps deciding (`control_plane/api/
 //! gateway_native.py`):
 //! - `routes`: each service with replicas in its rotation (warm, on a live node, not
-//!   draining): its name, id, kind, the model's path on its replicas, and the replicas with
-//!   their nodes. Sent when it changes (checked ten times a second), so a replica that leaves
+//!   draining), but an LLM service (each of its calls is counted and limited there): its name,
+//!   id, kind, the model's path on its replicas, and the replicas with their nodes. Sent when it changes (checked ten times a second), so a replica that leaves
 //!   the rotation stops getting fast-path requests within about 0.1 s.
 //! - with a grant (`request`'s reply), `auth`: this `Authorization` value opens this service
 //!   for `ttl` seconds (only for a token without a rate limit: a limited token's every request

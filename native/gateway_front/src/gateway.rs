@@ -368,11 +368,13 @@ impl Drop for Done {
             }
             None => {
                 let usage = self.meter.as_ref().and_then(|meter| meter.usage);
+                let timing = self.meter.as_ref().and_then(Meter::timing);
                 self.control.tell(control::done_line(
                     &self.ticket,
                     self.status,
                     self.error,
                     usage,
+                    timing,
                 ))
             }
         }
@@ -738,6 +740,10 @@ async fn relay(
                     return;
                 }
                 Err(_) => {
+                    // An OpenAI stream is told why in its own shape, then cut like any other.
+                    if let Some(last) = done.meter.as_mut().and_then(Meter::broken) {
+                        let _ = pieces.send(Ok(last)).await;
+                    }
                     let _ = pieces.send(Err(Broken)).await;
                     done.set(status, "response_broken");
                     return;

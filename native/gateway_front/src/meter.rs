@@ -11,6 +11,12 @@
 //! goes to the client at once, a partial one waits for its end. An event larger than
 //! `MAX_EVENT` is passed on unread (the count is then the engine's last one seen, if any). A
 //! whole answer passes as it comes; a copy of at most `MAX_WHOLE` bytes is read at its end.
+//!
+//! A stream whose replica fails before its end gets one last event in OpenAI's error shape
+//! (`broken`) after its last complete event, and then its connection is cut: an OpenAI client
+//! raises that error rather than waiting or taking the cut answer for a whole one.
+
+use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 use serde_json::Value;
@@ -19,6 +25,10 @@ use serde_json::Value;
 const MAX_EVENT: usize = 256 * 1024;
 /// The largest whole answer read for its count.
 const MAX_WHOLE: usize = 1024 * 1024;
+/// The event that ends a stream whose replica failed (OpenAI's error shape).
+const BROKEN_EVENT: &[u8] = b"data: {\"error\":{\"message\":\"The replica generating this \
+answer failed before its end; the answer is incomplete. Retry the request.\",\"type\":\
+\"server_error\",\"param\":null,\"code\":\"replica_failed\"}}\n\n";
 
 /// Prompt and completion tokens, as the engine counted them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,6 +47,10 @@ pub struct Meter {
     /// An event too large to read: passed on as it comes until its end.
     passing: bool,
     pub usage: Option<Usage>,
+    /// When the call came, and when a stream's first and last events went to the client.
+    started: Instant,
+    first: Option<Instant>,
+    last: Option<Instant>,
 }
 
 impl Meter {
@@ -47,7 +61,18 @@ impl Meter {
             pending: BytesMut::new(),
             passing: false,
             usage: None,
+            started: Instant::now(),
+            first: None,
+            last: None,
         }
+    }
+
+    /// A stream's seconds from the call to its first event (the engine's first token: it
+    /// writes none before) and from its first event to its last; None for a whole answer.
+    pub fn timing(&self) -> Option<(f64, f64)> {
+        let (first, last) = (self.first?, self.last?);
+        let to_first = first.duration_since(self.started).as_secs_f64();
+        Some((to_first, last.duration_since(first).as_secs_f64()))
     }
 
     /// The answer's `Content-Type`: server-sent events are read event by event.
@@ -88,6 +113,17 @@ impl Meter {
         Bytes::new()
     }
 
+    /// The replica failed before the answer's end: for a stream, the event that says so (the
+    /// partial event held back is dropped). None for a whole answer, or while an oversized
+    /// event is passing (the client is inside it: only the cut connection can tell).
+    pub fn broken(&mut self) -> Option<Bytes> {
+        if self.events != Some(true) || self.passing {
+            return None;
+        }
+        self.pending.clear();
+        Some(Bytes::from_static(BROKEN_EVENT))
+    }
+
     fn feed_events(&mut self, piece: Bytes) -> Bytes {
         if self.passing {
             // Pass the oversized event on until its blank line, then read again.
@@ -113,6 +149,11 @@ impl Meter {
         if self.pending.len() > MAX_EVENT {
             self.passing = true;
             out.extend_from_slice(&self.pending.split());
+        }
+        if !out.is_empty() {
+            let now = Instant::now();
+            self.first.get_or_insert(now);
+            self.last = Some(now);
         }
         out.freeze()
     }
@@ -193,6 +234,29 @@ mod tests {
         }
         out.extend_from_slice(&meter.finish());
         (out, meter.usage)
+    }
+
+    #[test]
+    fn a_broken_stream_ends_with_an_error_event_after_its_last_whole_one() {
+        let mut meter = Meter::new(false);
+        meter.begin(Some(b"text/event-stream"));
+        let sent = meter.feed(Bytes::from(format!("{}data: {{\"choi", DELTA)));
+        assert_eq!(&sent[..], DELTA.as_bytes());
+        let last = meter.broken().expect("a stream's error event");
+        let text = std::str::from_utf8(&last).unwrap();
+        let data = text.strip_prefix("data: ").unwrap().strip_suffix("\n\n").unwrap();
+        let error: Value = serde_json::from_str(data).unwrap();
+        assert_eq!(error["error"]["code"], "replica_failed");
+        assert_eq!(error["error"]["type"], "server_error");
+        assert!(meter.finish().is_empty()); // the partial event is gone
+        let (to_first, between) = meter.timing().expect("a stream's timing");
+        assert!(to_first >= 0.0 && between >= 0.0);
+
+        let mut whole = Meter::new(false);
+        whole.begin(Some(b"application/json"));
+        whole.feed(Bytes::from_static(b"{\"choices\""));
+        assert!(whole.broken().is_none()); // a cut JSON answer is told by the cut alone
+        assert!(whole.timing().is_none());
     }
 
     #[test]
