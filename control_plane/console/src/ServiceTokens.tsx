@@ -6,6 +6,7 @@ import { ErrorNote } from "./ErrorNote";
 import { ago } from "./format";
 import { when } from "./Labels";
 import { ListTable } from "./ListTable";
+import { LLM_RUNNERS } from "./ServiceLlm";
 import { usePolled } from "./usePolled";
 
 const REFRESH_MS = 10_000;
@@ -21,6 +22,7 @@ export function GatewayAddress({ service }: { service: ServiceView }) {
   const origin = window.location.origin;
   const name = encodeURIComponent(service.name);
   const command = service.command !== null && service.runner === null;
+  if (service.runner !== null && LLM_RUNNERS.includes(service.runner)) return <LlmAddress service={service} />;
   const address = command ? `${origin}/services/${name}/` : `${origin}/v2/models/${name}`;
   const example = command
     ? `TOKEN=mfs_…   # an access token of ${service.name} (Access tokens, below)\n` +
@@ -39,6 +41,28 @@ export function GatewayAddress({ service }: { service: ServiceView }) {
       </p>
       <label htmlFor="gateway-example">Example (set TOKEN to a token minted below)</label>
       <textarea id="gateway-example" readOnly rows={command ? 2 : 4} value={example} spellCheck={false} />
+      <CopyButton text={example} label="Copy example" />
+    </section>
+  );
+}
+
+// An LLM service's address: the OpenAI API at the control plane's origin, its name the model.
+function LlmAddress({ service }: { service: ServiceView }) {
+  const address = `${window.location.origin}/v1`;
+  const example =
+    `KEY=mfs_…   # an access token of ${service.name} (Access tokens, below)\n` +
+    `curl -sN "${address}/chat/completions" -H "Authorization: Bearer $KEY" \\\n` +
+    `  -H 'Content-Type: application/json' \\\n` +
+    `  -d '{"model": ${JSON.stringify(service.name)}, "stream": true, "messages": [{"role": "user", "content": "Hello!"}]}'`;
+  return (
+    <section aria-labelledby="gateway-heading">
+      <h2 id="gateway-heading">Gateway address</h2>
+      <p>
+        Clients call the model with any OpenAI client at <code data-testid="gateway-address">{address}</code>, model{" "}
+        <code>{service.name}</code>, with one of its access tokens as the API key.
+      </p>
+      <label htmlFor="gateway-example">Example (set KEY to a token minted below)</label>
+      <textarea id="gateway-example" readOnly rows={4} value={example} spellCheck={false} />
       <CopyButton text={example} label="Copy example" />
     </section>
   );
@@ -132,7 +156,10 @@ export function ServiceTokens({ serviceId, deployed }: { serviceId: string; depl
             <td>
               <code data-testid="token-hint">{token.hint}…</code>
             </td>
-            <td>{token.rate_per_second === null ? "unlimited" : `${token.rate_per_second}/s, burst ${token.burst}`}</td>
+            <td>
+              {token.rate_per_second === null ? "unlimited" : `${token.rate_per_second}/s, burst ${token.burst}`}
+              {token.tokens_per_minute !== null && `; ${token.tokens_per_minute} tokens/min`}
+            </td>
             <td>{when(token.created_at)}</td>
             <td>{token.last_used_at ? ago(token.last_used_at) : "never"}</td>
             <td data-testid="token-state">
@@ -174,6 +201,7 @@ function MintForm(props: { serviceId: string; onClose: () => void; onMinted: (to
   const [name, setName] = useState("");
   const [rate, setRate] = useState("");
   const [burst, setBurst] = useState("");
+  const [perMinute, setPerMinute] = useState("");
   const [error, setError] = useState<ApiError | null>(null);
   const [busy, setBusy] = useState(false);
 
@@ -191,6 +219,7 @@ function MintForm(props: { serviceId: string; onClose: () => void; onMinted: (to
           name: name.trim(),
           rate_per_second: rate.trim() ? Number(rate) : null,
           burst: burst.trim() ? Number(burst) : null,
+          tokens_per_minute: perMinute.trim() ? Number(perMinute) : null,
         }),
       );
     } catch (caught) {
@@ -214,8 +243,22 @@ function MintForm(props: { serviceId: string; onClose: () => void; onMinted: (to
           <label htmlFor="token-burst">Burst (optional)</label>
           <input id="token-burst" type="number" min="1" step="1" value={burst} onChange={(event) => setBurst(event.target.value)} />
         </div>
+        <div>
+          <label htmlFor="token-per-minute">LLM tokens per minute (optional)</label>
+          <input
+            id="token-per-minute"
+            type="number"
+            min="1"
+            step="1"
+            value={perMinute}
+            onChange={(event) => setPerMinute(event.target.value)}
+          />
+        </div>
       </div>
-      <p className="help">No rate: unlimited. Burst defaults to a second's worth. Each control-plane process counts its own.</p>
+      <p className="help">
+        No rate: unlimited. Burst defaults to a second's worth. Tokens per minute limits an LLM service's OpenAI calls
+        (prompt and completion). Each control-plane process counts its own.
+      </p>
       <ErrorNote error={error} />
       <div className="actions">
         <button type="button" className="secondary" onClick={props.onClose}>

@@ -9,6 +9,7 @@ import { ListTable } from "./ListTable";
 import { navigate } from "./route";
 import { ServiceReplicas } from "./ServiceReplicas";
 import { GatewayAddress, ServiceTokens } from "./ServiceTokens";
+import { ChatPlayground, LLM_RUNNERS, ServiceUsagePanel } from "./ServiceLlm";
 import { ServiceTrafficPanel } from "./ServiceTraffic";
 import { useEventStream } from "./useEventStream";
 import { usePolled } from "./usePolled";
@@ -278,6 +279,7 @@ export function ServicePage({ serviceId }: { serviceId: string }) {
   const [failure, setFailure] = useState<ApiError | null>(null);
   const service = polled.data;
   const deployed = service !== null && service.state !== "stopped";
+  const llm = service !== null && service.runner !== null && LLM_RUNNERS.includes(service.runner);
 
   async function act(what: "restart" | "undeploy") {
     setAsking(null);
@@ -363,6 +365,8 @@ export function ServicePage({ serviceId }: { serviceId: string }) {
           <h2>Replicas</h2>
           <ServiceReplicas replicas={service.replicas ?? []} desired={service.desired_replicas ?? 1} />
           {deployed && <ServiceTrafficPanel serviceId={serviceId} />}
+          {llm && deployed && <ChatPlayground model={service.name} />}
+          {llm && <ServiceUsagePanel serviceId={serviceId} />}
           <ServiceTokens serviceId={serviceId} deployed={deployed} />
           <h2>Recent log</h2>
           <pre className="log" data-testid="service-log">

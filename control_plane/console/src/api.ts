@@ -168,6 +168,7 @@ export const api = {
     del<AccessTokenView>(`${SERVICES}/${serviceId}/access-tokens/${tokenId}`),
   // The gateway's counters for the service in the answering control-plane process.
   serviceTraffic: (serviceId: string) => resource<ServiceTraffic>(`${SERVICES}/${serviceId}/traffic`),
+  serviceUsage: (serviceId: string) => resource<ServiceUsage>(`${SERVICES}/${serviceId}/usage`),
   secrets: resource<SecretView[]>("/api/v1/admin/secrets"),
 
   models: resource<ModelView[]>("/api/v1/models"),
@@ -517,6 +518,7 @@ export interface AccessTokenRequest {
   name: string;
   rate_per_second: number | null;
   burst: number | null;
+  tokens_per_minute?: number | null;
 }
 
 export interface AccessTokenView {
@@ -526,6 +528,7 @@ export interface AccessTokenView {
   hint: string;
   rate_per_second: number | null;
   burst: number | null;
+  tokens_per_minute: number | null;
   created_at: string;
   created_by: string | null;
   last_used_at: string | null;
@@ -554,6 +557,104 @@ export interface ServiceTraffic {
   tokens: Record<string, number>;
   // Its engines' own requests, as the nodes last read them (null: not an LLM service).
   engine: { processing: number; waiting: number } | null;
+}
+
+// An LLM service's tokens over a window (a day before now by default), per API key.
+export interface ServiceUsage {
+  service_id: string;
+  since: string;
+  until: string;
+  requests: number;
+  prompt_tokens: number;
+  completion_tokens: number;
+  tokens: { token_id: string; name: string; hint: string; requests: number; prompt_tokens: number; completion_tokens: number }[];
+}
+
+export interface ChatMessage {
+  role: "system" | "user" | "assistant";
+  content: string;
+}
+
+// What a streamed chat call told as it went: each piece of text, then its end (the engine's
+// usage when it gave it), or why it failed (the gateway's or the engine's own message).
+export type ChatEvent =
+  | { kind: "text"; text: string }
+  | { kind: "done"; usage: { prompt_tokens: number; completion_tokens: number } | null }
+  | { kind: "error"; status: number; code: string; message: string };
+
+// One streamed chat completion through the OpenAI API at this origin (the gateway, as any
+// client calls it), with an API key the operator typed: sent only as this call's
+// Authorization header, never kept or stored. Server-sent events are read as they arrive.
+export async function streamChat(
+  key: string,
+  model: string,
+  messages: ChatMessage[],
+  maxTokens: number,
+  onEvent: (event: ChatEvent) => void,
+  signal?: AbortSignal,
+): Promise<void> {
+  let response: Response;
+  try {
+    response = await fetch("/v1/chat/completions", {
+      method: "POST",
+      headers: { Authorization: `Bearer ${key}`, "Content-Type": "application/json", Accept: "text/event-stream" },
+      body: JSON.stringify({ model, messages, max_tokens: maxTokens, stream: true, stream_options: { include_usage: true } }),
+      credentials: "omit",
+      cache: "no-store",
+      signal,
+    });
+  } catch (caught) {
+    if (signal?.aborted) return;
+    onEvent({ kind: "error", status: 0, code: "NETWORK", message: "The control plane did not answer. Check that it is running, then retry." });
+    return;
+  }
+  if (!response.ok || !response.body) {
+    const data: unknown = await response.json().catch(() => null);
+    const error = (data as { error?: { code?: string; message?: string } | string } | null)?.error;
+    const message = typeof error === "string" ? error : (error?.message ?? `HTTP ${response.status}`);
+    const code = typeof error === "object" && error?.code ? error.code : `HTTP_${response.status}`;
+    onEvent({ kind: "error", status: response.status, code, message });
+    return;
+  }
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let pending = "";
+  let usage: { prompt_tokens: number; completion_tokens: number } | null = null;
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      pending += decoder.decode(value, { stream: true });
+      let end: number;
+      while ((end = pending.indexOf("\n\n")) >= 0) {
+        const event = pending.slice(0, end);
+        pending = pending.slice(end + 2);
+        const data = event
+          .split("\n")
+          .filter((line) => line.startsWith("data:"))
+          .map((line) => line.slice(5).trimStart())
+          .join("");
+        if (!data || data === "[DONE]") continue;
+        const parsed = JSON.parse(data) as {
+          error?: { code?: string; message?: string };
+          choices?: { delta?: { content?: string | null } }[];
+          usage?: { prompt_tokens: number; completion_tokens: number } | null;
+        };
+        if (parsed.error) {
+          onEvent({ kind: "error", status: 200, code: parsed.error.code ?? "STREAM_ERROR", message: parsed.error.message ?? "The stream failed." });
+          return;
+        }
+        if (parsed.usage) usage = parsed.usage;
+        const text = parsed.choices?.[0]?.delta?.content;
+        if (text) onEvent({ kind: "text", text });
+      }
+    }
+  } catch (caught) {
+    if (signal?.aborted) return;
+    onEvent({ kind: "error", status: 0, code: "STREAM_BROKEN", message: "The answer was cut off before its end. Retry." });
+    return;
+  }
+  onEvent({ kind: "done", usage });
 }
 
 export interface SecretView {

@@ -300,7 +300,10 @@ pub fn done_line(
         ticket, status, error
     );
     if let Some(usage) = usage {
-        line.push_str(&format!(r#","usage":[{},{}]"#, usage.prompt, usage.completion));
+        line.push_str(&format!(
+            r#","usage":[{},{}]"#,
+            usage.prompt, usage.completion
+        ));
     }
     if let Some((to_first, between)) = timing {
         line.push_str(&format!(r#","timing":[{:.6},{:.6}]"#, to_first, between));

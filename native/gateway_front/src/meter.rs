@@ -244,7 +244,11 @@ mod tests {
         assert_eq!(&sent[..], DELTA.as_bytes());
         let last = meter.broken().expect("a stream's error event");
         let text = std::str::from_utf8(&last).unwrap();
-        let data = text.strip_prefix("data: ").unwrap().strip_suffix("\n\n").unwrap();
+        let data = text
+            .strip_prefix("data: ")
+            .unwrap()
+            .strip_suffix("\n\n")
+            .unwrap();
         let error: Value = serde_json::from_str(data).unwrap();
         assert_eq!(error["error"]["code"], "replica_failed");
         assert_eq!(error["error"]["type"], "server_error");
