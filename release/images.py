@@ -112,6 +112,7 @@ def build_images(
             project_dir / "locks" / component_recipe.lock,
             unshipped=component_recipe.unshipped,
             directories=_owned(component_recipe.own_directories),
+            programs=[(project_dir / built, placed) for built, placed in component_recipe.programs],
         )
         name = image_name(component)
         labels = image_labels(
@@ -159,6 +160,10 @@ def build_images(
                     source_date_epoch=source_date_epoch,
                     debian=debian,
                     python=[*dists, *app_dists],
+                    programs=[
+                        sbom.built_program(project_dir / built)
+                        for built, _ in component_recipe.programs
+                    ],
                 ),
                 size_bytes=sum(layer.path.stat().st_size for layer in layers),
             )

@@ -195,10 +195,12 @@ class Steps:
         *,
         unshipped: Sequence[str] = (),
         directories: Mapping[str, tuple[int, int]] | None = None,
+        programs: Sequence[tuple[Path, str]] = (),
     ) -> tuple[Layer, list[sbom.PythonDistribution]]:
         """The wheels pinned, with hashes, by `lock`, for CPython 3.11 on bookworm's glibc,
-        without the paths the `unshipped` glob patterns (relative to SITE_DIR) match, and the
-        `directories` (relative path -> owner uid, gid) the image alone has."""
+        without the paths the `unshipped` glob patterns (relative to SITE_DIR) match, the
+        `directories` (relative path -> owner uid, gid) the image alone has, and the built
+        `programs` (a file of the checkout -> its path in the image)."""
         self.progress(f"dependencies: {lock.name} ...")
         root = self.scratch / f"deps-{lock.stem}"
         shutil.rmtree(root, ignore_errors=True)
@@ -216,6 +218,13 @@ class Steps:
         dists = sbom.python_distributions(root / SITE_DIR)
         for directory in directories or {}:
             (root / directory).mkdir(parents=True)
+        for built, placed in programs:
+            if not built.is_file():
+                raise ImageBuildError(f"{built} is missing: run make install, which builds it")
+            (root / placed).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(built, root / placed)
+            (root / placed).chmod(0o755)
+            created_by += f", with {placed}"
         return self.layer(root, created_by, owners=directories), dists
 
     def _remove(self, site: Path, patterns: Sequence[str]) -> None:

@@ -39,6 +39,18 @@ class Recipe:
     #: Directories only this image has, owned by the image's user (mount points of volumes
     #: no other component uses), made in its dependencies layer; the shared base has the rest.
     own_directories: tuple[str, ...] = ()
+    #: Programs `make install` built from pinned, hash-checked source that only this image
+    #: carries, in its dependencies layer: (their path in the checkout, their path in the image).
+    programs: tuple[tuple[str, str], ...] = ()
+
+
+#: llama.cpp's `llama-server` (the `llama.cpp` runner's engine): built by `make install`
+#: (scripts/build-llama-server; its source pinned in locks/llm.lock), carried by both worker
+#: flavours as a CPU build, found by the worker through MODELFORGE_WORKER_LLAMA_SERVER.
+LLAMA_SERVER_BUILT = "runtime_worker/bin/llama-server"
+LLAMA_SERVER_IN_IMAGE = "opt/modelforge/bin/llama-server"
+_LLAMA = ((LLAMA_SERVER_BUILT, LLAMA_SERVER_IN_IMAGE),)
+_LLAMA_ENV = f"MODELFORGE_WORKER_LLAMA_SERVER=/{LLAMA_SERVER_IN_IMAGE}"
 
 
 # The NVIDIA wheels' library directories: onnxruntime's CUDA provider carries no RUNPATH, so
@@ -94,15 +106,22 @@ def recipe(component: str, flavour: str) -> Recipe:
         return Recipe(
             "runtime-worker-cuda.lock",
             ("python3", "-m", "runtime_worker"),
-            env=("NVIDIA_DRIVER_CAPABILITIES=compute,utility", f"LD_LIBRARY_PATH={library_path}"),
+            env=(
+                "NVIDIA_DRIVER_CAPABILITIES=compute,utility",
+                f"LD_LIBRARY_PATH={library_path}",
+                _LLAMA_ENV,
+            ),
             labels=(("io.modelforge.flavour", flavour),),
             unshipped=_CUDA_UNSHIPPED,
             provided_at_run_time=(_LIBCUDA,),
+            programs=_LLAMA,
         )
     return Recipe(
         "runtime-worker.lock",
         ("python3", "-m", "runtime_worker"),
+        env=(_LLAMA_ENV,),
         labels=(("io.modelforge.flavour", flavour),),
+        programs=_LLAMA,
     )
 
 

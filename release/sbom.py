@@ -38,6 +38,44 @@ class PythonDistribution:
     version: str
 
 
+@dataclass(frozen=True, order=True)
+class BuiltProgram:
+    """A program built from a pinned source archive (`<name>.pin` beside it says which)."""
+
+    name: str
+    #: The source: the registry's project and version it came from, its file and digest.
+    project: str
+    version: str
+    archive: str
+    sha256: str
+
+
+def built_program(path: Path) -> BuiltProgram:
+    """`path`'s program, by the pin `make install` stamped beside it
+    (`<project>==<version> <archive> sha256:<hex>`)."""
+    pin = path.with_name(path.name + ".pin")
+    try:
+        requirement, archive, digest = pin.read_text(encoding="utf-8").split()[:3]
+        project, version = requirement.split("==")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{pin} does not say which source built {path.name}: {exc}") from None
+    return BuiltProgram(path.name, project, version, archive, digest.removeprefix("sha256:"))
+
+
+def _program_component(program: BuiltProgram) -> dict[str, Any]:
+    normalized = re.sub(r"[-_.]+", "-", program.project).lower()
+    purl = f"pkg:pypi/{normalized}@{_purl_version(program.version)}?file_name={program.archive}"
+    return {
+        "type": "application",
+        "name": program.name,
+        "version": program.version,
+        "description": f"built from the source archive {program.archive} on PyPI",
+        "purl": purl,
+        "bom-ref": purl,
+        "hashes": [{"alg": "SHA-256", "content": program.sha256}],
+    }
+
+
 def parse_dpkg_status(text: str) -> dict[str, dict[str, str]]:
     """The installed packages of a dpkg status file: name -> its fields (continuations joined)."""
     packages: dict[str, dict[str, str]] = {}
@@ -110,12 +148,14 @@ def build_sbom(
     source_date_epoch: int,
     debian: Iterable[DebianPackage],
     python: Iterable[PythonDistribution],
+    programs: Iterable[BuiltProgram] = (),
     application: str = "modelforge",
 ) -> dict[str, Any]:
     """A CycloneDX 1.5 document for one image; equal inputs give byte-equal canonical JSON."""
     components: Sequence[dict[str, Any]] = [
         *(_deb_component(package) for package in sorted(set(debian))),
         *(_pypi_component(dist, application=application) for dist in sorted(set(python))),
+        *(_program_component(program) for program in sorted(set(programs))),
     ]
     document: dict[str, Any] = {
         "bomFormat": "CycloneDX",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -34,7 +35,12 @@ LLAMA_HEALTH_PATH = "/health"
 #: `llamacpp:requests_deferred` are the requests it generates for and holds waiting.
 LLAMA_METRICS_PATH = "/metrics"
 #: The `llama.cpp` runner's server, built by `make install` (scripts/build-llama-server).
-LLAMA_SERVER = Path(__file__).resolve().parent / "bin" / "llama-server"
+#: llama.cpp's server: `make install` builds it beside this package; the worker images carry it
+#: elsewhere and say where (MODELFORGE_WORKER_LLAMA_SERVER, release/recipes.py).
+LLAMA_SERVER = Path(
+    os.environ.get("MODELFORGE_WORKER_LLAMA_SERVER")
+    or Path(__file__).resolve().parent / "bin" / "llama-server"
+)
 #: The runners the worker knows how to start.
 RUNNERS = ("onnx", "llama.cpp")
 #: A `llama.cpp` service's defaults (the control plane sends all of them; these are for a

@@ -368,6 +368,11 @@ def test_sbom_covers_debian_and_python_components(
     assert {"pkg:deb/debian/libc6", "pkg:deb/debian/python3.11-minimal"} <= purls
     assert {"pkg:pypi/pydantic", "pkg:pypi/nvidia-ml-py", "pkg:pypi/modelforge"} <= purls
     assert not [p for p in purls if p.endswith(("/dpkg", "/apt", "/bash", "/dash"))]
+    # The worker's llama-server, by the source archive pinned in locks/llm.lock.
+    (llama,) = [c for c in images[2].sbom["components"] if c["name"] == "llama-server"]
+    pinned = (PROJECT_DIR / "locks" / "llm.lock").read_text()
+    assert llama["purl"].startswith("pkg:pypi/llama-cpp-python@0.3.36?file_name=")
+    assert f"sha256:{llama['hashes'][0]['content']}" in pinned
 
 
 @pytest.mark.e2e
@@ -476,6 +481,10 @@ def test_cpu_worker_imports_numpy_and_runs_an_onnx_model(
 
     assert facts["used"] == ["CPUExecutionProvider"]
     assert "CUDAExecutionProvider" not in facts["available"]  # type: ignore[operator]
+    # Its llama-server runs from where the image tells the worker it is.
+    server = env["MODELFORGE_WORKER_LLAMA_SERVER"]
+    done = _run_in(tmp_path / "rootfs", env, server, "--version")
+    assert done.returncode == 0 and "version:" in done.stdout + done.stderr, done
 
 
 @pytest.mark.e2e

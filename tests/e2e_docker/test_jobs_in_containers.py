@@ -5,7 +5,9 @@ Python job that imports numpy submitted through the admin API, run by the runtim
 runners in its container, and their results checked against numpy and onnxruntime computed
 here; and an ONNX service deployed from a model, served by the runtime worker's built-in Open
 Inference Protocol server in its container and called with the standard tritonclient; and
-three jobs running at once on the node, started with MODELFORGE_AGENT_PARALLEL=3 on the host.
+three jobs running at once on the node, started with MODELFORGE_AGENT_PARALLEL=3 on the host;
+and an LLM service of the `llama.cpp` runner, run by the llama-server the worker image carries
+and called with the `openai` client at the control plane's address.
 
 The release is the one `make e2e` builds once (`conftest.release_bundle`); this module removes
 its images from the engine when it is done, so the next module loads them itself."""
@@ -23,12 +25,14 @@ from typing import Any
 import httpx
 import numpy as np
 import onnxruntime as ort
+import openai
 import pytest
 
 from release.cli import main as release
 from release.docker import compose_command
 from release.state import STATE_DIR_VARIABLE
 from tests.e2e.server import free_port
+from tests.e2e.test_llm import smollm2_gguf
 from tests.e2e_docker.conftest import VERSION
 from tests.e2e_docker.test_release_docker import (
     CP_FILES,
@@ -304,6 +308,61 @@ def test_onnx_service_serves_from_the_runtime_worker_container(stack: tuple[Stac
     (worker,) = _project_containers(project, "runtime-worker")
     programs = docker("exec", worker, "python3", "-c", RUNNING_PROGRAMS).stdout.split()
     assert "modelforge-grpc-front" in programs, programs
+    assert api.delete(f"/api/v1/services/{service_id}").status_code == 200
+
+
+def test_llm_service_streams_from_the_runtime_worker_container(stack: tuple[Stack, str]) -> None:
+    """The `llama.cpp` runner in the released worker image: its own llama-server (the image's
+    CPU build), SmolLM2's GGUF uploaded to the control plane's container, called with the
+    unchanged `openai` client at the control plane's address, streamed and whole."""
+    api, project = stack
+    digest = api.upload(smollm2_gguf().read_bytes())
+    deployed = api.post(
+        "/api/v1/services",
+        json={
+            "name": "smol",
+            "runner": "llama.cpp",
+            "weights": digest,
+            "llm": {"context_length": 512, "slots": 1},
+            "resources": {"cpus": 1},
+        },
+    )
+    assert deployed.status_code == 201, deployed.text
+    service_id = deployed.json()["service_id"]
+    try:
+        _wait(
+            lambda: api.get(f"/api/v1/services/{service_id}").json()["state"] == "healthy",
+            180,
+            "the LLM service to be healthy",
+        )
+    except AssertionError:
+        events = api.get(f"/api/v1/services/{service_id}/events").text
+        raise AssertionError(f"{events}\n{_logs(project)}") from None
+    minted = api.post(f"/api/v1/services/{service_id}/access-tokens", json={"name": "e2e"})
+    assert minted.status_code == 201, minted.text
+    client = openai.OpenAI(
+        base_url=f"{api.url}/v1", api_key=minted.json()["token"], max_retries=0, timeout=60
+    )
+    try:
+        messages = [{"role": "user", "content": "Say hello."}]
+        stream = client.chat.completions.create(
+            model="smol",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text.strip() and chunks[-1].usage is not None
+        assert 0 < chunks[-1].usage.completion_tokens <= 16
+        whole = client.completions.create(model="smol", prompt="The sky is", max_tokens=4)
+        assert whole.choices[0].text and whole.usage is not None
+    finally:
+        client.close()
+    (worker,) = _project_containers(project, "runtime-worker")
+    programs = docker("exec", worker, "python3", "-c", RUNNING_PROGRAMS).stdout.split()
+    assert "llama-server" in programs, programs
     assert api.delete(f"/api/v1/services/{service_id}").status_code == 200
 
 
