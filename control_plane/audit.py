@@ -39,6 +39,8 @@ ACTIONS = frozenset(
         "service.undeploy",
         "service_token.create",
         "service_token.revoke",
+        "access_token.create",
+        "access_token.revoke",
         "model.create",
         "secret.set",
         "secret.delete",

@@ -29,6 +29,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from control_plane.service_tables import (
     SERVICES,
+    AccessTokenService,
     GatewayPeerKey,
     GatewayTraffic,
     GatewayTunnel,
@@ -46,6 +47,7 @@ __all__ = [
     "JOBS",
     "NAMING_CONVENTION",
     "SERVICES",
+    "AccessTokenService",
     "Artifact",
     "ArtifactUpload",
     "AuditEntry",

@@ -123,15 +123,19 @@ class ServiceReplica(Base):
 
 
 class ServiceAccessToken(Base):
-    """A bearer token that opens one service at the gateway (issue 27): shown once, kept only
-    as its SHA-256 hash; revocable; optionally rate limited."""
+    """A bearer token that opens services at the gateway (issue 27): shown once, kept only as
+    its SHA-256 hash; revocable; optionally rate limited. `scope` says what it opens: `service`,
+    its `service_id` (minted under that service); `services`, those linked to it
+    (`AccessTokenService`); `llm`, every LLM service (issue 43). Only a `service` token has a
+    `service_id`."""
 
     __tablename__ = "service_access_tokens"
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    service_id: Mapped[str] = mapped_column(
+    service_id: Mapped[str | None] = mapped_column(
         ForeignKey("services.id", ondelete="CASCADE"), index=True
     )
+    scope: Mapped[str] = mapped_column(String(16), default="service", server_default="service")
     name: Mapped[str] = mapped_column(String(100))
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     #: The token's first characters, to tell tokens apart in lists (never enough to use it).
@@ -145,6 +149,19 @@ class ServiceAccessToken(Base):
     created_by: Mapped[str] = mapped_column(String(64))
     last_used_at: Mapped[datetime | None]
     revoked_at: Mapped[datetime | None]
+
+
+class AccessTokenService(Base):
+    """A service an access token of scope `services` opens (issue 43)."""
+
+    __tablename__ = "access_token_services"
+
+    token_id: Mapped[str] = mapped_column(
+        ForeignKey("service_access_tokens.id", ondelete="CASCADE"), primary_key=True
+    )
+    service_id: Mapped[str] = mapped_column(
+        ForeignKey("services.id", ondelete="CASCADE"), primary_key=True
+    )
 
 
 class GatewayTunnel(Base):

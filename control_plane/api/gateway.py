@@ -234,7 +234,9 @@ class Gateway:
         label = "" if service is None else service.name
         try:
             grant = await self.auth.authorize_async(
-                authorization, "" if service is None else service.id
+                authorization,
+                "" if service is None else service.id,
+                "" if service is None else service.kind,
             )
         except GatewayDenied as denial:
             self.metrics.error(label, denial.cause)

@@ -47,8 +47,8 @@ def shaped(answer: Answer, call: openai.Call | None) -> Answer:
 
 @router.get("/v1/models")
 async def list_models(request: Request, ctx: ContextDep) -> JSONResponse:
-    """The LLM services the `Authorization: Bearer` key opens (a service's access token opens
-    its own service)."""
+    """The LLM services the `Authorization: Bearer` key opens (a service's access token its own
+    service; a key of several services those it names, or every LLM service)."""
     gateway = request.app.state.gateway
     grant = await gateway.auth.holder_async(request.headers.get("authorization"))
     if grant is None:
@@ -62,7 +62,7 @@ async def list_models(request: Request, ctx: ContextDep) -> JSONResponse:
             headers={"WWW-Authenticate": 'Bearer realm="modelforge"'},
         )
     with ctx.read_session_factory() as session:
-        data = openai.models_opened(session, grant.service_id)
+        data = openai.models_opened(session, grant)
     return JSONResponse({"object": "list", "data": data})
 
 

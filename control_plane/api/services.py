@@ -32,6 +32,7 @@ from control_plane.services.schemas import (
     AccessTokenPublic,
     AgentServicesDesired,
     AgentServicesSync,
+    ApiKeyCreate,
     ServiceCreate,
     ServiceEventPublic,
     ServicePublic,
@@ -174,6 +175,7 @@ def mint_access_token(
         name=body.name,
         rate_per_second=body.rate_per_second,
         burst=body.burst,
+        tokens_per_minute=body.tokens_per_minute,
     )
     minted = access_tokens.mint(
         session=session, clock=ctx.clock, service_id=service_id, actor=audit.actor, request=body
@@ -183,6 +185,52 @@ def mint_access_token(
     response.headers["Cache-Control"] = "no-store"
     public = access_tokens.token_public(minted.row)
     return AccessTokenMinted(**public.model_dump(), token=minted.token)
+
+
+@router.post(
+    "/access-tokens", status_code=status.HTTP_201_CREATED, response_model=AccessTokenMinted
+)
+def mint_api_key(
+    body: ApiKeyCreate, response: Response, ctx: ContextDep, session: SessionDep, audit: AuditDep
+) -> AccessTokenMinted:
+    """An API key of no one service: it opens the services it names, or every LLM service
+    (docs/llm.md, Keys). The key is in this answer only; lists show its hint."""
+    audit(
+        "access_token.create",
+        "",
+        name=body.name,
+        services=list(body.services),
+        llm_services=body.llm_services,
+        rate_per_second=body.rate_per_second,
+        burst=body.burst,
+        tokens_per_minute=body.tokens_per_minute,
+    )
+    minted = access_tokens.mint_key(
+        session=session, clock=ctx.clock, actor=audit.actor, request=body
+    )
+    audit.target = minted.row.id
+    response.headers["Cache-Control"] = "no-store"
+    public = access_tokens.token_public(minted.row, minted.services)
+    return AccessTokenMinted(**public.model_dump(), token=minted.token)
+
+
+@router.get("/access-tokens", response_model=list[AccessTokenPublic])
+def list_api_keys(session: SessionDep) -> list[AccessTokenPublic]:
+    """The keys of no one service, newest first (a service's own tokens are listed under it)."""
+    return [
+        access_tokens.token_public(row, services)
+        for row, services in access_tokens.list_keys(session=session)
+    ]
+
+
+@router.delete("/access-tokens/{token_id}", response_model=AccessTokenPublic)
+def revoke_api_key(
+    token_id: ResourceId, ctx: ContextDep, session: SessionDep, audit: AuditDep
+) -> AccessTokenPublic:
+    """Revoked for good; the gateway refuses it within a second."""
+    audit("access_token.revoke", token_id)
+    row, services = access_tokens.revoke_key(session=session, clock=ctx.clock, token_id=token_id)
+    return access_tokens.token_public(row, services)
 
 
 @router.get("/services/{service_id}/usage", response_model=ServiceUsage)

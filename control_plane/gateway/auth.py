@@ -130,10 +130,11 @@ class GatewayAuth:
         self._flushing: asyncio.Task[int] | None = None
         self._lock = threading.Lock()
 
-    def authorize(self, presented: str | None, service: str) -> Grant:
-        """The grant of the `Authorization` header's token for `service` (its name or id), or
-        `GatewayDenied`. Blocking: a token not in the cache is read from the database."""
-        return self._admit(self._look_up(_bearer(presented)), service)
+    def authorize(self, presented: str | None, service: str, kind: str = "") -> Grant:
+        """The grant of the `Authorization` header's token for `service` (its id; a service's
+        own token also by its name), a service of `kind`, or `GatewayDenied`. Blocking: a token
+        not in the cache is read from the database."""
+        return self._admit(self._look_up(_bearer(presented)), service, kind)
 
     async def holder_async(self, presented: str | None) -> Grant | None:
         """What the `Authorization` header's token opens, whichever service that is (None: no
@@ -166,19 +167,19 @@ class GatewayAuth:
         cached = self._fresh(sha256_hex(_bearer(presented)))
         return 0.0 if cached is None else max(0.0, cached.expires - self._clock.monotonic())
 
-    def authorize_cached(self, presented: str | None, service: str) -> Grant | None:
+    def authorize_cached(self, presented: str | None, service: str, kind: str = "") -> Grant | None:
         """As `authorize`, from memory only: None when the token must be read first (then call
         `authorize` off the event loop). Never blocks."""
         token = _bearer(presented)
         cached = self._fresh(sha256_hex(token))
-        return None if cached is None else self._admit(cached.grant, service)
+        return None if cached is None else self._admit(cached.grant, service, kind)
 
-    async def authorize_async(self, presented: str | None, service: str) -> Grant:
+    async def authorize_async(self, presented: str | None, service: str, kind: str = "") -> Grant:
         """`authorize` for the event loop: the database read, when one is needed, on a worker
         thread; and now and then the last uses written, beside the request."""
-        grant = self.authorize_cached(presented, service)
+        grant = self.authorize_cached(presented, service, kind)
         if grant is None:
-            grant = await asyncio.to_thread(self.authorize, presented, service)
+            grant = await asyncio.to_thread(self.authorize, presented, service, kind)
         self._maybe_flush()
         return grant
 
@@ -219,8 +220,8 @@ class GatewayAuth:
             self._cache[digest] = cached
         return cached
 
-    def _admit(self, grant: Grant | None, service: str) -> Grant:
-        if grant is None or service not in (grant.service_id, grant.service_name):
+    def _admit(self, grant: Grant | None, service: str, kind: str) -> Grant:
+        if grant is None or not grant.opens(service, kind):
             raise _not_valid()
         if grant.rate_per_second is not None:
             self._take(grant, grant.rate_per_second, grant.burst or 1)

@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.gateway.routing import ServiceTarget
 from control_plane.models import Service
+from control_plane.services.access_tokens import Grant
 from control_plane.services.schemas import LLM_RUNNERS
 
 #: The calls the front carries as the OpenAI API (`GET /v1/models` is the API's own route).
@@ -128,17 +129,17 @@ def reshaped(status: int, body: Any, call: Call, *, key_valid: bool) -> tuple[in
     return status, error_body(status, message, _CODES.get(status, "gateway_error"))
 
 
-def models_opened(session: Session, service_id: str) -> list[dict[str, Any]]:
-    """`GET /v1/models`' list for a key that opens `service_id`: that service, if it is a
-    deployed LLM service, in OpenAI's model shape."""
-    rows = session.execute(
-        select(Service.name, Service.created_at).where(
-            Service.id == service_id,
-            Service.state != "stopped",
-            Service.runner.in_(sorted(LLM_RUNNERS)),
-        )
-    ).all()
+def models_opened(session: Session, grant: Grant) -> list[dict[str, Any]]:
+    """`GET /v1/models`' list for a key: the deployed LLM services it opens (its own service,
+    those it names, or all), in OpenAI's model shape."""
+    query = select(Service.name, Service.created_at).where(
+        Service.state != "stopped", Service.runner.in_(sorted(LLM_RUNNERS))
+    )
+    if grant.scope == "services":
+        query = query.where(Service.id.in_(sorted(grant.services)))
+    elif grant.scope != "llm":
+        query = query.where(Service.id == grant.service_id)
     return [
         {"id": name, "object": "model", "created": int(at.timestamp()), "owned_by": "modelforge"}
-        for name, at in rows
+        for name, at in session.execute(query.order_by(Service.name)).all()
     ]

@@ -431,11 +431,33 @@ class AccessTokenCreate(StrictModel):
     tokens_per_minute: Annotated[int, Field(ge=1, le=1_000_000_000)] | None = None
 
 
+class ApiKeyCreate(StrictModel):
+    """An API key of no one service: it opens the `services` named (their names or ids), or
+    with `llm_services` every LLM service; limited as a service's token may be."""
+
+    model_config = ConfigDict(strict=True)
+
+    name: Annotated[Line, StringConstraints(min_length=1, max_length=100)]
+    services: Annotated[
+        list[Annotated[Line, StringConstraints(min_length=1, max_length=100)]],
+        Field(max_length=100),
+    ] = Field(default_factory=list)
+    llm_services: bool = False
+    rate_per_second: Annotated[float, Field(gt=0, le=1_000_000)] | None = None
+    burst: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    tokens_per_minute: Annotated[int, Field(ge=1, le=1_000_000_000)] | None = None
+
+
 class AccessTokenPublic(BaseModel):
     """A token as lists show it: its hint, never the token."""
 
     id: str
-    service_id: str
+    #: The service it was minted under (scope `service`); None for a key of no one service.
+    service_id: str | None
+    #: What it opens: `service` (its service), `services` (those in `services`), `llm` (every
+    #: LLM service).
+    scope: Literal["service", "services", "llm"] = "service"
+    services: list[str] = Field(default_factory=list)
     name: str
     hint: str
     rate_per_second: float | None

@@ -38,6 +38,8 @@ AUDITED = {
     "PATCH /api/v1/services/{service_id}": "service.update",
     "POST /api/v1/services/{service_id}/access-tokens": "service_token.create",
     "DELETE /api/v1/services/{service_id}/access-tokens/{token_id}": "service_token.revoke",
+    "POST /api/v1/access-tokens": "access_token.create",
+    "DELETE /api/v1/access-tokens/{token_id}": "access_token.revoke",
 }
 #: Routes that change nothing an operator administers: a check that only reads the release
 #: manifest, the start command (its token was minted, and audited, already), and signing in or
@@ -133,6 +135,11 @@ def test_each_admin_action_is_audited_with_its_target_and_no_secret(
         done.append(("service_token.create", f"{service['service_id']}/{access['id']}"))
         _ok(client.delete(f"{tokens}/{access['id']}", headers=admin))
         done.append(("service_token.revoke", f"{service['service_id']}/{access['id']}"))
+        key = {"name": "team", "services": [service["service_id"]]}
+        access = _ok(client.post("/api/v1/access-tokens", headers=admin, json=key), 201)
+        done.append(("access_token.create", access["id"]))
+        _ok(client.delete(f"/api/v1/access-tokens/{access['id']}", headers=admin))
+        done.append(("access_token.revoke", access["id"]))
         _ok(client.post(f"/api/v1/services/{service['service_id']}/restart", headers=admin))
         done.append(("service.restart", service["service_id"]))
         patch = {"replicas": 2}

@@ -56,9 +56,9 @@ def _gateway(cp: ControlPlane) -> GatewayAuth:
     )
 
 
-def _denied(auth: GatewayAuth, header: str | None, service: str) -> GatewayDenied:
+def _denied(auth: GatewayAuth, header: str | None, service: str, kind: str = "") -> GatewayDenied:
     with pytest.raises(GatewayDenied) as refused:
-        auth.authorize(header, service)
+        auth.authorize(header, service, kind)
     return refused.value
 
 
@@ -234,7 +234,12 @@ def test_mint_and_revoke_are_audited_without_the_token(tmp_path: Path, database_
             ("service_token.create", f"{sid}/{minted['id']}", "ok"),
             ("service_token.revoke", f"{sid}/{minted['id']}", "ok"),
         ]
-        assert entries[-1]["detail"] == {"name": "web app", "rate_per_second": 1.0, "burst": None}
+        assert entries[-1]["detail"] == {
+            "name": "web app",
+            "rate_per_second": 1.0,
+            "burst": None,
+            "tokens_per_minute": None,
+        }
         assert minted["token"] not in response.text and minted["token"][10:] not in response.text
 
 
@@ -309,3 +314,82 @@ def test_bad_input_and_unknown_ids_change_nothing(tmp_path: Path, database_url: 
         no_admin = cp.client.post(f"/api/v1/services/{sid}/access-tokens", json={"name": "x"})
         assert no_admin.status_code == 401
         assert _tokens(cp, sid) == []
+
+
+def test_a_key_of_several_services_opens_those_it_names_or_every_llm(
+    tmp_path: Path, database_url: str
+) -> None:
+    """`POST /api/v1/access-tokens` (issue 43): a key naming services opens them (named by name
+    or id) and no other; a key of `llm_services` opens every service of kind `llm` and no other
+    kind; listed with its scope and services, never the key; revoked, it stops within a
+    second; audited."""
+    with control_plane(tmp_path, database_url) as cp:
+        web, other, third = _deploy(cp), _deploy(cp, name="other"), _deploy(cp, name="third")
+        named = cp.client.post(
+            "/api/v1/access-tokens",
+            headers=cp.admin,
+            json={"name": "team", "services": ["web", other["service_id"]]},
+        )
+        assert named.status_code == 201, named.text
+        assert named.headers["Cache-Control"] == "no-store"
+        key = named.json()
+        assert key["scope"] == "services" and key["service_id"] is None
+        assert sorted(key["services"]) == sorted([web["service_id"], other["service_id"]])
+        every = cp.client.post(
+            "/api/v1/access-tokens",
+            headers=cp.admin,
+            json={"name": "all llms", "llm_services": True, "tokens_per_minute": 1000},
+        ).json()
+        assert every["scope"] == "llm" and every["services"] == []
+        auth = _gateway(cp)
+
+        header = f"Bearer {key['token']}"
+        for service in (web, other):
+            assert auth.authorize(header, service["service_id"]).token_id == key["id"]
+        assert _denied(auth, header, third["service_id"]).status == 401
+        llm = f"Bearer {every['token']}"
+        granted = auth.authorize(llm, third["service_id"], "llm")
+        assert granted.tokens_per_minute == 1000
+        assert _denied(auth, llm, third["service_id"], "command").status == 401
+        assert _denied(auth, llm, third["service_id"], "onnx").status == 401
+
+        listed = cp.client.get("/api/v1/access-tokens", headers=cp.admin)
+        assert {row["id"]: row["scope"] for row in listed.json()} == {
+            every["id"]: "llm",
+            key["id"]: "services",
+        }
+        assert key["token"] not in listed.text and every["token"] not in listed.text
+        assert _tokens(cp, web["service_id"]) == []  # a service's list: its own tokens only
+
+        revoked = cp.client.delete(f"/api/v1/access-tokens/{key['id']}", headers=cp.admin)
+        assert revoked.status_code == 200 and revoked.json()["revoked_at"] is not None
+        cp.clock.advance(1.0)
+        assert _denied(auth, header, web["service_id"]).status == 401
+        actions = [
+            e["action"]
+            for e in cp.client.get("/api/v1/admin/audit?limit=100", headers=cp.admin).json()
+        ]
+        assert actions.count("access_token.create") == 2
+        assert actions.count("access_token.revoke") == 1
+
+
+def test_a_bad_key_scope_is_refused_and_changes_nothing(tmp_path: Path, database_url: str) -> None:
+    with control_plane(tmp_path, database_url) as cp:
+        web = _deploy(cp)
+        service_token = _mint(cp, web["service_id"])
+        for body, status, code in (
+            ({"name": "k"}, 422, "INVALID_KEY_SCOPE"),
+            ({"name": "k", "services": ["web"], "llm_services": True}, 422, "INVALID_KEY_SCOPE"),
+            ({"name": "k", "services": ["no-such"]}, 404, "SERVICE_NOT_FOUND"),
+            ({"name": "k", "services": ["web"], "burst": 3}, 422, "INVALID_REQUEST"),
+            ({"name": "k", "services": "web"}, 422, None),
+        ):
+            refused = cp.client.post("/api/v1/access-tokens", headers=cp.admin, json=body)
+            assert refused.status_code == status, (body, refused.text)
+            if code is not None:
+                assert refused.json()["error"]["code"] == code, refused.text
+        assert cp.client.get("/api/v1/access-tokens", headers=cp.admin).json() == []
+        # A service's own token is not revoked here: under its service.
+        wrong = cp.client.delete(f"/api/v1/access-tokens/{service_token['id']}", headers=cp.admin)
+        assert wrong.status_code == 404
+        assert _tokens(cp, web["service_id"])[0]["revoked_at"] is None

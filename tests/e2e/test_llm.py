@@ -287,6 +287,24 @@ def test_refusals_come_in_openais_shape(llm: Llm) -> None:
     assert "/v1" in direct.json()["error"]
 
 
+def test_keys_of_several_services_or_every_llm_open_the_model(llm: Llm) -> None:
+    messages = [{"role": "user", "content": "Hi."}]
+    for scope in ({"llm_services": True}, {"services": [MODEL]}):
+        minted = httpx.post(
+            f"{llm.server.url}/api/v1/access-tokens",
+            headers=llm.server.admin(),
+            json={"name": "team", **scope},
+            timeout=10,
+        )
+        assert minted.status_code == 201, minted.text
+        client = llm.client(minted.json()["token"])
+        assert [model.id for model in client.models.list().data] == [MODEL]
+        chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+        assert chat.usage is not None and chat.usage.completion_tokens > 0
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="other", messages=messages, max_tokens=2)
+
+
 def test_a_key_past_its_tokens_per_minute_is_answered_429(llm: Llm) -> None:
     minted = httpx.post(
         f"{llm.server.url}/api/v1/services/{llm.service_id}/access-tokens",
