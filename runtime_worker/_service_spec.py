@@ -45,7 +45,15 @@ LLAMA_SERVER = Path(
 RUNNERS = ("onnx", "llama.cpp")
 #: A `llama.cpp` service's defaults (the control plane sends all of them; these are for a
 #: specification without `params.llm`).
-LLM_DEFAULTS = {"context_length": 4096, "slots": 4, "gpu_layers": None, "max_tokens": None}
+LLM_DEFAULTS = {
+    "context_length": 4096,
+    "slots": 4,
+    "gpu_layers": None,
+    "max_tokens": None,
+    "embeddings": None,
+}
+#: The poolings of token vectors an embeddings engine may use (llama-server's `--pooling`).
+LLM_POOLINGS = ("mean", "cls", "last")
 #: Where a service listens unless its agent turned direct access on: this node only, where the
 #: agent's tunnel (and the worker's health probe) reach it.
 LOOPBACK_HOST = "127.0.0.1"
@@ -220,7 +228,8 @@ def llama_flags(params: dict[str, Any], resources: dict[str, Any], *, gpus: bool
     """llama-server's flags for the service's `llm` (kept in its params): each request's context
     (`context_length`) times the parallel `slots` is the whole context llama-server holds, one
     share per slot; `gpu_layers` (None: every layer when the replica holds a GPU, none on the
-    CPU); threads from the cores it holds (`resources.cpus`, rounded up)."""
+    CPU); threads from the cores it holds (`resources.cpus`, rounded up); `embeddings` (a
+    pooling) serves `/v1/embeddings` too."""
     llm = {**LLM_DEFAULTS, **_section(params.get("llm"), "params.llm")}
     context, slots, layers = llm["context_length"], llm["slots"], llm["gpu_layers"]
     for key, value, top in (("context_length", context, 1 << 20), ("slots", slots, 256)):
@@ -230,6 +239,9 @@ def llama_flags(params: dict[str, Any], resources: dict[str, Any], *, gpus: bool
         isinstance(layers, bool) or not isinstance(layers, int) or layers < 0
     ):
         raise InvalidService("params.llm.gpu_layers must be a non-negative integer or null")
+    embeddings = llm["embeddings"]
+    if embeddings is not None and embeddings not in LLM_POOLINGS:
+        raise InvalidService(f"params.llm.embeddings must be one of {', '.join(LLM_POOLINGS)}")
     if layers is None:
         layers = 999 if gpus else 0
     flags = [
@@ -241,6 +253,8 @@ def llama_flags(params: dict[str, Any], resources: dict[str, Any], *, gpus: bool
         "--n-gpu-layers",
         str(layers),
     ]
+    if embeddings is not None:
+        flags += ["--embeddings", "--pooling", embeddings]
     cpus = resources.get("cpus")
     if isinstance(cpus, int | float) and not isinstance(cpus, bool) and 0 < cpus <= 4096:
         flags += ["--threads", str(math.ceil(cpus))]

@@ -103,8 +103,9 @@ class ServiceAutoscale(StrictModel):
 class ServiceLlm(StrictModel):
     """An LLM runner's engine (`llama.cpp`; docs/llm.md): each request's context in tokens, the
     requests the engine runs at once (its slots, each holding a context), the layers it puts
-    on the GPU (None: all of them when the replica holds a GPU, none on the CPU), and the most
-    `max_tokens` a request may ask for (None: up to its context)."""
+    on the GPU (None: all of them when the replica holds a GPU, none on the CPU), the most
+    `max_tokens` a request may ask for (None: up to its context), and whether it serves
+    `/v1/embeddings` with which pooling of the token vectors (None: it does not)."""
 
     model_config = ConfigDict(strict=True)
 
@@ -112,6 +113,7 @@ class ServiceLlm(StrictModel):
     slots: Annotated[int, Field(ge=1, le=256)] = 4
     gpu_layers: Annotated[int, Field(ge=0, le=100_000)] | None = None
     max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    embeddings: Literal["mean", "cls", "last"] | None = None
 
     @model_validator(mode="after")
     def _within_context(self) -> ServiceLlm:

@@ -33,7 +33,7 @@ def test_an_llm_service_reaches_the_node_and_becomes_llama_servers_flags(
             "name": "smol",
             "runner": "llama.cpp",
             "weights": weights,
-            "llm": {"context_length": 2048, "slots": 3, "max_tokens": 512},
+            "llm": {"context_length": 2048, "slots": 3, "max_tokens": 512, "embeddings": "mean"},
             "resources": {"cpus": 1.5},
         }
         created = cp.client.post("/api/v1/services", headers=cp.admin, json=body)
@@ -44,6 +44,7 @@ def test_an_llm_service_reaches_the_node_and_becomes_llama_servers_flags(
             "slots": 3,
             "gpu_layers": None,
             "max_tokens": 512,
+            "embeddings": "mean",
         }
         assert view["health"]["path"] == LLAMA_HEALTH_PATH
         node = _node(cp)
@@ -67,6 +68,7 @@ def test_an_llm_service_reaches_the_node_and_becomes_llama_servers_flags(
     assert flags["--n-gpu-layers"] == "0"  # no GPU held: the CPU
     assert flags["--threads"] == "2"  # 1.5 cores, rounded up
     assert "--no-kv-unified" in parsed.argv and "--metrics" in parsed.argv
+    assert "--embeddings" in parsed.argv and flags["--pooling"] == "mean"
     assert parsed.health.path == LLAMA_HEALTH_PATH
     assert parsed.health.warm_up == LLAMA_WARM_UP
 
@@ -90,7 +92,13 @@ def test_a_gpu_replica_offloads_every_layer_unless_told() -> None:
 
 @pytest.mark.parametrize(
     "llm",
-    [{"context_length": 0}, {"slots": "4"}, {"gpu_layers": -1}, {"slots": True}],
+    [
+        {"context_length": 0},
+        {"slots": "4"},
+        {"gpu_layers": -1},
+        {"slots": True},
+        {"embeddings": "max"},
+    ],
 )
 def test_the_worker_refuses_a_bad_llm_section(llm: dict[str, object]) -> None:
     body = {
@@ -115,6 +123,7 @@ def test_the_worker_refuses_a_bad_llm_section(llm: dict[str, object]) -> None:
             "max_tokens must not exceed context_length",
         ),
         ({"runner": "llama.cpp", "llm": {"temperature": 1}}, "Extra inputs"),
+        ({"runner": "llama.cpp", "llm": {"embeddings": "sum"}}, "'mean', 'cls' or 'last'"),
     ],
 )
 def test_a_bad_llm_is_refused_and_changes_nothing(

@@ -113,7 +113,12 @@ def llm() -> Iterator[Llm]:
                     "name": MODEL,
                     "runner": "llama.cpp",
                     "weights": upload.json()["digest"],
-                    "llm": {"context_length": CONTEXT, "slots": 2, "max_tokens": MAX_TOKENS},
+                    "llm": {
+                        "context_length": CONTEXT,
+                        "slots": 2,
+                        "max_tokens": MAX_TOKENS,
+                        "embeddings": "mean",
+                    },
                     "resources": {"cpus": 1},
                 },
                 timeout=30,
@@ -155,6 +160,7 @@ def test_the_replica_is_healthy_after_a_warm_up(llm: Llm) -> None:
         "slots": 2,
         "gpu_layers": None,
         "max_tokens": MAX_TOKENS,
+        "embeddings": "mean",
     }
 
 
@@ -204,6 +210,20 @@ def test_a_stream_arrives_while_the_engine_generates(llm: Llm) -> None:
     assert len(text) > 10
     assert arrivals[-1] - arrivals[1] > 0.05  # spread over the generation, not one burst
     assert usage is not None and usage.completion_tokens == 120
+
+
+def test_embeddings_answer_the_openai_client_and_are_counted(llm: Llm) -> None:
+    traffic = f"/api/v1/services/{llm.service_id}/traffic"
+    before = llm.server.get(traffic)["tokens"].get("prompt", 0)
+    answer = llm.client().embeddings.create(model=MODEL, input=["a red apple", "the sea"])
+    vectors = [item.embedding for item in answer.data]
+    assert len(vectors) == 2 and len(vectors[0]) == len(vectors[1]) > 100
+    assert vectors[0] != vectors[1]
+    assert answer.usage.prompt_tokens > 0
+    deadline = time.monotonic() + 5
+    while llm.server.get(traffic)["tokens"].get("prompt", 0) - before < answer.usage.prompt_tokens:
+        assert time.monotonic() < deadline, "the embeddings' input tokens were not counted"
+        time.sleep(0.1)
 
 
 def test_a_completion_streams_too(llm: Llm) -> None:

@@ -193,9 +193,9 @@ impl Meter {
             _ => return,
         };
         let count = |name: &str| usage.get(name).and_then(Value::as_u64);
-        if let (Some(prompt), Some(completion)) =
-            (count("prompt_tokens"), count("completion_tokens"))
-        {
+        // An embeddings answer counts its input alone (no `completion_tokens`).
+        if let Some(prompt) = count("prompt_tokens") {
+            let completion = count("completion_tokens").unwrap_or(0);
             self.usage = Some(Usage { prompt, completion });
         }
     }
@@ -361,5 +361,19 @@ mod tests {
             format!("{}{}", DELTA, DONE)
         );
         assert_eq!(usage, None);
+    }
+
+    #[test]
+    fn an_embeddings_answer_counts_its_input() {
+        let mut meter = Meter::new(false);
+        meter.begin(Some(b"application/json"));
+        let body = r#"{"data":[{"embedding":[0.1]}],"usage":{"prompt_tokens":5,"total_tokens":5}}"#;
+        meter.feed(Bytes::from(body));
+        meter.finish();
+        let counted = Usage {
+            prompt: 5,
+            completion: 0,
+        };
+        assert_eq!(meter.usage, Some(counted));
     }
 }
