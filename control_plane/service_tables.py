@@ -164,6 +164,18 @@ class AccessTokenService(Base):
     )
 
 
+class ModelAlias(Base):
+    """Another name an LLM service answers to at the OpenAI API (issue 43): held by one service
+    until it is undeployed or gives the alias up (`services/aliases.py`)."""
+
+    __tablename__ = "model_aliases"
+
+    alias: Mapped[str] = mapped_column(String(100), primary_key=True)
+    service_id: Mapped[str] = mapped_column(
+        ForeignKey("services.id", ondelete="CASCADE"), index=True
+    )
+
+
 class GatewayTunnel(Base):
     """Which control-plane replica holds a node's tunnel (issue 27): the gateway of another
     replica hands a request for that node's replicas to this one."""

@@ -228,6 +228,8 @@ class Gateway:
     ) -> Answer | Prepared:
         authorization = _header(headers, b"authorization")
         service = snapshot.services.get(target.name)
+        if service is None and openai:  # an OpenAI call's model may be an alias
+            service = snapshot.services.get(snapshot.aliases.get(target.name, ""))
         # An unknown name is refused exactly as a known one with a missing or wrong token
         # (the same check, against no service: the same body, headers and reads), so the
         # answer confirms no name to one without its token.

@@ -25,7 +25,15 @@ from control_plane.gateway.traffic import ServiceTraffic, read_traffic
 from control_plane.models import Service, ServiceReplica
 from control_plane.scheduling.waiting import explain
 from control_plane.schemas import DB_INT_MAX, ResourceId
-from control_plane.services import access_tokens, lifecycle, placement, replicas, rollout, sync
+from control_plane.services import (
+    access_tokens,
+    aliases,
+    lifecycle,
+    placement,
+    replicas,
+    rollout,
+    sync,
+)
 from control_plane.services.schemas import (
     AccessTokenCreate,
     AccessTokenMinted,
@@ -55,6 +63,7 @@ def _service_view(
     session: Session,
     service: Service,
     copies: list[ServiceReplica] | None = None,
+    names: list[str] | None = None,
 ) -> ServicePublic:
     # Why a pending service waits is read from the scheduler's fleet, built only when asked.
     reason = placement.waiting_reason(
@@ -64,7 +73,9 @@ def _service_view(
     )
     if copies is None:
         copies = replicas.of_service(session, service.id)
-    return lifecycle.service_public(service, copies, reason)
+    if names is None:
+        names = aliases.by_service(session, [service.id]).get(service.id, [])
+    return lifecycle.service_public(service, copies, reason, names)
 
 
 @router.post("/services", status_code=status.HTTP_201_CREATED, response_model=ServicePublic)
@@ -91,7 +102,8 @@ def list_services(
 ) -> list[ServicePublic]:
     rows = lifecycle.list_services(session=session, state=state, limit=limit)
     copies = replicas.by_service(session, [row.id for row in rows])
-    return [_service_view(ctx, session, row, copies[row.id]) for row in rows]
+    held = aliases.by_service(session, [row.id for row in rows])
+    return [_service_view(ctx, session, row, copies[row.id], held.get(row.id, [])) for row in rows]
 
 
 @router.get("/services/{service_id}", response_model=ServicePublic)

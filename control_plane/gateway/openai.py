@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.gateway.routing import ServiceTarget
 from control_plane.models import Service
+from control_plane.services import aliases
 from control_plane.services.access_tokens import Grant
 from control_plane.services.schemas import LLM_RUNNERS
 
@@ -131,15 +132,19 @@ def reshaped(status: int, body: Any, call: Call, *, key_valid: bool) -> tuple[in
 
 def models_opened(session: Session, grant: Grant) -> list[dict[str, Any]]:
     """`GET /v1/models`' list for a key: the deployed LLM services it opens (its own service,
-    those it names, or all), in OpenAI's model shape."""
-    query = select(Service.name, Service.created_at).where(
+    those it names, or all), each by its name and then its aliases, in OpenAI's model
+    shape."""
+    query = select(Service.id, Service.name, Service.created_at).where(
         Service.state != "stopped", Service.runner.in_(sorted(LLM_RUNNERS))
     )
     if grant.scope == "services":
         query = query.where(Service.id.in_(sorted(grant.services)))
     elif grant.scope != "llm":
         query = query.where(Service.id == grant.service_id)
+    rows = session.execute(query.order_by(Service.name)).all()
+    held = aliases.by_service(session, [service_id for service_id, _, _ in rows])
     return [
-        {"id": name, "object": "model", "created": int(at.timestamp()), "owned_by": "modelforge"}
-        for name, at in session.execute(query.order_by(Service.name)).all()
+        {"id": model, "object": "model", "created": int(at.timestamp()), "owned_by": "modelforge"}
+        for service_id, name, at in rows
+        for model in (name, *held.get(service_id, []))
     ]

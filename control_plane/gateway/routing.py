@@ -27,7 +27,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from control_plane.clock import Clock
-from control_plane.models import Node, Service, ServiceReplica
+from control_plane.models import ModelAlias, Node, Service, ServiceReplica
 from control_plane.services.schemas import LLM_RUNNERS
 
 log = logging.getLogger(__name__)
@@ -82,10 +82,12 @@ class ServiceTarget:
 
 @dataclass(frozen=True, slots=True)
 class RoutingSnapshot:
-    """What one read gave: the services by name, and each node's stored last heartbeat."""
+    """What one read gave: the services by name, each node's stored last heartbeat, and the LLM
+    services' aliases (alias -> the service's name)."""
 
     services: dict[str, ServiceTarget] = field(default_factory=dict)
     heartbeats: dict[str, datetime | None] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
 
 
 #: Reads a snapshot (blocking: it runs on a worker thread).
@@ -95,14 +97,18 @@ NodeState = Callable[[str, "datetime | None", datetime], str]
 
 
 def snapshot_of(
-    services: Iterable[ServiceTarget], heartbeats: dict[str, datetime | None]
+    services: Iterable[ServiceTarget],
+    heartbeats: dict[str, datetime | None],
+    aliases: dict[str, str] | None = None,
 ) -> RoutingSnapshot:
-    return RoutingSnapshot({service.name: service for service in services}, heartbeats)
+    return RoutingSnapshot(
+        {service.name: service for service in services}, heartbeats, aliases or {}
+    )
 
 
 def read_snapshot(session: Session) -> RoutingSnapshot:
-    """Every deployed service with its replicas, and the stored heartbeat of their nodes: two
-    queries, whatever the number of services."""
+    """Every deployed service with its replicas, the stored heartbeat of their nodes, and the
+    aliases: three queries, whatever the number of services."""
     rows = session.execute(
         select(
             Service.id,
@@ -147,7 +153,13 @@ def read_snapshot(session: Session) -> RoutingSnapshot:
             select(Node.id, Node.last_heartbeat_at).where(Node.id.in_(sorted(nodes)))
         ).all()
         heartbeats = {node_id: at for node_id, at in found}
-    return snapshot_of(services, heartbeats)
+    names = {service.id: service.name for service in services}
+    held = {
+        alias: names[service_id]
+        for alias, service_id in session.execute(select(ModelAlias.alias, ModelAlias.service_id))
+        if service_id in names
+    }
+    return snapshot_of(services, heartbeats, held)
 
 
 class RoutingTable:

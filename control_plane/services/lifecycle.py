@@ -24,7 +24,7 @@ from control_plane.events import events_after
 from control_plane.fleet.schemas import AssignedGpu
 from control_plane.models import Service, ServiceEvent, ServiceReplica
 from control_plane.security import new_id
-from control_plane.services import replicas
+from control_plane.services import aliases, replicas
 from control_plane.services._changes import record_event
 from control_plane.services.schemas import (
     LLM_RUNNERS,
@@ -50,7 +50,7 @@ RUNNERS = frozenset(HEALTH_PATHS)
 def deploy(*, session: Session, clock: Clock, request: ServiceCreate) -> Service:
     """A new service and its pending replicas. Its name is the gateway's address for it, so no
     other deployed (not `stopped`) service may hold it (409 `SERVICE_NAME_TAKEN`)."""
-    taken = _holder_of(session, request.name)
+    taken = _holder_of(session, request.name) or aliases.holder_of(session, request.name)
     if taken is not None:
         raise _name_taken(request.name, taken)
     spec = resolve_spec(session=session, request=request)
@@ -80,6 +80,7 @@ def deploy(*, session: Session, clock: Clock, request: ServiceCreate) -> Service
             session.add(service)
     except IntegrityError:
         raise _name_taken(request.name, _holder_of(session, request.name)) from None
+    aliases.claim(session, service, request.aliases)
     replicas.start(session, service, now)
     record_event(session, service, now, "state", {"state": "pending"})
     session.flush()
@@ -97,8 +98,8 @@ def _name_taken(name: str, holder: str | None) -> Conflict:
     which = f"service {holder}" if holder else "another service"
     undeploy = f"DELETE /api/v1/services/{holder or '<its id>'}"
     return Conflict(
-        f"The name {name} is taken by {which}, which is deployed: the gateway reaches a "
-        f"service by its name, so two deployed services may not share one.",
+        f"The name {name} is taken by {which}, which is deployed (as its name or an alias): "
+        "the gateway reaches a service by its name, so two deployed services may not share one.",
         f"Undeploy {which} ({undeploy}) first, or deploy this one under another name.",
         code="SERVICE_NAME_TAKEN",
     )
@@ -249,6 +250,7 @@ def undeploy(*, session: Session, clock: Clock, service_id: str) -> Service:
     service.state = "stopped"
     service.stopped_at = service.updated_at = now
     replicas.stop_all(session, service, now)
+    aliases.release(session, service)
     record_event(session, service, now, "state", {"state": "stopped", "reason": "undeployed"})
     return service
 
@@ -257,6 +259,7 @@ def service_public(
     service: Service,
     copies: list[ServiceReplica],
     waiting_reason: dict[str, str] | None = None,
+    names: list[str] | None = None,
 ) -> ServicePublic:
     """The service's view from its row and its replicas (`replicas.of_service`)."""
     shown = replicas.representative(copies)
@@ -293,6 +296,7 @@ def service_public(
         batching=(service.params or {}).get("batching") if service.runner == "onnx" else None,
         instances=(service.params or {}).get("instances") if service.runner == "onnx" else None,
         llm=(service.params or {}).get("llm") if service.runner in LLM_RUNNERS else None,
+        aliases=names or [],
         desired_replicas=service.replicas,
         replicas=[replicas.replica_public(copy) for copy in copies if copy.state != "stopped"],
         revision=service.revision,

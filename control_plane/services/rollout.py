@@ -34,7 +34,7 @@ from control_plane.clock import Clock
 from control_plane.errors import Conflict, InvalidRequest
 from control_plane.models import Service, ServiceEvent, ServiceReplica, ServiceRevision
 from control_plane.security import new_id
-from control_plane.services import lifecycle, replicas
+from control_plane.services import aliases, lifecycle, replicas
 from control_plane.services._changes import record_event
 from control_plane.services.schemas import LLM_RUNNERS, ServiceCreate, ServiceUpdate
 
@@ -44,6 +44,8 @@ _FAILING = ("failed", "unhealthy", "restarting")
 _RETIRED = ("stopped", "draining")
 #: Fields of an update that only scale.
 _SCALING = ("replicas", "autoscale")
+#: Fields of an update that change only where calls go (no rollout).
+_ROUTING = ("aliases",)
 #: How long after a replica left the rotation a gateway may still choose it: the routing table
 #: a request reads is at most 2 s old (`gateway/routing.RoutingTable.max_age`), plus a second
 #: for the request to reach the node's tunnel.
@@ -83,6 +85,11 @@ def change(
             code="ROLLOUT_IN_PROGRESS",
         )
     now = clock.now()
+    if "aliases" in given:
+        before = aliases.by_service(session, [service.id]).get(service.id, [])
+        after = sorted(aliases.claim(session, service, request.aliases or []))
+        if after != before:
+            record_event(session, service, now, "aliases", {"from": before, "to": after})
     if "autoscale" in given:
         autoscale = request.autoscale.model_dump() if request.autoscale else None
         if autoscale != service.autoscale:
@@ -143,7 +150,7 @@ def _merged(service: Service, request: ServiceUpdate) -> ServiceCreate:
     if given & {"command", "runner"}:
         body.update(command=None, runner=None, batching=None, instances=None, llm=None)
         body["health"] = {**service.health, "path": None}  # the new runner's own
-    for name in given - set(_SCALING):
+    for name in given - set(_SCALING) - set(_ROUTING):
         value = getattr(request, name)
         body[name] = value.model_dump() if hasattr(value, "model_dump") else value
     # `batching` or `instances` given to a service that runs a command is refused below, never

@@ -129,6 +129,9 @@ Runner = Literal["onnx", "llama.cpp"]
 LLM_RUNNERS = frozenset({"llama.cpp"})
 
 
+#: An LLM service's other names at the OpenAI API: a service name's shape, at most 8.
+Aliases = Annotated[list[Name], Field(max_length=8)]
+
 #: How many copies run, each placed on a node of its own where one fits (else on other GPUs).
 ReplicaCount = Annotated[int, Field(ge=1, le=16, strict=True)]
 
@@ -161,6 +164,8 @@ class ServiceCreate(StrictModel):
     instances: Instances | None = None
     #: The `llama.cpp` runner's engine (kept with its params; None: the defaults).
     llm: ServiceLlm | None = None
+    #: An LLM service's other names at the OpenAI API (`services/aliases.py`).
+    aliases: Aliases = Field(default_factory=list)
     #: How many copies run, each placed on a node of its own where one fits (else on other GPUs).
     replicas: ReplicaCount = 1
     #: Replicas that follow the gateway's traffic (then `replicas` is only the start, kept in
@@ -213,6 +218,8 @@ class ServiceUpdate(StrictModel):
     batching: ServiceBatching | None = None
     instances: Instances | None = None
     llm: ServiceLlm | None = None
+    #: Replaces an LLM service's aliases ([] drops them), with no rollout.
+    aliases: Aliases | None = None
     replicas: ReplicaCount | None = None
     #: null turns autoscaling off (`replicas` stays as it is).
     autoscale: ServiceAutoscale | None = None
@@ -324,6 +331,8 @@ class ServicePublic(BaseModel):
     instances: int | None = None
     #: An LLM runner's engine, as deployed (`ServiceLlm`, its defaults filled in).
     llm: dict[str, Any] | None = None
+    #: An LLM service's other names at the OpenAI API.
+    aliases: list[str] = Field(default_factory=list)
     #: How many replicas it runs, and each of them (stopped ones left out).
     desired_replicas: int = 1
     replicas: list[ServiceReplicaPublic] = Field(default_factory=list)

@@ -6,11 +6,13 @@ HTTP, SQLite and PostgreSQL. (The engine itself runs in tests/e2e/test_llm.py.)"
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from control_plane.background.service_placement import place_services
 from control_plane.clock import ManualClock
+from control_plane.gateway.routing import read_snapshot
 from control_plane.gateway.usage import UsageBook
 from runtime_worker._service_spec import (
     LLAMA_HEALTH_PATH,
@@ -209,3 +211,49 @@ def test_a_tokens_per_minute_is_kept_with_the_key_and_checked(
         assert minted.json()["tokens_per_minute"] == 5000
         listed = cp.client.get(tokens, headers=cp.admin).json()
         assert [row["tokens_per_minute"] for row in listed] == [5000]
+
+
+def test_an_llm_services_aliases_are_its_own_until_it_gives_them_up(
+    tmp_path: Path, database_url: str
+) -> None:
+    """An alias is held by one deployed service: not another's name or alias; a `PATCH`
+    replaces them with no rollout; undeploying frees them; the routing table maps them."""
+    with control_plane(tmp_path, database_url) as cp:
+        weights = _upload(cp, b"GGUF weights")
+
+        def deploy(name: str, **extra: object) -> Any:
+            body = {"name": name, "runner": "llama.cpp", "weights": weights, **extra}
+            return cp.client.post("/api/v1/services", headers=cp.admin, json=body)
+
+        smol = deploy("smol", aliases=["gpt-4o-mini", "small"])
+        assert smol.status_code == 201, smol.text
+        assert smol.json()["aliases"] == ["gpt-4o-mini", "small"]
+        service_id = smol.json()["service_id"]
+        for refused, code in (
+            (deploy("other", aliases=["small"]), "MODEL_NAME_TAKEN"),  # another's alias
+            (deploy("other", aliases=["smol"]), "MODEL_NAME_TAKEN"),  # another's name
+            (deploy("gpt-4o-mini"), "SERVICE_NAME_TAKEN"),  # a name that is an alias
+            (deploy("other", aliases=["other"]), "INVALID_ALIAS"),
+        ):
+            assert refused.status_code in (409, 422), refused.text
+            assert refused.json()["error"]["code"] == code, refused.text
+        command = {"name": "cmd", "command": ["srv", "{port}"], "aliases": ["x"]}
+        wrong = cp.client.post("/api/v1/services", headers=cp.admin, json=command)
+        assert wrong.json()["error"]["code"] == "ALIASES_NOT_FOR_THIS_RUNNER", wrong.text
+        listed = cp.client.get("/api/v1/services", headers=cp.admin).json()
+        assert [s["name"] for s in listed] == ["smol"]  # nothing refused was deployed
+
+        with cp.ctx.read_session_factory() as session:
+            assert read_snapshot(session).aliases == {"gpt-4o-mini": "smol", "small": "smol"}
+        changed = cp.client.patch(
+            f"/api/v1/services/{service_id}", headers=cp.admin, json={"aliases": ["tiny"]}
+        )
+        assert changed.status_code == 200, changed.text
+        assert changed.json()["aliases"] == ["tiny"] and changed.json()["rollout"] is None
+        assert deploy("other", aliases=["small"]).status_code == 201  # given up: free
+        events = cp.client.get(f"/api/v1/services/{service_id}/events", headers=cp.admin).json()
+        assert [e["data"] for e in events if e["kind"] == "aliases"] == [
+            {"from": ["gpt-4o-mini", "small"], "to": ["tiny"]}
+        ]
+        cp.client.delete(f"/api/v1/services/{service_id}", headers=cp.admin)
+        assert deploy("tiny").status_code == 201  # undeployed: its aliases are free

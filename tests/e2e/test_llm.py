@@ -32,6 +32,8 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2"
+#: Another name the service answers to at the OpenAI API.
+ALIAS = "gpt-4o-mini"
 CONTEXT = 512
 MAX_TOKENS = 256
 GGUF = ROOT / "build" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -119,6 +121,7 @@ def llm() -> Iterator[Llm]:
                         "max_tokens": MAX_TOKENS,
                         "embeddings": "mean",
                     },
+                    "aliases": [ALIAS],
                     "resources": {"cpus": 1},
                 },
                 timeout=30,
@@ -180,7 +183,12 @@ def test_chat_and_completions_answer_the_openai_client(llm: Llm) -> None:
     assert completion.choices[0].text
     assert completion.usage is not None and completion.usage.prompt_tokens > 0
     listed = client.models.list()
-    assert [model.id for model in listed.data] == [MODEL]
+    assert [model.id for model in listed.data] == [MODEL, ALIAS]
+    # The alias reaches the same service (its usage and metrics are the service's).
+    aliased = client.chat.completions.create(
+        model=ALIAS, messages=[{"role": "user", "content": "Hi."}], max_tokens=2
+    )
+    assert aliased.usage is not None and aliased.usage.completion_tokens > 0
 
 
 def test_a_stream_arrives_while_the_engine_generates(llm: Llm) -> None:
@@ -318,7 +326,7 @@ def test_keys_of_several_services_or_every_llm_open_the_model(llm: Llm) -> None:
         )
         assert minted.status_code == 201, minted.text
         client = llm.client(minted.json()["token"])
-        assert [model.id for model in client.models.list().data] == [MODEL]
+        assert [model.id for model in client.models.list().data] == [MODEL, ALIAS]
         chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
         assert chat.usage is not None and chat.usage.completion_tokens > 0
         with pytest.raises(openai.NotFoundError):

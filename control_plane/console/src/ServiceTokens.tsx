@@ -59,7 +59,20 @@ function LlmAddress({ service }: { service: ServiceView }) {
       <h2 id="gateway-heading">Gateway address</h2>
       <p>
         Clients call the model with any OpenAI client at <code data-testid="gateway-address">{address}</code>, model{" "}
-        <code>{service.name}</code>, with one of its access tokens as the API key.
+        <code>{service.name}</code>
+        {service.aliases?.length ? (
+          <span data-testid="service-aliases">
+            {" "}
+            (or {service.aliases.map((alias, index) => (
+              <span key={alias}>
+                {index > 0 && ", "}
+                <code>{alias}</code>
+              </span>
+            ))}
+            )
+          </span>
+        ) : null}
+        , with one of its access tokens as the API key.
       </p>
       <label htmlFor="gateway-example">Example (set KEY to a token minted below)</label>
       <textarea id="gateway-example" readOnly rows={4} value={example} spellCheck={false} />

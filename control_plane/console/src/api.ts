@@ -502,6 +502,8 @@ export interface ServiceView {
   log_tail: string[];
   desired_replicas?: number;
   replicas?: ReplicaView[];
+  /** An LLM service's other names at the OpenAI API. */
+  aliases?: string[];
   /** A rolling update in progress, where one is (its fields as the control plane gives them). */
   rollout?: Record<string, unknown> | null;
 }

@@ -59,6 +59,7 @@ test("an LLM service: its OpenAI address, a chat streamed in the playground, usa
     runner: "llama.cpp",
     weights: uploaded.digest,
     llm: { context_length: 512, slots: 1 },
+    aliases: ["console-gpt"],
     labels: POOL,
     resources: { cpus: 1 },
   });
@@ -75,6 +76,7 @@ test("an LLM service: its OpenAI address, a chat streamed in the playground, usa
   assert.equal(await page.getByTestId("gateway-address").textContent(), `${BASE_URL}/v1`);
   const example = await page.getByLabel(/^Example/).inputValue();
   assert.ok(example.includes(`"${BASE_URL}/v1/chat/completions"`) && example.includes('"model": "console-llm"'), example);
+  assert.equal(await page.getByTestId("service-aliases").textContent(), " (or console-gpt)");
 
   // A key with a tokens-per-minute limit, minted in the page and kept by the operator.
   await page.getByRole("button", { name: "Mint token" }).click();
