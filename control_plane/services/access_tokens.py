@@ -109,14 +109,7 @@ def mint(
             code="TOO_MANY_ACCESS_TOKENS",
         )
     row = _new_row(
-        clock=clock,
-        actor=actor,
-        name=request.name,
-        rate=request.rate_per_second,
-        burst=request.burst,
-        tokens_per_minute=request.tokens_per_minute,
-        service_id=service.id,
-        scope="service",
+        clock=clock, actor=actor, request=request, service_id=service.id, scope="service"
     )
     session.add(row.token)
     session.flush()
@@ -133,13 +126,12 @@ def _new_row(
     *,
     clock: Clock,
     actor: str,
-    name: str,
-    rate: float | None,
-    burst: int | None,
-    tokens_per_minute: int | None,
+    request: AccessTokenCreate | ApiKeyCreate,
     service_id: str | None,
     scope: str,
 ) -> _NewRow:
+    """A token's row (not added yet) and the token, its limits checked."""
+    rate, burst = request.rate_per_second, request.burst
     if burst is not None and rate is None:
         raise InvalidRequest(
             "burst is given without rate_per_second.",
@@ -153,12 +145,12 @@ def _new_row(
         id=new_id("stk"),
         service_id=service_id,
         scope=scope,
-        name=name,
+        name=request.name,
         token_hash=sha256_hex(token),
         hint=token[:HINT_LENGTH],
         rate_per_second=rate,
         burst=burst,
-        tokens_per_minute=tokens_per_minute,
+        tokens_per_minute=request.tokens_per_minute,
         created_at=clock.now(),
         created_by=actor[:64],
     )
@@ -202,16 +194,8 @@ def mint_key(*, session: Session, clock: Clock, actor: str, request: ApiKeyCreat
                 code="SERVICE_NOT_FOUND",
             )
         opened.append(service)
-    row = _new_row(
-        clock=clock,
-        actor=actor,
-        name=request.name,
-        rate=request.rate_per_second,
-        burst=request.burst,
-        tokens_per_minute=request.tokens_per_minute,
-        service_id=None,
-        scope="llm" if request.llm_services else "services",
-    )
+    scope = "llm" if request.llm_services else "services"
+    row = _new_row(clock=clock, actor=actor, request=request, service_id=None, scope=scope)
     session.add(row.token)
     session.flush()
     for service in opened:

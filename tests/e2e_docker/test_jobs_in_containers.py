@@ -71,6 +71,23 @@ class Stack:
     def delete(self, path: str) -> httpx.Response:
         return httpx.delete(self.url + path, headers=self.admin, timeout=30)
 
+    def deploy_healthy(self, body: dict[str, Any], project: str, timeout: float) -> str:
+        """Deploy the service `body` and wait until it is healthy; its id. Failing, the
+        service's events and the node's logs say why."""
+        deployed = self.post("/api/v1/services", json=body)
+        assert deployed.status_code == 201, deployed.text
+        service_id = str(deployed.json()["service_id"])
+        try:
+            _wait(
+                lambda: self.get(f"/api/v1/services/{service_id}").json()["state"] == "healthy",
+                timeout,
+                f"service {body['name']} to be healthy",
+            )
+        except AssertionError:
+            events = self.get(f"/api/v1/services/{service_id}/events").text
+            raise AssertionError(f"{events}\n{_logs(project)}") from None
+        return service_id
+
     def upload(self, content: bytes) -> str:
         answer = self.post("/api/v1/artifacts", content=content)
         assert answer.status_code == 201, answer.text
@@ -275,21 +292,8 @@ def test_onnx_service_serves_from_the_runtime_worker_container(stack: tuple[Stac
     digest = api.upload(model)
     created = api.post("/api/v1/models", json={"name": "relu", "version": "1", "weights": digest})
     assert created.status_code == 201, created.text
-    deployed = api.post(
-        "/api/v1/services",
-        json={"name": "relu", "model": "relu@1", "resources": {"cpus": 0.5}},
-    )
-    assert deployed.status_code == 201, deployed.text
-    service_id = deployed.json()["service_id"]
-    try:
-        _wait(
-            lambda: api.get(f"/api/v1/services/{service_id}").json()["state"] == "healthy",
-            120,
-            "the ONNX service to be healthy",
-        )
-    except AssertionError:
-        events = api.get(f"/api/v1/services/{service_id}/events").text
-        raise AssertionError(f"{events}\n{_logs(project)}") from None
+    body = {"name": "relu", "model": "relu@1", "resources": {"cpus": 0.5}}
+    service_id = api.deploy_healthy(body, project, 120)
     view = api.get(f"/api/v1/services/{service_id}").json()
     client = triton.InferenceServerClient(url=view["url"].removeprefix("http://"))
     x = np.random.default_rng(5).standard_normal((3, 4)).astype(np.float32)
@@ -317,27 +321,14 @@ def test_llm_service_streams_from_the_runtime_worker_container(stack: tuple[Stac
     unchanged `openai` client at the control plane's address, streamed and whole."""
     api, project = stack
     digest = api.upload(smollm2_gguf().read_bytes())
-    deployed = api.post(
-        "/api/v1/services",
-        json={
-            "name": "smol",
-            "runner": "llama.cpp",
-            "weights": digest,
-            "llm": {"context_length": 512, "slots": 1},
-            "resources": {"cpus": 1},
-        },
-    )
-    assert deployed.status_code == 201, deployed.text
-    service_id = deployed.json()["service_id"]
-    try:
-        _wait(
-            lambda: api.get(f"/api/v1/services/{service_id}").json()["state"] == "healthy",
-            180,
-            "the LLM service to be healthy",
-        )
-    except AssertionError:
-        events = api.get(f"/api/v1/services/{service_id}/events").text
-        raise AssertionError(f"{events}\n{_logs(project)}") from None
+    body = {
+        "name": "smol",
+        "runner": "llama.cpp",
+        "weights": digest,
+        "llm": {"context_length": 512, "slots": 1},
+        "resources": {"cpus": 1},
+    }
+    service_id = api.deploy_healthy(body, project, 180)
     minted = api.post(f"/api/v1/services/{service_id}/access-tokens", json={"name": "e2e"})
     assert minted.status_code == 201, minted.text
     client = openai.OpenAI(

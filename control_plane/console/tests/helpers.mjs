@@ -173,3 +173,14 @@ export function startNode(name, token, { mode = "cpu", nvmlDir, extraEnv = {} } 
     },
   };
 }
+
+// The first truthy value `check` gives, asked every 0.3 s; fails naming `what` after `timeoutMs`.
+export async function until(what, check, timeoutMs = 60_000) {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const value = await check();
+    if (value) return value;
+    assert.ok(Date.now() < deadline, `timed out waiting for ${what}`);
+    await new Promise((resolve) => setTimeout(resolve, 300));
+  }
+}

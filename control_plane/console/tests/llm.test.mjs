@@ -8,22 +8,12 @@ import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import { join } from "node:path";
 import { after, before, test } from "node:test";
-import { ADMIN_TOKEN, BASE_URL, admin, assertNowhere, browserState, launch, newPage, screenshot, signIn, startNode } from "./helpers.mjs";
+import { ADMIN_TOKEN, BASE_URL, admin, assertNowhere, browserState, launch, newPage, screenshot, signIn, startNode, until } from "./helpers.mjs";
 
 const GGUF = join(process.cwd(), "..", "..", "build", "models", "SmolLM2-135M-Instruct.Q4_1.gguf");
 const POOL = { pool: "console-llm" };
 let browser;
 let node;
-
-async function until(what, check, timeoutMs = 60_000) {
-  const deadline = Date.now() + timeoutMs;
-  for (;;) {
-    const value = await check();
-    if (value) return value;
-    assert.ok(Date.now() < deadline, `timed out waiting for ${what}`);
-    await new Promise((resolve) => setTimeout(resolve, 300));
-  }
-}
 
 before(async () => {
   browser = await launch();

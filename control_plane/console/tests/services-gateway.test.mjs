@@ -9,22 +9,12 @@ import { randomBytes } from "node:crypto";
 import { mkdirSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { after, before, test } from "node:test";
-import { BASE_URL, WORKDIR, admin, assertNowhere, browserState, launch, newPage, screenshot, signIn, startNode } from "./helpers.mjs";
+import { BASE_URL, WORKDIR, admin, assertNowhere, browserState, launch, newPage, screenshot, signIn, startNode, until } from "./helpers.mjs";
 
 const POOL = { pool: "console-gateway" };
 let browser;
 let node;
 let nodeId;
-
-async function until(what, check, timeoutMs = 60_000) {
-  const deadline = Date.now() + timeoutMs;
-  for (;;) {
-    const value = await check();
-    if (value) return value;
-    assert.ok(Date.now() < deadline, `timed out waiting for ${what}`);
-    await new Promise((resolve) => setTimeout(resolve, 300));
-  }
-}
 
 before(async () => {
   browser = await launch();

@@ -20,22 +20,13 @@ import {
   screenshot,
   signIn,
   startNode,
+  until,
 } from "./helpers.mjs";
 
 const POOL = { pool: "console-work" };
 let browser;
 let node;
 let nodeId;
-
-async function until(what, check, timeoutMs = 60_000) {
-  const deadline = Date.now() + timeoutMs;
-  for (;;) {
-    const value = await check();
-    if (value) return value;
-    assert.ok(Date.now() < deadline, `timed out waiting for ${what}`);
-    await new Promise((resolve) => setTimeout(resolve, 300));
-  }
-}
 
 function pythonJob(source, extra = {}) {
   return {
