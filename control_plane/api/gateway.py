@@ -54,6 +54,7 @@ from control_plane.clock import Clock
 from control_plane.gateway.auth import GatewayAuth, GatewayDenied
 from control_plane.gateway.balancer import Admission, Balancer, Refused
 from control_plane.gateway.metrics import GatewayMetrics
+from control_plane.gateway.openai import llm_elsewhere
 from control_plane.gateway.paths import PREFIXES, Target, gateway_target
 from control_plane.gateway.routing import (
     ReplicaTarget,
@@ -77,6 +78,10 @@ _JSON = (b"content-type", b"application/json")
 ScaleUp = Callable[[ServiceTarget], Awaitable[None]]
 
 
+#: A request's or an answer's headers, as the ASGI server gives them.
+Headers = list[tuple[bytes, bytes]]
+
+
 @dataclass(frozen=True)
 class GatewayLimits:
     body_bytes: int = 64 * 1024 * 1024
@@ -94,7 +99,7 @@ class Answer:
 
     status: int
     body: object
-    extra: list[tuple[bytes, bytes]] = field(default_factory=list)
+    extra: Headers = field(default_factory=list)
     label: str = ""
 
 
@@ -108,9 +113,7 @@ class Prepared:
     grant: Grant
 
 
-def _refusal(
-    status: int, message: str, extra: list[tuple[bytes, bytes]] | None = None, label: str = ""
-) -> Answer:
+def _refusal(status: int, message: str, extra: Headers | None = None, label: str = "") -> Answer:
     return Answer(status, {"error": message}, extra or [], label)
 
 
@@ -186,13 +189,7 @@ class Gateway:
             self.traffic.ended(service.id)
 
     async def prepare(
-        self,
-        target: Target,
-        method: str,
-        headers: list[tuple[bytes, bytes]],
-        query: str,
-        *,
-        openai: bool = False,
+        self, target: Target, method: str, headers: Headers, query: str, openai: bool = False
     ) -> Answer | Prepared:
         """What a gateway request gets before any replica: the gateway's own answer (health,
         metadata, a refusal: counted in the metrics already; an ambiguous framing first, as
@@ -222,47 +219,33 @@ class Gateway:
         target: Target,
         snapshot: RoutingSnapshot,
         method: str,
-        headers: list[tuple[bytes, bytes]],
+        headers: Headers,
         query: str,
         openai: bool,
     ) -> Answer | Prepared:
         authorization = _header(headers, b"authorization")
-        service = snapshot.services.get(target.name)
-        if service is None and openai:  # an OpenAI call's model may be an alias
-            service = snapshot.services.get(snapshot.aliases.get(target.name, ""))
+        service = snapshot.named(target.name, alias=openai)  # an OpenAI call's model: an alias too
         # An unknown name is refused exactly as a known one with a missing or wrong token
         # (the same check, against no service: the same body, headers and reads), so the
         # answer confirms no name to one without its token.
         label = "" if service is None else service.name
+        key = ("", "") if service is None else (service.id, service.kind)
         try:
-            grant = await self.auth.authorize_async(
-                authorization,
-                "" if service is None else service.id,
-                "" if service is None else service.kind,
-            )
+            grant = await self.auth.authorize_async(authorization, *key)
         except GatewayDenied as denial:
             self.metrics.error(label, denial.cause)
             extra = [(k.lower().encode(), v.encode()) for k, v in denial.headers.items()]
             return _refusal(denial.status, denial.message, extra, label)
         if service is None:  # no grant opens no service: refused above
             raise AssertionError("a grant for no service")
+        if not openai and (elsewhere := llm_elsewhere(service, target.what, method)):
+            return _refusal(*elsewhere, label=label)
         if target.what in ("model", "model_ready") and service.kind != "onnx":
             message = (
-                f"service {service.name!r} is an LLM: call it with the OpenAI API at /v1 "
-                f"(model {service.name!r})"
-                if service.kind == "llm"
-                else f"service {service.name!r} runs a command, not a model: reach it at "
+                f"service {service.name!r} runs a command, not a model: reach it at "
                 f"/services/{service.name}/<path>"
             )
             return _refusal(404, message, label=label)
-        if service.kind == "llm" and not openai and method not in ("GET", "HEAD"):
-            # Generation goes through /v1 only, where its tokens are counted and limited.
-            message = (
-                f"service {service.name!r} is an LLM: call it with the OpenAI API at /v1 "
-                f"(model {service.name!r}); its engine's own routes at /services/"
-                f"{service.name}/<path> answer GET only"
-            )
-            return _refusal(405, message, [(b"allow", b"GET, HEAD")], label)
         if target.what == "model_ready":
             ready = bool(self.table.rotation(snapshot, service))
             body = {"name": service.name, "ready": ready}
@@ -494,16 +477,14 @@ _OVERSIZED = {
 }
 
 
-def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+def _header(headers: Headers, name: bytes) -> str | None:
     for key, value in headers:
         if key.lower() == name:
             return value.decode("latin-1")
     return None
 
 
-async def _answer(
-    send: Send, status: int, body: object, extra: list[tuple[bytes, bytes]] | None = None
-) -> int:
+async def _answer(send: Send, status: int, body: object, extra: Headers | None = None) -> int:
     data = json.dumps(body, separators=(",", ":")).encode()
     headers = [_JSON, (b"content-length", str(len(data)).encode()), *SECURITY_HEADERS]
     await send(
@@ -513,7 +494,5 @@ async def _answer(
     return status
 
 
-async def _error(
-    send: Send, status: int, message: str, extra: list[tuple[bytes, bytes]] | None = None
-) -> int:
+async def _error(send: Send, status: int, message: str, extra: Headers | None = None) -> int:
     return await _answer(send, status, {"error": message}, extra)

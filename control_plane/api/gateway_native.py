@@ -227,14 +227,10 @@ class NativeChannel(asyncio.Protocol):
             status, body = refused
             gateway.metrics.answered(label, status, gateway.clock.monotonic() - started)
             return _answer(ask, Answer(status, body, label=label))
-        limit = prepared.grant.tokens_per_minute
-        if call is not None and limit is not None and gateway.usage is not None:
-            if (wait := gateway.usage.wait_for(prepared.grant.token_id, limit)) is not None:
-                gateway.metrics.error(label, RATE_LIMITED)
-                gateway.metrics.answered(label, 429, gateway.clock.monotonic() - started)
-                status, body = openai.tokens_exhausted(limit, wait)
-                answer = Answer(status, body, [(b"retry-after", str(wait).encode())], label)
-                return _answer(ask, answer)
+        if call is not None and (spent := openai.tokens_spent(prepared.grant, gateway.usage)):
+            gateway.metrics.error(label, RATE_LIMITED)
+            gateway.metrics.answered(label, 429, gateway.clock.monotonic() - started)
+            return _answer(ask, Answer(429, spent[0], [(b"retry-after", spent[1])], label))
         gateway.traffic.began(service.id)
         try:
             await gateway.admit(label)

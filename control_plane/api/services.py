@@ -34,19 +34,21 @@ from control_plane.services import (
     rollout,
     sync,
 )
-from control_plane.services.schemas import (
+from control_plane.services.key_schemas import (
     AccessTokenCreate,
     AccessTokenMinted,
     AccessTokenPublic,
+    ApiKeyCreate,
+    ServiceUsage,
+    TokenUsage,
+)
+from control_plane.services.schemas import (
     AgentServicesDesired,
     AgentServicesSync,
-    ApiKeyCreate,
     ServiceCreate,
     ServiceEventPublic,
     ServicePublic,
     ServiceUpdate,
-    ServiceUsage,
-    TokenUsage,
 )
 
 router = APIRouter(

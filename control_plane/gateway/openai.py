@@ -13,7 +13,7 @@ rate, a replica), and here:
   exists or not, so a key learns no other service's name);
 - `max_tokens` (or `max_completion_tokens`) above the service's `llm.max_tokens` is 400;
 - a key whose calls of the last minute used its `tokens_per_minute` is 429 with `Retry-After`
-  (`tokens_exhausted`; the window is `gateway/usage.py`'s);
+  (`tokens_spent`; the window is `gateway/usage.py`'s);
 - every answer the gateway gives itself is reshaped to `{"error": {"message", "type", "param",
   "code"}}` with the same status. The engine's own answers (a prompt beyond the context is
   llama-server's 400) reach the client as the engine gave them.
@@ -32,6 +32,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from control_plane.gateway.routing import ServiceTarget
+from control_plane.gateway.usage import UsageBook
 from control_plane.models import Service
 from control_plane.services import aliases
 from control_plane.services.access_tokens import Grant
@@ -110,13 +111,40 @@ def refusal(service: ServiceTarget, call: Call) -> tuple[int, dict[str, Any]] | 
     return None
 
 
-def tokens_exhausted(limit: int, wait: int) -> tuple[int, dict[str, Any]]:
-    """429 for a key whose calls of the last minute used its `tokens_per_minute`."""
+def tokens_spent(grant: Grant, usage: UsageBook | None) -> tuple[dict[str, Any], bytes] | None:
+    """For a key whose calls of the last minute used its `tokens_per_minute`: the 429's body in
+    OpenAI's shape and its `Retry-After`; None while the key may call."""
+    limit = grant.tokens_per_minute
+    if limit is None or usage is None:
+        return None
+    wait = usage.wait_for(grant.token_id, limit)
+    if wait is None:
+        return None
     message = (
         f"This API key's limit of {limit} tokens per minute is reached. Retry after {wait} s; "
         "an administrator can mint a key with a higher tokens_per_minute."
     )
-    return 429, error_body(429, message, "tokens_per_minute_exceeded")
+    return error_body(429, message, "tokens_per_minute_exceeded"), str(wait).encode()
+
+
+def llm_elsewhere(
+    service: ServiceTarget, what: str, method: str
+) -> tuple[int, str, list[tuple[bytes, bytes]]] | None:
+    """An LLM service reached outside `/v1` (None: it may be): the Open Inference Protocol's
+    paths are not its (404), and at `/services/{name}/` its engine's routes answer `GET` and
+    `HEAD` only (405): generation goes through `/v1`, where its tokens are counted and limited."""
+    if service.kind != "llm":
+        return None
+    where = f"service {service.name!r} is an LLM: call it with the OpenAI API at /v1"
+    if what in ("model", "model_ready"):
+        return 404, f"{where} (model {service.name!r})", []
+    if method not in ("GET", "HEAD"):
+        message = (
+            f"{where} (model {service.name!r}); its engine's own routes at "
+            f"/services/{service.name}/<path> answer GET only"
+        )
+        return 405, message, [(b"allow", b"GET, HEAD")]
+    return None
 
 
 def reshaped(status: int, body: Any, call: Call, *, key_valid: bool) -> tuple[int, dict[str, Any]]:

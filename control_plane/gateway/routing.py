@@ -89,6 +89,13 @@ class RoutingSnapshot:
     heartbeats: dict[str, datetime | None] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
 
+    def named(self, name: str, *, alias: bool = False) -> ServiceTarget | None:
+        """The service `name` names (with `alias`, also the LLM service it is an alias of)."""
+        found = self.services.get(name)
+        if found is None and alias:
+            found = self.services.get(self.aliases.get(name, ""))
+        return found
+
 
 #: Reads a snapshot (blocking: it runs on a worker thread).
 SnapshotReader = Callable[[], RoutingSnapshot]

@@ -28,8 +28,8 @@ from control_plane.db import rowcount
 from control_plane.errors import Conflict, InvalidRequest, NotFound
 from control_plane.models import AccessTokenService, Service, ServiceAccessToken
 from control_plane.security import new_id, sha256_hex
+from control_plane.services.key_schemas import AccessTokenCreate, AccessTokenPublic, ApiKeyCreate
 from control_plane.services.lifecycle import get_service
-from control_plane.services.schemas import AccessTokenCreate, AccessTokenPublic, ApiKeyCreate
 
 TOKEN_PREFIX = "mfs_"  # noqa: S105 - a prefix, not a secret
 #: The characters of a token a list shows: its prefix and 6 of its 43 random ones.

@@ -26,7 +26,7 @@ from control_plane.gateway.balancer import Admission, Balancer, Refused
 from control_plane.gateway.routing import ReplicaTarget
 from control_plane.models import Service, ServiceReplica
 from control_plane.services import access_tokens
-from control_plane.services.schemas import AccessTokenCreate
+from control_plane.services.key_schemas import AccessTokenCreate
 from modelforge_contracts.tunnel import (
     MAX_PAYLOAD,
     TUNNEL_PATH,

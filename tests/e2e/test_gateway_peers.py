@@ -44,7 +44,7 @@ from control_plane.gateway.peer_signature import (
 from control_plane.gateway.peers import PEER_PREFIX
 from control_plane.models import GatewayPeerKey, GatewayTunnel, Service, ServiceReplica
 from control_plane.services import access_tokens
-from control_plane.services.schemas import AccessTokenCreate
+from control_plane.services.key_schemas import AccessTokenCreate
 from node_agent.tunnel import RELAY, NativeTunnel
 from tests.e2e.server import FAST, LiveServer
 from tests.factories import heartbeat_body

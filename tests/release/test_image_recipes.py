@@ -47,7 +47,8 @@ def _config(component: str, flavour: str) -> bytes:
 
 
 # The config digests the builds gave before the build was split into modules; the cuda worker's
-# changed on purpose when its LD_LIBRARY_PATH came to list every NVIDIA library directory.
+# changed on purpose when its LD_LIBRARY_PATH came to list every NVIDIA library directory, and
+# both workers' when they came to carry llama-server (MODELFORGE_WORKER_LLAMA_SERVER).
 CONFIG_DIGESTS = {
     ("control-plane", "cuda", "control-plane.lock"): (
         "sha256:42e3d1a0a250974e80c7a236e8f9e1661f0268c28de1619f8b739cda29ae464b"
@@ -56,10 +57,10 @@ CONFIG_DIGESTS = {
         "sha256:0a3ff2091648c078d5dca6be401d4df2ff65365a53d5c0e3e068268f65e2e3fd"
     ),
     ("runtime-worker", "cpu", "runtime-worker.lock"): (
-        "sha256:18b5daac3bb91f389e96da72166a5dfc47b89267791e73c13bd64a71e24559e8"
+        "sha256:94f581829526aa97e36bf1245f884465a2608f620c37bccdf907be5192f7fcfa"
     ),
     ("runtime-worker", "cuda", "runtime-worker-cuda.lock"): (
-        "sha256:b2ee5a92b9fa103de33230f7eb0a974736513843096229cccccd270c0693a9b8"
+        "sha256:43308a1f644fc9f3ba29bfc15b56b3ee1ab522c01fe98f014aff2d4364c3eb63"
     ),
 }
 
@@ -92,7 +93,11 @@ def test_config_runs_the_component_as_the_image_user() -> None:
 def test_only_the_runtime_worker_has_a_flavour() -> None:
     assert images.COMPONENTS == COMPONENTS
     assert recipe("runtime-worker", "cpu").labels == (("io.modelforge.flavour", "cpu"),)
-    assert recipe("runtime-worker", "cpu").env == ()
+    # Its one variable says where the llama-server both flavours carry is.
+    assert recipe("runtime-worker", "cpu").env == (
+        "MODELFORGE_WORKER_LLAMA_SERVER=/opt/modelforge/bin/llama-server",
+    )
+    assert recipe("runtime-worker", "cpu").programs == recipe("runtime-worker", "cuda").programs
     assert recipe("node-agent", "cpu") == recipe("node-agent", "cuda")
     assert recipe("control-plane", "cpu") == recipe("control-plane", "cuda")
 

@@ -44,10 +44,18 @@ test("an LLM service: its OpenAI address, a chat streamed in the playground, usa
   });
   const uploaded = await upload.json();
   assert.ok([200, 201].includes(upload.status), JSON.stringify(uploaded));
-  const deployed = await admin("POST", "/api/v1/services", {
-    name: "console-llm",
+  // A model names the weights, so they stay referenced after the service is undeployed (the
+  // artifacts test's sweep counts only its own orphan).
+  const model = await admin("POST", "/api/v1/models", {
+    name: "console-smollm2",
+    version: "1",
     runner: "llama.cpp",
     weights: uploaded.digest,
+  });
+  assert.equal(model.status, 201, JSON.stringify(model.body));
+  const deployed = await admin("POST", "/api/v1/services", {
+    name: "console-llm",
+    model: "console-smollm2@1",
     llm: { context_length: 512, slots: 1 },
     aliases: ["console-gpt"],
     labels: POOL,
