@@ -100,6 +100,10 @@ _ALONE = (
     "tests/runtime_worker/test_serving_hostile.py::test_slow_clients_holding_200_connections_cost",
     "tests/e2e/test_node_agent.py::test_control_plane_outage_backs_off_and_recovers",
     "tests/e2e/test_node_agent.py::test_an_incompatible_runtime_worker_marks_the_node",
+    # Two control planes forwarding to each other (the Python gateway's peer path): under the
+    # parallel run's load a readiness wait or a retry ran out now and then (two of five CI
+    # replicas, stops 48 and 49), never alone; the one-data-path issue replaces this path.
+    "tests/e2e/test_gateway_peers.py::",
 )
 
 

@@ -133,10 +133,19 @@ class _Node:
                 self.stop.wait(0.3)
 
 
-def _wait(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+def _wait(check: Callable[[], object], what: str, timeout: float = 30.0) -> None:
+    """Until `check` gives a truthy value or a 200 answer; past `timeout`, fails with what it
+    last gave (an answer's status and body)."""
     deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting: {what}"
+    while True:
+        last = check()
+        if isinstance(last, httpx.Response):
+            if last.status_code == 200:
+                return
+            last = f"{last.status_code} {last.text[:300]}"
+        elif last:
+            return
+        assert time.monotonic() < deadline, f"timed out waiting: {what} (last: {last})"
         time.sleep(0.1)
 
 
@@ -348,7 +357,7 @@ def test_through_the_holder_the_path_arrives_as_sent_and_no_failure_can_be_forge
     on_a = _node(pair, pair.a, "node-a", "r-a")
     token = pair.service("echo", {"r-a": on_a.node_id})
     _wait(
-        lambda: httpx.get(f"{pair.b.url}/services/echo/x", headers=token).status_code == 200,
+        lambda: httpx.get(f"{pair.b.url}/services/echo/x", headers=token),
         "the service answering at B's gateway",
     )
     for server in (pair.a, pair.b):  # A holds node-a's tunnel; B forwards through A
@@ -395,7 +404,7 @@ def test_a_peer_request_captured_on_the_wire_is_refused_when_replayed(
     token = pair.service("echo", {"r-a": on_a.node_id})
     body = bytes(range(256)) * 400  # 100 KiB: several frames
     _wait(
-        lambda: httpx.get(f"{pair.b.url}/services/echo/x", headers=token).status_code == 200,
+        lambda: httpx.get(f"{pair.b.url}/services/echo/x", headers=token),
         "the service answering at B's gateway through the relay",
     )
     for sent in relay.sent:  # B's connection to A may be kept alive: from here on
@@ -490,7 +499,7 @@ def test_a_holder_gone_is_a_transport_failure_retried_on_another_replica(pair: _
         return seen
 
     _wait(
-        lambda: httpx.get(f"{pair.b.url}/services/echo/x", headers=token).status_code == 200,
+        lambda: httpx.get(f"{pair.b.url}/services/echo/x", headers=token),
         "the service answering at B's gateway",
     )
     assert replicas_answering(10) == {"node-a", "node-b"}  # both tunnels, through one gateway
