@@ -38,6 +38,7 @@ from control_plane.api import (
     metrics,
     models,
     openai_models,
+    people,
     provisioning,
     public,
     resources,
@@ -184,6 +185,8 @@ def create_front(
     app.include_router(resources.router)
     app.include_router(tunnel.router)
     app.include_router(openai_models.router)
+    app.include_router(people.users)
+    app.include_router(people.me)
     console.mount_console(app)
     front = compose_front(app, ctx)
     app.state.gateway = front.gateway  # the OpenAI API's `GET /v1/models` checks keys with it

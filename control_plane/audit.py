@@ -47,6 +47,11 @@ ACTIONS = frozenset(
         "secret.rotate_key",
         "artifact.sweep",
         "artifact.upload",
+        "user.create",
+        "user.update",
+        "user.delete",
+        "api_key.create",
+        "api_key.revoke",
     }
 )
 ADMIN_TOKEN_ACTOR = "admin-token"  # noqa: S105 - an actor name, not a token

@@ -46,6 +46,10 @@ class AppContext:
     #: This app's Prometheus instruments and registry (`GET /metrics`).
     metrics: Metrics = field(default_factory=Metrics)
     sign_in_throttle: SignInThrottle = field(default_factory=SignInThrottle)
+    #: Wrong passwords per client address, counted apart from wrong admin tokens.
+    password_throttle: SignInThrottle = field(
+        default_factory=lambda: SignInThrottle(what="passwords", source="your name and password")
+    )
     #: Outages of the database, each logged once (the app factory makes it watch `engine`); its
     #: settling second counted on `clock`.
     database: DatabaseAvailability = field(init=False)

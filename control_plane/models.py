@@ -27,6 +27,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
+from control_plane.people_tables import ApiKey, User
 from control_plane.service_tables import (
     SERVICES,
     AccessTokenService,
@@ -49,6 +50,7 @@ __all__ = [
     "NAMING_CONVENTION",
     "SERVICES",
     "AccessTokenService",
+    "ApiKey",
     "Artifact",
     "ArtifactUpload",
     "AuditEntry",
@@ -80,6 +82,7 @@ __all__ = [
     "SigningKey",
     "TelemetrySample",
     "UTCDateTime",
+    "User",
 ]
 
 
@@ -436,6 +439,10 @@ class ConsoleSession(Base):
     id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
     created_at: Mapped[datetime]
     expires_at: Mapped[datetime] = mapped_column(index=True)
+    #: The user a password sign-in made it for; None for one made with the admin token.
+    user_id: Mapped[str | None] = mapped_column(
+        ForeignKey("users.id", ondelete="CASCADE"), index=True
+    )
 
 
 #: The Core tables of `Job` and `JobEvent`, for bulk statements (executemany with bind

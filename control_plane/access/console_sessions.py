@@ -1,4 +1,5 @@
-"""Console sessions: the admin token is exchanged once for a short-lived session.
+"""Console sessions: the admin token, or a user's name and password, is exchanged once for a
+short-lived session.
 
 The cookie carries a random session id; the database keeps only its SHA-256. The CSRF token is
 an HMAC of the session id, so it is bound to exactly one session and never stored. Ending a
@@ -24,13 +25,15 @@ from control_plane.errors import AdminAuthError, CsrfError, TooManyRequests
 from control_plane.models import ConsoleSession
 from control_plane.security import sha256_hex
 
-_SIGN_IN_AGAIN = "Sign in to the console again with the admin token."
+_SIGN_IN_AGAIN = "Sign in to the console again (your name and password, or the admin token)."
 
 
 @dataclass(frozen=True)
 class SignedIn:
     session_id: str = field(repr=False)
     expires_at: datetime
+    #: The user a password sign-in made it for; None: made with the admin token.
+    user_id: str | None = None
 
     @property
     def csrf_token(self) -> str:
@@ -44,9 +47,19 @@ class SignInThrottle:
     refusal tells a guesser nothing — until the oldest of them leaves the window. In memory, per
     process; a right token (accepted while not refused) clears the address's record."""
 
-    def __init__(self, *, limit: int = 10, window: timedelta = timedelta(minutes=5)) -> None:
+    def __init__(
+        self,
+        *,
+        limit: int = 10,
+        window: timedelta = timedelta(minutes=5),
+        what: str = "admin tokens",
+        source: str = "the token from the control plane's admin-token file or "
+        "MODELFORGE_ADMIN_TOKEN",
+    ) -> None:
         self.limit = limit
         self.window = window
+        #: What is guessed, and where the right one comes from (the refusal names both).
+        self.what, self.source = what, source
         self._failures: dict[str, deque[datetime]] = {}
         self._lock = threading.Lock()
 
@@ -59,10 +72,9 @@ class SignInThrottle:
                 return
             wait = int((failures[0] + self.window - now).total_seconds()) + 1
         raise TooManyRequests(
-            f"Too many wrong admin tokens from this address ({self.limit} within "
+            f"Too many wrong {self.what} from this address ({self.limit} within "
             f"{int(self.window.total_seconds() // 60)} minutes).",
-            f"Wait {wait} s, then {then} with the token from the control plane's admin-token "
-            "file or MODELFORGE_ADMIN_TOKEN.",
+            f"Wait {wait} s, then {then} with {self.source}.",
             code="SIGN_IN_RATE_LIMITED",
         )
 
@@ -88,13 +100,21 @@ def csrf_token_for(session_id: str) -> str:
     return hmac.new(session_id.encode(), b"modelforge-console-csrf", hashlib.sha256).hexdigest()
 
 
-def start_session(*, session: Session, clock: Clock, lifetime: timedelta) -> SignedIn:
+def start_session(
+    *, session: Session, clock: Clock, lifetime: timedelta, user_id: str | None = None
+) -> SignedIn:
+    """A new session (a new random id at every sign-in: a session id is never carried over)."""
     session_id = secrets.token_urlsafe(32)
     now = clock.now()
     session.add(
-        ConsoleSession(id_hash=sha256_hex(session_id), created_at=now, expires_at=now + lifetime)
+        ConsoleSession(
+            id_hash=sha256_hex(session_id),
+            created_at=now,
+            expires_at=now + lifetime,
+            user_id=user_id,
+        )
     )
-    return SignedIn(session_id=session_id, expires_at=now + lifetime)
+    return SignedIn(session_id=session_id, expires_at=now + lifetime, user_id=user_id)
 
 
 def find_session(*, session: Session, clock: Clock, session_id: str) -> SignedIn:
@@ -109,7 +129,7 @@ def find_session(*, session: Session, clock: Clock, session_id: str) -> SignedIn
         raise AdminAuthError(
             "This console session has expired.", _SIGN_IN_AGAIN, code="SESSION_EXPIRED"
         )
-    return SignedIn(session_id=session_id, expires_at=row.expires_at)
+    return SignedIn(session_id=session_id, expires_at=row.expires_at, user_id=row.user_id)
 
 
 def check_csrf(signed_in: SignedIn, presented: str | None) -> None:

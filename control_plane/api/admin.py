@@ -8,7 +8,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request, Response, status
 
-from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
+from control_plane.access.roles import Area
+from control_plane.api.deps import AuditDep, ContextDep, SessionDep, needs
 from control_plane.api.routing import LaneRoute
 from control_plane.context import AppContext
 from control_plane.fleet import enrollments, gpu_admin, node_admin, node_setup, nodes, readiness
@@ -39,7 +40,7 @@ from control_plane.scheduling.waiting import could_run_on
 from control_plane.schemas import ResourceId
 
 router = APIRouter(
-    prefix="/api/v1/admin", tags=["admin"], dependencies=[AdminDep], route_class=LaneRoute
+    prefix="/api/v1/admin", tags=["admin"], dependencies=[needs(Area.FLEET)], route_class=LaneRoute
 )
 
 
@@ -316,7 +317,7 @@ def revoke_credential(
     return _credential_public(row)
 
 
-@router.post("/signing-key/rotate", response_model=KeyRotation)
+@router.post("/signing-key/rotate", response_model=KeyRotation, dependencies=[needs(Area.PEOPLE)])
 def rotate_signing_key(ctx: ContextDep, session: SessionDep, audit: AuditDep) -> KeyRotation:
     audit("signing_key.rotate", "signing key")
     kid, revoked = ctx.authority.rotate(session)

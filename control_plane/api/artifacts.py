@@ -8,7 +8,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Query
 
-from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
+from control_plane.access.roles import Area
+from control_plane.api.deps import AuditDep, ContextDep, SessionDep, needs
 from control_plane.api.routing import LaneRoute
 from control_plane.artifacts import sweep
 from control_plane.artifacts.schemas import (
@@ -19,7 +20,7 @@ from control_plane.artifacts.schemas import (
 from modelforge_contracts.digests import DIGEST_PATTERN
 
 router = APIRouter(
-    prefix="/api/v1", tags=["artifacts"], dependencies=[AdminDep], route_class=LaneRoute
+    prefix="/api/v1", tags=["artifacts"], dependencies=[needs(Area.WORK)], route_class=LaneRoute
 )
 
 
@@ -35,7 +36,11 @@ def list_artifacts(
     return [ArtifactListed.model_validate(row) for row in rows]
 
 
-@router.post("/admin/artifacts/sweep", response_model=ArtifactSweepReport)
+@router.post(
+    "/admin/artifacts/sweep",
+    response_model=ArtifactSweepReport,
+    dependencies=[needs(Area.FLEET)],
+)
 def sweep_artifacts(
     ctx: ContextDep,
     session: SessionDep,

@@ -9,12 +9,13 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from control_plane import audit as audit_log
-from control_plane.api.deps import AdminDep, SessionDep
+from control_plane.access.roles import Area
+from control_plane.api.deps import SessionDep, needs
 from control_plane.api.routing import LaneRoute
 from control_plane.schemas import DB_INT_MAX, AuditEntryPublic
 
 router = APIRouter(
-    prefix="/api/v1/admin", tags=["admin"], dependencies=[AdminDep], route_class=LaneRoute
+    prefix="/api/v1/admin", tags=["admin"], dependencies=[needs(Area.AUDIT)], route_class=LaneRoute
 )
 
 

@@ -1,9 +1,9 @@
 """The web console: its sign-in session endpoints, and its built single-page app
 served at `/`.
 
-Signing in exchanges the admin token for an HttpOnly, SameSite=Strict cookie (Secure over TLS);
-the console keeps the CSRF token in memory and sends it with every change. The admin token
-itself is never stored by the browser.
+Signing in exchanges the admin token, or a user's name and password, for an HttpOnly,
+SameSite=Strict cookie (Secure over TLS); the console keeps the CSRF token in memory and sends it
+with every change. Neither the admin token nor a password is stored by the browser.
 """
 
 from __future__ import annotations
@@ -15,17 +15,20 @@ from fastapi import APIRouter, FastAPI, Request, Response, status
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
-from control_plane.access import console_sessions
+from control_plane.access import console_sessions, people
+from control_plane.access.roles import Role
 from control_plane.access.schemas import ConsoleSessionInfo, SignInRequest
 from control_plane.api.deps import (
     SESSION_COOKIE,
     ContextDep,
     SessionDep,
     check_admin_token,
+    client_address,
     console_session,
 )
 from control_plane.api.routing import LaneRoute
 from control_plane.errors import AdminAuthError
+from control_plane.models import User
 
 CONSOLE_DIST = Path(__file__).resolve().parent.parent / "console" / "dist"
 #: The console's routes (client-side); each serves index.html.
@@ -64,10 +67,24 @@ def _is_tls(request: Request, public_url: str | None) -> bool:
 def sign_in(
     body: SignInRequest, request: Request, response: Response, ctx: ContextDep, session: SessionDep
 ) -> ConsoleSessionInfo:
-    check_admin_token(request, ctx, body.admin_token.get_secret_value(), then="sign in")
+    user = None
+    if body.admin_token is not None:
+        check_admin_token(request, ctx, body.admin_token.get_secret_value(), then="sign in")
+    else:  # the body's rule: the name and the password (anything missing fails the check)
+        user = people.check_password(
+            session=session,
+            clock=ctx.clock,
+            throttle=ctx.password_throttle,
+            address=client_address(request),
+            name=body.name or "",
+            password=body.password.get_secret_value() if body.password else "",
+        )
     lifetime = ctx.settings.console_session_seconds
     signed_in = console_sessions.start_session(
-        session=session, clock=ctx.clock, lifetime=timedelta(seconds=lifetime)
+        session=session,
+        clock=ctx.clock,
+        lifetime=timedelta(seconds=lifetime),
+        user_id=None if user is None else user.id,
     )
     response.set_cookie(
         SESSION_COOKIE,
@@ -79,15 +96,31 @@ def sign_in(
         secure=_is_tls(request, ctx.settings.public_url),
     )
     response.headers["Cache-Control"] = "no-store"
-    return ConsoleSessionInfo(csrf_token=signed_in.csrf_token, expires_at=signed_in.expires_at)
+    return _info(signed_in, user)
 
 
 @router.get("/session", response_model=ConsoleSessionInfo)
 def current_session(request: Request, response: Response, ctx: ContextDep) -> ConsoleSessionInfo:
-    """Lets a reloaded console recover its CSRF token; readable only by the same origin."""
+    """Lets a reloaded console recover its CSRF token and who is signed in; readable only by the
+    same origin."""
     signed_in = console_session(request, ctx, _cookie(request))
     response.headers["Cache-Control"] = "no-store"
-    return ConsoleSessionInfo(csrf_token=signed_in.csrf_token, expires_at=signed_in.expires_at)
+    user = None
+    if signed_in.user_id is not None:
+        with ctx.read_session_factory() as session:
+            user = session.get(User, signed_in.user_id)
+    return _info(signed_in, user)
+
+
+def _info(signed_in: console_sessions.SignedIn, user: User | None) -> ConsoleSessionInfo:
+    if user is None:
+        return ConsoleSessionInfo(csrf_token=signed_in.csrf_token, expires_at=signed_in.expires_at)
+    return ConsoleSessionInfo(
+        csrf_token=signed_in.csrf_token,
+        expires_at=signed_in.expires_at,
+        user=user.name,
+        role=Role(user.role),
+    )
 
 
 @router.delete("/session", status_code=status.HTTP_204_NO_CONTENT)
@@ -114,7 +147,7 @@ def _cookie(request: Request) -> str:
     if not session_id:
         raise AdminAuthError(
             "Not signed in to the console.",
-            "Sign in with the admin token.",
+            "Sign in with your name and password, or the admin token.",
             code="SESSION_MISSING",
         )
     return session_id

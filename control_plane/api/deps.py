@@ -1,20 +1,24 @@
-"""Named dependencies: the app context, a database session, the admin and node principals."""
+"""Named dependencies: the app context, a database session, who a request acts as (a person, a
+key, the admin token: `needs(area)` checks the role) and the node principal."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Header, Request
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
-from control_plane.access import admin_token, console_sessions
+from control_plane.access import admin_token, console_sessions, people
 from control_plane.access.console_sessions import SignedIn
+from control_plane.access.principals import Principal
+from control_plane.access.roles import Area, Role, Scope
 from control_plane.audit import ADMIN_TOKEN_ACTOR, Audit, console_actor
 from control_plane.context import AppContext
 from control_plane.errors import AdminAuthError, CredentialError, refusal_for
 from control_plane.fleet.credentials import NodePrincipal
+from control_plane.models import User
 from control_plane.security import sha256_hex
 
 
@@ -45,28 +49,91 @@ CSRF_HEADER = "X-ModelForge-CSRF"
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
-def require_admin(
+def current_principal(
     request: Request,
     ctx: ContextDep,
     token: Annotated[
         str | None, Header(alias="X-ModelForge-Admin-Token", include_in_schema=True)
     ] = None,
-) -> None:
-    """The admin token header (scripts), or a console session cookie plus, for any change, the
-    session's CSRF token. A cookie alone never authorises a change."""
+    authorization: Annotated[str | None, Header(include_in_schema=True)] = None,
+) -> Principal:
+    """Who the request acts as: the admin token header (break-glass, scripts), a personal API
+    key (`Authorization: Bearer mfk_...`), or a console session cookie plus, for any change, the
+    session's CSRF token (a cookie alone never authorises a change). A disabled user's session
+    or key stops here, at its next request."""
+    principal = _principal(request, ctx, token, authorization)
+    request.state.actor = principal.actor
+    return principal
+
+
+def _principal(
+    request: Request, ctx: AppContext, token: str | None, authorization: str | None
+) -> Principal:
     if token:
         check_admin_token(request, ctx, token, then="send the X-ModelForge-Admin-Token header")
-        request.state.actor = ADMIN_TOKEN_ACTOR
-        return
+        return BREAK_GLASS
+    scheme, _, presented = (authorization or "").partition(" ")
+    presented = presented.strip()
+    if scheme.lower() == "bearer" and presented.startswith(people.KEY_PREFIX):
+        with ctx.read_session_factory() as session:
+            key, user = people.find_key(session, ctx.clock, presented)
+        return Principal(
+            actor=f"user:{user.name} key:{key.id[4:12]}",
+            role=Role(user.role),
+            via="key",
+            user_id=user.id,
+            user_name=user.name,
+            scopes=frozenset(Scope(scope) for scope in key.scopes),
+            key_id=key.id,
+        )
     session_id = request.cookies.get(SESSION_COOKIE)
     if not session_id:
         raise AdminAuthError(
-            "This endpoint needs the admin token or a console session.",
-            "Send the X-ModelForge-Admin-Token header, or sign in to the console.",
+            "This endpoint needs a signed-in user, a personal API key or the admin token.",
+            "Sign in to the console, send `Authorization: Bearer <key>` (docs/access.md), or "
+            "send the X-ModelForge-Admin-Token header.",
             code="ADMIN_TOKEN_MISSING",
         )
-    console_session(request, ctx, session_id)
-    request.state.actor = console_actor(sha256_hex(session_id))
+    signed_in = console_session(request, ctx, session_id)
+    if signed_in.user_id is None:
+        return Principal(
+            actor=console_actor(sha256_hex(session_id)), role=Role.ADMIN, via="session"
+        )
+    with ctx.read_session_factory() as session:
+        person = session.get(User, signed_in.user_id)
+        if person is None or person.disabled:
+            raise AdminAuthError(
+                "This console session's user is disabled.",
+                "Ask an admin to enable the user again, then sign in.",
+                code="USER_DISABLED",
+            )
+        return Principal(
+            actor=f"user:{person.name}",
+            role=Role(person.role),
+            via="session",
+            user_id=person.id,
+            user_name=person.name,
+        )
+
+
+PrincipalDep = Annotated[Principal, Depends(current_principal)]
+BREAK_GLASS = Principal(actor=ADMIN_TOKEN_ACTOR, role=Role.ADMIN, via="admin-token")
+
+
+class _Needs:
+    """The one role check of a route: its area, read by GET and HEAD, changed by the rest."""
+
+    def __init__(self, area: Area) -> None:
+        self.area = area
+
+    def __call__(self, request: Request, principal: PrincipalDep) -> Principal:
+        principal.check(self.area, request.method not in _READ_METHODS)
+        return principal
+
+
+def needs(area: Area) -> Any:
+    """The dependency a router (or a route narrower than its router) names its area with."""
+    return Depends(_Needs(area))
 
 
 def console_session(request: Request, ctx: AppContext, session_id: str) -> SignedIn:
@@ -101,9 +168,6 @@ def check_admin_token(request: Request, ctx: AppContext, token: str, *, then: st
         presented=token,
         then=then,
     )
-
-
-AdminDep = Depends(require_admin)
 
 
 def get_audit(request: Request, ctx: ContextDep, session: SessionDep) -> Iterator[Audit]:

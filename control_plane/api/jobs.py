@@ -9,7 +9,8 @@ from fastapi.responses import FileResponse
 from pydantic import StringConstraints
 from sqlalchemy.orm import Session
 
-from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
+from control_plane.access.roles import Area
+from control_plane.api.deps import AuditDep, ContextDep, SessionDep, needs
 from control_plane.api.ranges import artifact_response
 from control_plane.api.routing import LaneRoute
 from control_plane.artifacts import store
@@ -33,7 +34,9 @@ LabelFilter = Annotated[str, StringConstraints(pattern=r"^[^=]{1,100}=.{0,200}$"
 #: Each filter is one more condition in the query (SQLite refuses a deep expression tree).
 MAX_LABEL_FILTERS = 32
 
-router = APIRouter(prefix="/api/v1", tags=["jobs"], dependencies=[AdminDep], route_class=LaneRoute)
+router = APIRouter(
+    prefix="/api/v1", tags=["jobs"], dependencies=[needs(Area.WORK)], route_class=LaneRoute
+)
 
 
 def _public(ctx: AppContext, job: Job, session: Session) -> JobPublic:

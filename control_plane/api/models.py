@@ -7,14 +7,15 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, status
 
-from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
+from control_plane.access.roles import Area
+from control_plane.api.deps import AuditDep, ContextDep, SessionDep, needs
 from control_plane.api.routing import LaneRoute
 from control_plane.catalog import catalog
 from control_plane.catalog.schemas import ModelCreate, ModelPublic
 from control_plane.schemas import ResourceId
 
 router = APIRouter(
-    prefix="/api/v1", tags=["models"], dependencies=[AdminDep], route_class=LaneRoute
+    prefix="/api/v1", tags=["models"], dependencies=[needs(Area.WORK)], route_class=LaneRoute
 )
 
 

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from control_plane.api.deps import AdminDep, ContextDep, SessionDep
+from control_plane.access.roles import Area
+from control_plane.api.deps import ContextDep, SessionDep, needs
 from control_plane.api.routing import LaneRoute
 from control_plane.provisioning import views
 from control_plane.provisioning.schemas import ProvisionerPublic
 
 router = APIRouter(
-    prefix="/api/v1/admin", tags=["provisioning"], dependencies=[AdminDep], route_class=LaneRoute
+    prefix="/api/v1/admin",
+    tags=["provisioning"],
+    dependencies=[needs(Area.FLEET)],
+    route_class=LaneRoute,
 )
 
 

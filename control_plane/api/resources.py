@@ -9,14 +9,15 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from control_plane.api.deps import AdminDep, ContextDep, SessionDep
+from control_plane.access.roles import Area
+from control_plane.api.deps import ContextDep, SessionDep, needs
 from control_plane.api.routing import LaneRoute
 from control_plane.provisioning.views import provisioning_status
 from control_plane.scheduling import resources
 from control_plane.scheduling.schemas import ResourcesView
 
 router = APIRouter(
-    prefix="/api/v1/admin", tags=["admin"], dependencies=[AdminDep], route_class=LaneRoute
+    prefix="/api/v1/admin", tags=["admin"], dependencies=[needs(Area.FLEET)], route_class=LaneRoute
 )
 
 

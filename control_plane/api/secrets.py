@@ -7,13 +7,17 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, status
 
-from control_plane.api.deps import AdminDep, AuditDep, ContextDep, SessionDep
+from control_plane.access.roles import Area
+from control_plane.api.deps import AuditDep, ContextDep, SessionDep, needs
 from control_plane.api.routing import LaneRoute
 from control_plane.vault import vault
 from control_plane.vault.schemas import SecretPublic, SecretPut
 
 router = APIRouter(
-    prefix="/api/v1/admin/secrets", tags=["secrets"], dependencies=[AdminDep], route_class=LaneRoute
+    prefix="/api/v1/admin/secrets",
+    tags=["secrets"],
+    dependencies=[needs(Area.WORK)],
+    route_class=LaneRoute,
 )
 
 SecretNamePath = Annotated[str, Path(pattern=r"^[A-Z_][A-Z0-9_]{0,99}$")]
@@ -43,7 +47,7 @@ def delete_secret(name: SecretNamePath, session: SessionDep, audit: AuditDep) ->
     vault.delete_secret(session=session, name=name)
 
 
-@router.post("/rotate-key")
+@router.post("/rotate-key", dependencies=[needs(Area.PEOPLE)])
 def rotate_secret_key(ctx: ContextDep, session: SessionDep, audit: AuditDep) -> dict[str, object]:
     """A new encryption key; every secret re-encrypted with it in one transaction. The old key
     file stays in `<data dir>/secret-keys/` until you delete it."""

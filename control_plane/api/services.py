@@ -9,13 +9,14 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response, status
 from sqlalchemy.orm import Session
 
+from control_plane.access.roles import Area
 from control_plane.api.deps import (
-    AdminDep,
     AuditDep,
     ContextDep,
     NodeDep,
     SessionDep,
     client_address,
+    needs,
 )
 from control_plane.api.routing import LaneRoute
 from control_plane.context import AppContext
@@ -52,7 +53,7 @@ from control_plane.services.schemas import (
 )
 
 router = APIRouter(
-    prefix="/api/v1", tags=["services"], dependencies=[AdminDep], route_class=LaneRoute
+    prefix="/api/v1", tags=["services"], dependencies=[needs(Area.WORK)], route_class=LaneRoute
 )
 agent_router = APIRouter(prefix="/api/v1/agent", tags=["agent"], route_class=LaneRoute)
 

@@ -40,6 +40,12 @@ AUDITED = {
     "DELETE /api/v1/services/{service_id}/access-tokens/{token_id}": "service_token.revoke",
     "POST /api/v1/access-tokens": "access_token.create",
     "DELETE /api/v1/access-tokens/{token_id}": "access_token.revoke",
+    "POST /api/v1/users": "user.create",
+    "PATCH /api/v1/users/{name}": "user.update",
+    "DELETE /api/v1/users/{name}": "user.delete",
+    "POST /api/v1/me/keys": "api_key.create",
+    "DELETE /api/v1/me/keys/{key_id}": "api_key.revoke",
+    "DELETE /api/v1/users/{name}/keys/{key_id}": "api_key.revoke",
 }
 #: Routes that change nothing an operator administers: a check that only reads the release
 #: manifest, the start command (its token was minted, and audited, already), and signing in or
@@ -151,6 +157,29 @@ def test_each_admin_action_is_audited_with_its_target_and_no_secret(
         _ok(client.delete("/api/v1/admin/secrets/HF_TOKEN", headers=admin), 204)
         done.append(("secret.delete", "HF_TOKEN"))
 
+        password = "a passphrase of ada's"  # noqa: S105
+        person = {"name": "ada", "role": "admin", "password": password}
+        _ok(client.post("/api/v1/users", headers=admin, json=person), 201)
+        done.append(("user.create", "ada"))
+        csrf = _ok(
+            client.post("/api/v1/console/session", json={"name": "ada", "password": password}),
+            201,
+        )["csrf_token"]
+        as_ada = {"X-ModelForge-CSRF": csrf}
+        mine = {"name": "laptop", "scopes": ["read"]}
+        first = _ok(client.post("/api/v1/me/keys", headers=as_ada, json=mine), 201)
+        done.append(("api_key.create", "laptop"))
+        _ok(client.delete(f"/api/v1/me/keys/{first['id']}", headers=as_ada), 204)
+        done.append(("api_key.revoke", first["id"]))
+        second = _ok(client.post("/api/v1/me/keys", headers=as_ada, json=mine), 201)
+        client.cookies.clear()
+        _ok(client.delete(f"/api/v1/users/ada/keys/{second['id']}", headers=admin), 204)
+        done.append(("api_key.revoke", second["id"]))
+        _ok(client.patch("/api/v1/users/ada", headers=admin, json={"role": "viewer"}))
+        done.append(("user.update", "ada"))
+        _ok(client.delete("/api/v1/users/ada", headers=admin), 204)
+        done.append(("user.delete", "ada"))
+
         entries = _ok(client.get("/api/v1/admin/audit?limit=1000", headers=admin))
         recorded = [(e["action"], e["target"]) for e in reversed(entries) if e["outcome"] == "ok"]
         for expected in done:
@@ -159,8 +188,11 @@ def test_each_admin_action_is_audited_with_its_target_and_no_secret(
         assert set(AUDITED.values()) <= actions, set(AUDITED.values()) - actions
         (batched,) = [e for e in entries if e["target"] == "batch of 1"]
         assert batched["detail"]["first"] == batch["jobs"][0]["job_id"]
-        assert all(entry["actor"] == "admin-token" for entry in entries)
+        by_ada = {e["action"] for e in entries if e["actor"] == "user:ada"}
+        assert by_ada == {"api_key.create", "api_key.revoke"}  # the person, not the token
+        assert all(e["actor"] in ("admin-token", "user:ada") for e in entries)
         text = str(entries)
+        assert password not in text and first["key"] not in text and second["key"] not in text
         assert SECRET_VALUE not in text and minted["token"] not in text
         assert access["token"] not in text
         assert cp.admin["X-ModelForge-Admin-Token"] not in text

@@ -44,7 +44,7 @@ def test_concurrent_migrations_on_postgresql_apply_once(postgres_url: str) -> No
         engine = make_engine(url)
         with engine.connect() as conn:
             assert conn.execute(text("SELECT version_num FROM alembic_version")).all() == [
-                ("0023",)
+                ("0024",)
             ]
         engine.dispose()
     finally:
