@@ -74,7 +74,7 @@ class UserPublic(BaseModel):
 
 class PersonalKeyCreate(StrictModel):
     name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}$")]
-    scopes: Annotated[list[Scope], Field(min_length=1, max_length=4)]
+    scopes: Annotated[list[Scope], Field(min_length=1, max_length=3)]
     #: 1 day to a year; 90 days unless said.
     expires_in_days: Annotated[int, Field(ge=1, le=366)] = 90
 

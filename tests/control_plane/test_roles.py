@@ -49,7 +49,6 @@ ROLES["admin"] = {(area, how) for _, area in AREAS for how in (READ, CHANGE)} | 
 SCOPES = {
     "read": {(area, READ) for area, _ in ROLES["admin"]},
     "deploy": {(area, READ) for area, _ in ROLES["admin"]} | {("work", CHANGE)},
-    "invoke": {("self", READ)},
     "admin": ROLES["admin"],
 }
 REFUSED = ("ROLE_FORBIDDEN", "KEY_SCOPE_FORBIDDEN")
@@ -103,7 +102,7 @@ def test_every_route_answers_each_role_and_scope_as_the_table_says(tmp_path: Pat
         assert len(operations) > 50  # the document was read, not an empty list
         askers = {(role, "admin"): _key(cp, f"{role}-a", role, ["admin"]) for role in ROLES} | {
             ("member", scope): _key(cp, f"member-{scope}", "member", [scope])
-            for scope in ("read", "deploy", "invoke")
+            for scope in ("read", "deploy")
         }
         wrong = []
         for method, path in operations:
