@@ -1,5 +1,5 @@
 import { useEffect, useState } from "react";
-import { type ApiError, asApiError, resumeSession, signOut, whenSignedOut } from "./api";
+import { type ApiError, asApiError, type Me, resumeSession, signOut, whenSignedOut } from "./api";
 import { Audit } from "./Audit";
 import { Artifacts, Models } from "./Catalog";
 import { ErrorNote } from "./ErrorNote";
@@ -33,37 +33,40 @@ function Screen({ route }: { route: Route }) {
 }
 
 export function App() {
-  const [signedIn, setSignedIn] = useState<boolean | null>(null);
+  // undefined: not known yet; null: signed out.
+  const [signedIn, setSignedIn] = useState<Me | null | undefined>(undefined);
   const route = useRoute();
   const [notice, setNotice] = useState<string | null>(null);
   const [signOutError, setSignOutError] = useState<ApiError | null>(null);
 
   useEffect(() => {
     whenSignedOut(() => {
-      setSignedIn(false);
+      setSignedIn(null);
       setNotice("Your console session ended. Sign in again.");
     });
     void resumeSession().then(setSignedIn);
   }, []);
 
-  if (signedIn === null) return <p className="loading">Loading…</p>;
-  if (!signedIn)
+  if (signedIn === undefined) return <p className="loading">Loading…</p>;
+  if (signedIn === null)
     return (
       <SignIn
         notice={notice}
-        onSignedIn={() => {
+        onSignedIn={(me) => {
           setNotice(null);
-          setSignedIn(true);
+          setSignedIn(me);
         }}
       />
     );
+  // Screens the role cannot read are not offered (the API refuses them anyway).
+  const screens = SCREENS.filter(({ area }) => signedIn.may.includes(`${area}:read`));
 
   return (
     <div className="shell">
       <header className="topbar">
         <span className="brand">ModelForge</span>
         <nav aria-label="Main">
-          {SCREENS.map(({ screen, title }) => (
+          {screens.map(({ screen, title }) => (
             <a
               key={screen}
               href={"/" + screen}
@@ -74,6 +77,9 @@ export function App() {
             </a>
           ))}
         </nav>
+        <span className="who" title={signedIn.actor}>
+          {signedIn.user ?? "admin token"} ({signedIn.role})
+        </span>
         <button
           type="button"
           className="secondary"
@@ -81,7 +87,7 @@ export function App() {
             signOut().then(
               () => {
                 setNotice("Signed out.");
-                setSignedIn(false);
+                setSignedIn(null);
               },
               (caught: unknown) => setSignOutError(asApiError(caught)),
             );

@@ -28,6 +28,19 @@ export function whenSignedOut(callback: () => void): void {
 export interface SessionInfo {
   csrf_token: string;
   expires_at: string;
+  // The signed-in user; null for a session of the admin token (break-glass).
+  user: string | null;
+  role: "admin" | "operator" | "member" | "viewer";
+}
+
+// Who the console acts as, and what its role lets it read and change (`area:read`,
+// `area:change`), from GET /api/v1/me.
+export interface Me {
+  actor: string;
+  via: "admin-token" | "session" | "key";
+  role: SessionInfo["role"];
+  user: string | null;
+  may: string[];
 }
 
 const SESSION = "/api/v1/console/session";
@@ -180,19 +193,23 @@ export const api = {
     resource<AuditEntry[]>("/api/v1/admin/audit" + query({ ...filters, limit: 200 })),
 };
 
-export async function resumeSession(): Promise<boolean> {
+export async function resumeSession(): Promise<Me | null> {
   try {
     const info = await get<SessionInfo>(SESSION);
     csrfToken = info.csrf_token;
-    return true;
+    return await get<Me>("/api/v1/me");
   } catch {
-    return false;
+    return null;
   }
 }
 
-export async function signIn(adminToken: string): Promise<void> {
-  const info = await post<SessionInfo>(SESSION, { admin_token: adminToken });
+// A user's name and password, or the admin token: exchanged for the session cookie.
+export type Credentials = { name: string; password: string } | { admin_token: string };
+
+export async function signIn(credentials: Credentials): Promise<Me> {
+  const info = await post<SessionInfo>(SESSION, credentials);
   csrfToken = info.csrf_token;
+  return get<Me>("/api/v1/me");
 }
 
 // Only a confirmed sign-out forgets the CSRF token: if the server did not end the session, the

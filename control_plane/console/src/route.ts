@@ -3,15 +3,16 @@ import { type MouseEvent, useEffect, useState } from "react";
 // The console's routes: /<screen>[/<id>]. Links push history entries; Back and Forward work.
 export type Screen = "hardware" | "nodes" | "jobs" | "services" | "models" | "artifacts" | "provisioning" | "audit";
 
-export const SCREENS: readonly { screen: Screen; title: string }[] = [
-  { screen: "hardware", title: "Hardware" },
-  { screen: "nodes", title: "Nodes" },
-  { screen: "jobs", title: "Jobs" },
-  { screen: "services", title: "Services" },
-  { screen: "models", title: "Models" },
-  { screen: "artifacts", title: "Artifacts" },
-  { screen: "provisioning", title: "Provisioning" },
-  { screen: "audit", title: "Audit" },
+// Each screen's area (docs/access.md): shown to a role that may read it.
+export const SCREENS: readonly { screen: Screen; title: string; area: string }[] = [
+  { screen: "hardware", title: "Hardware", area: "fleet" },
+  { screen: "nodes", title: "Nodes", area: "fleet" },
+  { screen: "jobs", title: "Jobs", area: "work" },
+  { screen: "services", title: "Services", area: "work" },
+  { screen: "models", title: "Models", area: "work" },
+  { screen: "artifacts", title: "Artifacts", area: "work" },
+  { screen: "provisioning", title: "Provisioning", area: "fleet" },
+  { screen: "audit", title: "Audit", area: "audit" },
 ];
 
 export interface Route {

@@ -2,7 +2,18 @@
 // token is never kept by the browser; sign-out ends the session on the server.
 import assert from "node:assert/strict";
 import { after, before, test } from "node:test";
-import { ADMIN_TOKEN, BASE_URL, assertNowhere, browserState, launch, newPage, screenshot, signIn } from "./helpers.mjs";
+import {
+  ADMIN_TOKEN,
+  BASE_URL,
+  assertNowhere,
+  browserState,
+  entryText,
+  launch,
+  newPage,
+  screenshot,
+  signIn,
+  useAdminToken,
+} from "./helpers.mjs";
 
 let browser;
 before(async () => (browser = await launch()));
@@ -11,8 +22,7 @@ after(async () => browser?.close());
 test("a wrong admin token is refused with its code and next step", async () => {
   const page = await newPage(browser);
   await page.goto(BASE_URL + "/");
-  await page.getByLabel("Admin token").fill("mfa_not_the_right_token_at_all");
-  await page.getByRole("button", { name: "Sign in" }).click();
+  await useAdminToken(page, "mfa_not_the_right_token_at_all");
   const alert = page.getByRole("alert");
   await alert.waitFor();
   assert.match(await alert.textContent(), /ADMIN_TOKEN_INVALID.*Next step:/s);
@@ -41,7 +51,7 @@ test("sign in, the session cookie, and a server-side sign-out", async () => {
   await page.getByRole("heading", { name: "Hardware" }).waitFor();
 
   await page.getByRole("button", { name: "Sign out" }).click();
-  await page.getByLabel("Admin token").waitFor();
+  await page.getByLabel("Name").waitFor();
   // The old cookie value is dead on the server, not merely forgotten by the browser.
   const replay = await fetch(BASE_URL + "/api/v1/admin/nodes", {
     headers: { Cookie: `modelforge_session=${cookie.value}` },
@@ -65,5 +75,45 @@ test("a change with the cookie but without the CSRF token is refused", async () 
   });
   assert.equal(result.status, 403);
   assert.equal(result.body.error.code, "CSRF_TOKEN_MISSING");
+  await page.context().close();
+});
+
+// A person (issue 45): made by the admin token through the API, signed in with a name and
+// password, shown by name and role, offered only the screens the role may read, and refused a
+// change the role may not make, with the code and the next step.
+test("a viewer signs in with a password, sees their role, and is refused a change", async () => {
+  const password = "a viewer's long passphrase";
+  const made = await fetch(BASE_URL + "/api/v1/users", {
+    method: "POST",
+    headers: { "Content-Type": "application/json", "X-ModelForge-Admin-Token": ADMIN_TOKEN },
+    body: JSON.stringify({ name: "vera", role: "viewer", password }),
+  });
+  assert.equal(made.status, 201);
+  const page = await newPage(browser);
+  await page.goto(BASE_URL + "/");
+  await page.getByLabel("Name").fill("vera");
+  await page.getByLabel("Password").fill("not her password");
+  await page.getByRole("button", { name: "Sign in", exact: true }).click();
+  assert.match(await page.getByRole("alert").textContent(), /SIGN_IN_FAILED.*Next step:/s);
+  assert.equal(await page.getByLabel("Password").inputValue(), "");
+
+  await page.getByLabel("Password").fill(password);
+  await page.getByRole("button", { name: "Sign in", exact: true }).click();
+  await page.getByRole("heading", { name: "Hardware" }).waitFor();
+  assert.equal(await page.locator(".topbar .who").textContent(), "vera (viewer)");
+  const nav = page.getByRole("navigation", { name: "Main" });
+  assert.equal(await nav.getByRole("link", { name: "Audit" }).count(), 0, "a viewer reads no audit log");
+  await nav.getByRole("link", { name: "Jobs" }).waitFor();
+  assertNowhere(await browserState(page), password);
+
+  await page.getByRole("button", { name: "Enroll node" }).click();
+  const wizard = page.getByRole("dialog", { name: "Enroll node" });
+  await wizard.getByLabel("Display name").fill("not-mine");
+  await wizard.getByRole("radio", { name: "CPU only" }).check();
+  await wizard.getByRole("button", { name: "Next: image" }).click();
+  await wizard.getByLabel("Node-agent entry of the release manifest").fill(entryText());
+  await wizard.getByRole("button", { name: "Check image" }).click();
+  const refused = wizard.getByRole("alert").filter({ hasText: "ROLE_FORBIDDEN" });
+  assert.match(await refused.textContent(), /viewer.*Next step:/s);
   await page.context().close();
 });

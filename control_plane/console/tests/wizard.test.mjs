@@ -19,6 +19,7 @@ import {
   openWizardToToken,
   screenshot,
   signIn,
+  useAdminToken,
 } from "./helpers.mjs";
 
 let browser;
@@ -112,8 +113,7 @@ test("over plain http:// on a LAN the wizard warns, and writes the opt-in only o
     const lanUrl = BASE_URL.replace("127.0.0.1", "lan.test");
     const page = await newPage(lan);
     await page.goto(lanUrl + "/");
-    await page.getByLabel("Admin token").fill(ADMIN_TOKEN);
-    await page.getByRole("button", { name: "Sign in" }).click();
+    await useAdminToken(page, ADMIN_TOKEN);
     await page.getByRole("heading", { name: "Hardware" }).waitFor();
     await page.getByRole("button", { name: "Enroll node" }).click();
     const wizard = page.getByRole("dialog", { name: "Enroll node" });
