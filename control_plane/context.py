@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.access.admin_token import AdminTokenSource
 from control_plane.access.console_sessions import SignInThrottle
+from control_plane.access.oidc import OidcProvider
 from control_plane.artifacts.store import ArtifactStore
 from control_plane.clock import Clock
 from control_plane.db import DatabaseAvailability
@@ -73,6 +74,8 @@ class AppContext:
     provisioner: Provisioner = field(init=False)
     #: Since when the nodes could reach this process: no contact deadline counts before it.
     contact_grace: ContactGrace = field(init=False)
+    #: Single sign-on through the OpenID provider; None when it is not configured.
+    oidc: OidcProvider | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.database = DatabaseAvailability(monotonic=self.clock.monotonic)
@@ -81,6 +84,7 @@ class AppContext:
         self.autoscaler = Autoscaler(self.clock)
         self.lanes = WorkerLanes.create(queue_seconds=self.settings.request_queue_seconds)
         self.contact_grace = ContactGrace(clock=self.clock, database=self.database)
+        self.oidc = OidcProvider(self.settings, self.clock) if self.settings.oidc_issuer else None
         self.vault = Vault(self.settings.data_dir)
         self.completions = Completions(session_factory=self.session_factory, clock=self.clock)
         self.scheduler = Scheduler(

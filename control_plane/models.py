@@ -27,7 +27,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
-from control_plane.people_tables import ApiKey, User
+from control_plane.people_tables import ApiKey, OidcLogin, User
 from control_plane.service_tables import (
     SERVICES,
     AccessTokenService,
@@ -71,6 +71,7 @@ __all__ = [
     "NodeCredential",
     "NodeEnrollment",
     "NodeEvent",
+    "OidcLogin",
     "ProvisionEvent",
     "ProvisionRequest",
     "Secret",

@@ -29,6 +29,21 @@ class User(Base):
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
     created_by: Mapped[str] = mapped_column(String(100))
+    #: `<issuer> <sub>` of a user the OpenID provider made at first sign-in; None for a local one.
+    oidc_subject: Mapped[str | None] = mapped_column(String(400), unique=True)
+
+
+class OidcLogin(Base):
+    """A sign-in through the OpenID provider under way (at most 10 minutes): found by the SHA-256
+    of its `state`, used once. The PKCE verifier is the browser's (a cookie); only its SHA-256
+    is here, so a callback from another browser, or a replayed one, is refused."""
+
+    __tablename__ = "oidc_logins"
+
+    state_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    nonce: Mapped[str] = mapped_column(String(100))
+    verifier_hash: Mapped[str] = mapped_column(String(64))
+    expires_at: Mapped[datetime] = mapped_column(index=True)
 
 
 class ApiKey(Base):

@@ -126,6 +126,23 @@ class Settings(BaseSettings):
     #: never a fallback). It terminates TLS itself; it does not forward to other replicas yet,
     #: so a peer address keeps the Python gateway (logged), and `native` with one is refused.
     gateway_front: Literal["native", "python"] | None = None
+    #: Single sign-on through an OpenID provider (docs/access.md): its issuer URL (discovery at
+    #: `<issuer>/.well-known/openid-configuration`), this client's id and secret. Needs
+    #: `public_url`: the redirect URL is `<public_url>/api/v1/console/oidc/callback`.
+    oidc_issuer: str | None = None
+    oidc_client_id: str | None = None
+    oidc_client_secret: SecretStr | None = None
+    #: What the sign-in page's button names the provider ("Sign in with <name>").
+    oidc_display_name: str = Field(default="single sign-on", min_length=1, max_length=60)
+    oidc_scopes: str = "openid profile groups"
+    #: The ID token's claims a user's name and groups are read from.
+    oidc_username_claim: str = "preferred_username"
+    oidc_groups_claim: str = "groups"
+    #: `group=role` pairs, comma separated (`ml-admins=admin,ml-team=member`): a user gets the
+    #: highest role any of their groups maps to, at every sign-in.
+    oidc_roles: str = ""
+    #: The role of a user none of whose groups is mapped; unset: such a user is refused.
+    oidc_default_role: Literal["admin", "operator", "member", "viewer"] | None = None
 
     @model_validator(mode="after")
     def _check_liveness(self) -> Self:
@@ -195,11 +212,57 @@ class Settings(BaseSettings):
                 "other control-plane replicas yet; unset MODELFORGE_GATEWAY_FRONT (the gateway "
                 "then runs in Python) or the peer address"
             )
+        problems.extend(self._oidc_problems())
         if (self.tls_cert is None) != (self.tls_key is None):
             problems.append("MODELFORGE_TLS_CERT and MODELFORGE_TLS_KEY must be set together")
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _oidc_problems(self) -> list[str]:
+        set_any = self.oidc_issuer or self.oidc_client_id or self.oidc_client_secret
+        if not set_any:
+            return []
+        problems = [
+            f"{name} must be set for single sign-on"
+            for name, value in (
+                ("MODELFORGE_OIDC_ISSUER", self.oidc_issuer),
+                ("MODELFORGE_OIDC_CLIENT_ID", self.oidc_client_id),
+                ("MODELFORGE_OIDC_CLIENT_SECRET", self.oidc_client_secret),
+                ("MODELFORGE_PUBLIC_URL (the redirect URL is derived from it)", self.public_url),
+            )
+            if not value
+        ]
+        issuer = self.oidc_issuer or ""
+        loopback = issuer.startswith(("http://127.0.0.1:", "http://localhost:", "http://[::1]:"))
+        if issuer and not (issuer.startswith("https://") or loopback):
+            problems.append("MODELFORGE_OIDC_ISSUER must be an https:// URL (http:// on loopback)")
+        if "openid" not in self.oidc_scopes.split():
+            problems.append("MODELFORGE_OIDC_SCOPES must include openid")
+        try:
+            self.oidc_role_map  # noqa: B018 - parsed to check it
+        except ValueError as exc:
+            problems.append(str(exc))
+        return problems
+
+    @property
+    def oidc_role_map(self) -> dict[str, str]:
+        """`oidc_roles` as {group: role}."""
+        roles = {"admin", "operator", "member", "viewer"}
+        mapped: dict[str, str] = {}
+        for pair in filter(None, (p.strip() for p in self.oidc_roles.split(","))):
+            group, _, role = pair.rpartition("=")
+            if not group.strip() or role.strip() not in roles:
+                raise ValueError(
+                    "MODELFORGE_OIDC_ROLES must be group=role pairs, comma separated, each role "
+                    "one of admin, operator, member, viewer"
+                )
+            mapped[group.strip()] = role.strip()
+        return mapped
+
+    @property
+    def oidc_redirect_uri(self) -> str:
+        return f"{(self.public_url or '').rstrip('/')}/api/v1/console/oidc/callback"
 
     @property
     def provisioners_path(self) -> Path:

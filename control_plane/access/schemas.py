@@ -38,6 +38,14 @@ class SignInRequest(StrictModel):
         return self
 
 
+class SignInOptions(BaseModel):
+    """How one may sign in: a name and password (or the admin token) always; `sso`, the OpenID
+    provider's display name, when single sign-on is configured."""
+
+    password: bool = True
+    sso: str | None = None
+
+
 class ConsoleSessionInfo(BaseModel):
     """Held by the console in memory only; the session itself is the HttpOnly cookie."""
 

@@ -9,15 +9,17 @@ with every change. Neither the admin token nor a password is stored by the brows
 from __future__ import annotations
 
 from datetime import timedelta
+from html import escape
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import APIRouter, FastAPI, Request, Response, status
-from fastapi.responses import FileResponse, HTMLResponse
+from fastapi import APIRouter, FastAPI, Query, Request, Response, status
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
-from control_plane.access import console_sessions, people
+from control_plane.access import console_sessions, oidc, people
 from control_plane.access.roles import Role
-from control_plane.access.schemas import ConsoleSessionInfo, SignInRequest
+from control_plane.access.schemas import ConsoleSessionInfo, SignInOptions, SignInRequest
 from control_plane.api.deps import (
     SESSION_COOKIE,
     ContextDep,
@@ -27,7 +29,8 @@ from control_plane.api.deps import (
     console_session,
 )
 from control_plane.api.routing import LaneRoute
-from control_plane.errors import AdminAuthError
+from control_plane.context import AppContext
+from control_plane.errors import AdminAuthError, ModelForgeError
 from control_plane.models import User
 
 CONSOLE_DIST = Path(__file__).resolve().parent.parent / "console" / "dist"
@@ -57,6 +60,9 @@ _SECURITY_HEADERS = {
 }
 
 router = APIRouter(prefix="/api/v1/console", tags=["console"], route_class=LaneRoute)
+#: The browser's half of a sign-in through the OpenID provider (its PKCE verifier).
+OIDC_COOKIE = "modelforge_oidc"
+OIDC_PATH = "/api/v1/console/oidc"
 
 
 def _is_tls(request: Request, public_url: str | None) -> bool:
@@ -79,24 +85,111 @@ def sign_in(
             name=body.name or "",
             password=body.password.get_secret_value() if body.password else "",
         )
-    lifetime = ctx.settings.console_session_seconds
     signed_in = console_sessions.start_session(
         session=session,
         clock=ctx.clock,
-        lifetime=timedelta(seconds=lifetime),
+        lifetime=timedelta(seconds=ctx.settings.console_session_seconds),
         user_id=None if user is None else user.id,
     )
+    _set_session(response, request, ctx, signed_in)
+    return _info(signed_in, user)
+
+
+def _set_session(
+    response: Response, request: Request, ctx: AppContext, signed_in: console_sessions.SignedIn
+) -> None:
     response.set_cookie(
         SESSION_COOKIE,
         signed_in.session_id,
-        max_age=int(lifetime),
+        max_age=int(ctx.settings.console_session_seconds),
         path="/",
         httponly=True,
         samesite="strict",
         secure=_is_tls(request, ctx.settings.public_url),
     )
     response.headers["Cache-Control"] = "no-store"
-    return _info(signed_in, user)
+
+
+@router.get("/sign-in-options", response_model=SignInOptions)
+def sign_in_options(ctx: ContextDep) -> SignInOptions:
+    """How one may sign in here: always a name and password (and the admin token); the OpenID
+    provider's button when single sign-on is configured."""
+    return SignInOptions(sso=None if ctx.oidc is None else ctx.oidc.display_name)
+
+
+@router.get("/oidc/login", response_class=RedirectResponse, status_code=303)
+def oidc_login(request: Request, ctx: ContextDep) -> Response:
+    """Start a sign-in through the OpenID provider: to its authorization page (303), with the
+    browser's half of the sign-in in a cookie scoped to the callback (SameSite=Lax: sent on the
+    provider's redirect back, a top-level GET)."""
+    if ctx.oidc is None:
+        return _page(oidc.not_configured())
+    try:
+        with ctx.session_factory.begin() as session:
+            begun = ctx.oidc.begin(session)
+    except ModelForgeError as exc:
+        return _page(exc)
+    response = RedirectResponse(begun.url, status_code=303, headers={"Cache-Control": "no-store"})
+    response.set_cookie(
+        OIDC_COOKIE,
+        begun.verifier,
+        max_age=int(oidc.LOGIN_LIFETIME.total_seconds()),
+        path=OIDC_PATH,
+        httponly=True,
+        samesite="lax",
+        secure=_is_tls(request, ctx.settings.public_url),
+    )
+    return response
+
+
+@router.get("/oidc/callback", response_class=RedirectResponse, status_code=303)
+def oidc_callback(
+    request: Request,
+    ctx: ContextDep,
+    code: Annotated[str | None, Query(max_length=2048)] = None,
+    state: Annotated[str | None, Query(max_length=200)] = None,
+    error: Annotated[str | None, Query(max_length=200)] = None,
+) -> Response:
+    """The provider's answer: the ID token checked, the person found or made with the role their
+    groups map to, a console session started (a new session id), and on to the console. Any
+    refusal is a page that names it and the next step, and signs nobody in."""
+    try:
+        if ctx.oidc is None:
+            raise oidc.not_configured()
+        if error or not code or not state:
+            raise oidc.OidcRefused(
+                "The provider did not sign you in"
+                + (f" ({error[:60]})." if error and error.isascii() else "."),
+                "Start again from the console's sign-in page.",
+            )
+        with ctx.session_factory.begin() as session:
+            taken = ctx.oidc.take(session, state=state)
+        claims = ctx.oidc.finish(taken, code=code, verifier=request.cookies.get(OIDC_COOKIE))
+        with ctx.session_factory.begin() as session:
+            user = ctx.oidc.person(session, claims)
+            signed_in = console_sessions.start_session(
+                session=session,
+                clock=ctx.clock,
+                lifetime=timedelta(seconds=ctx.settings.console_session_seconds),
+                user_id=user.id,
+            )
+    except ModelForgeError as exc:
+        return _page(exc)
+    response = RedirectResponse("/", status_code=303)
+    _set_session(response, request, ctx, signed_in)
+    response.delete_cookie(OIDC_COOKIE, path=OIDC_PATH, httponly=True, samesite="lax")
+    return response
+
+
+def _page(refusal: ModelForgeError) -> HTMLResponse:
+    """A refusal a browser was sent to: its code, message and next step, and a way back."""
+    body = (
+        "<!doctype html><meta charset=utf-8><title>ModelForge: sign-in refused</title>"
+        f"<h1>Sign-in refused</h1><p><code>{escape(refusal.code)}</code>: "
+        f"{escape(refusal.message)}</p><p>Next step: {escape(refusal.next_step)}</p>"
+        '<p><a href="/">Back to the sign-in page</a></p>'
+    )
+    return HTMLResponse(body, status_code=refusal.http_status, headers=_SECURITY_HEADERS)
 
 
 @router.get("/session", response_model=ConsoleSessionInfo)

@@ -1,5 +1,5 @@
-import { type FormEvent, useState } from "react";
-import { type ApiError, asApiError, type Credentials, type Me, signIn } from "./api";
+import { type FormEvent, useEffect, useState } from "react";
+import { type ApiError, asApiError, type Credentials, type Me, signIn, signInOptions } from "./api";
 import { ErrorNote } from "./ErrorNote";
 
 // A user's name and password, or (break-glass) the admin token, is exchanged for a session
@@ -10,6 +10,12 @@ export function SignIn({ notice, onSignedIn }: { notice: string | null; onSigned
   const [token, setToken] = useState("");
   const [error, setError] = useState<ApiError | null>(null);
   const [busy, setBusy] = useState(false);
+  // The organisation's OpenID provider, when the control plane has one (its display name).
+  const [sso, setSso] = useState<string | null>(null);
+
+  useEffect(() => {
+    void signInOptions().then((options) => setSso(options.sso), () => setSso(null));
+  }, []);
 
   async function exchange(event: FormEvent, credentials: Credentials) {
     event.preventDefault();
@@ -31,6 +37,14 @@ export function SignIn({ notice, onSignedIn }: { notice: string | null; onSigned
     <main className="signin">
       <h1>ModelForge console</h1>
       {notice && <p role="status">{notice}</p>}
+      {sso && (
+        // A plain link: the browser goes to the provider and comes back signed in.
+        <p>
+          <a className="button" href="/api/v1/console/oidc/login">
+            Sign in with {sso}
+          </a>
+        </p>
+      )}
       <form onSubmit={(event) => void exchange(event, { name: name.trim(), password })} aria-label="Sign in">
         <label htmlFor="user-name">Name</label>
         <input

@@ -203,6 +203,16 @@ export async function resumeSession(): Promise<Me | null> {
   }
 }
 
+export interface SignInOptions {
+  password: boolean;
+  // The OpenID provider's display name; null when single sign-on is not configured.
+  sso: string | null;
+}
+
+export async function signInOptions(): Promise<SignInOptions> {
+  return get<SignInOptions>("/api/v1/console/sign-in-options");
+}
+
 // A user's name and password, or the admin token: exchanged for the session cookie.
 export type Credentials = { name: string; password: string } | { admin_token: string };
 

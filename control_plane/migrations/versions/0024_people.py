@@ -1,4 +1,5 @@
-"""people: users with roles, their personal API keys, and console sessions of a user
+"""people: users with roles, their personal API keys, sign-ins through an OpenID provider, and
+console sessions of a user
 
 Issue 45: everyone who administers ModelForge no longer shares the admin token. A console session
 made by a user's password sign-in names that user (`user_id`); one made with the admin token
@@ -28,9 +29,20 @@ def upgrade() -> None:
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("created_by", sa.String(length=100), nullable=False),
+        sa.Column("oidc_subject", sa.String(length=400), nullable=True),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_users")),
         sa.UniqueConstraint("name", name=op.f("uq_users_name")),
+        sa.UniqueConstraint("oidc_subject", name=op.f("uq_users_oidc_subject")),
     )
+    op.create_table(
+        "oidc_logins",
+        sa.Column("state_hash", sa.String(length=64), nullable=False),
+        sa.Column("nonce", sa.String(length=100), nullable=False),
+        sa.Column("verifier_hash", sa.String(length=64), nullable=False),
+        sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+        sa.PrimaryKeyConstraint("state_hash", name=op.f("pk_oidc_logins")),
+    )
+    op.create_index(op.f("ix_oidc_logins_expires_at"), "oidc_logins", ["expires_at"])
     op.create_table(
         "api_keys",
         sa.Column("id", sa.String(length=40), nullable=False),
@@ -67,4 +79,6 @@ def downgrade() -> None:
         batch.drop_column("user_id")
     op.drop_index(op.f("ix_api_keys_user_id"), table_name="api_keys")
     op.drop_table("api_keys")
+    op.drop_index(op.f("ix_oidc_logins_expires_at"), table_name="oidc_logins")
+    op.drop_table("oidc_logins")
     op.drop_table("users")
