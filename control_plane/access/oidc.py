@@ -109,8 +109,15 @@ class OidcProvider:
     # -- the flow --------------------------------------------------------------------------
 
     def begin(self, session: Session) -> Begun:
+        """A new sign-in: the provider's authorization URL (its discovery document read first,
+        outside the transaction `session` writes the sign-in's row in)."""
+        endpoint = self._meta("authorization_endpoint")
         state, nonce = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
         verifier = secrets.token_urlsafe(48)
+        with self._client() as client:
+            url, _ = client.create_authorization_url(
+                endpoint, state=state, code_verifier=verifier, nonce=nonce
+            )
         now = self._clock.now()
         session.execute(delete(OidcLogin).where(OidcLogin.expires_at <= now))
         session.add(
@@ -121,13 +128,6 @@ class OidcProvider:
                 expires_at=now + LOGIN_LIFETIME,
             )
         )
-        with self._client() as client:
-            url, _ = client.create_authorization_url(
-                self._meta("authorization_endpoint"),
-                state=state,
-                code_verifier=verifier,
-                nonce=nonce,
-            )
         return Begun(url=url, verifier=verifier)
 
     def take(self, session: Session, *, state: str) -> Taken | None:

@@ -6,6 +6,7 @@ import { ErrorNote } from "./ErrorNote";
 import { Hardware } from "./Hardware";
 import { JobPage, Jobs } from "./Jobs";
 import { Nodes } from "./Nodes";
+import { People } from "./People";
 import { Provisioning } from "./Provisioning";
 import { navigate, type Route, SCREENS, useRoute } from "./route";
 import { ServicePage, Services } from "./Services";
@@ -29,6 +30,8 @@ function Screen({ route }: { route: Route }) {
       return <Provisioning />;
     case "audit":
       return <Audit />;
+    case "people":
+      return <People />;
   }
 }
 

@@ -188,6 +188,19 @@ export const api = {
   artifacts: resource<ArtifactView[]>("/api/v1/artifacts?limit=200"),
   sweep: (dryRun: boolean) => post<SweepReport>("/api/v1/admin/artifacts/sweep", { dry_run: dryRun }),
 
+  // People (docs/access.md): who I am, my personal keys (`key` in mint's answer only), and, for
+  // admins, the users.
+  me: resource<Me>("/api/v1/me"),
+  myKeys: resource<PersonalKeyView[]>("/api/v1/me/keys"),
+  mintKey: (body: { name: string; scopes: string[]; expires_in_days: number }) =>
+    post<MintedPersonalKey>("/api/v1/me/keys", body),
+  revokeKey: (keyId: string) => del<void>(`/api/v1/me/keys/${keyId}`),
+  users: resource<UserView[]>("/api/v1/users"),
+  createUser: (body: { name: string; role: string; password?: string }) => post<UserView>("/api/v1/users", body),
+  updateUser: (name: string, body: { role?: string; disabled?: boolean }) =>
+    request<UserView>("PATCH", `/api/v1/users/${encodeURIComponent(name)}`, body),
+  deleteUser: (name: string) => del<void>(`/api/v1/users/${encodeURIComponent(name)}`),
+
   provisioners: resource<Provisioner[]>("/api/v1/admin/provisioners"),
   audit: (filters: { action: string; actor: string; target: string }) =>
     resource<AuditEntry[]>("/api/v1/admin/audit" + query({ ...filters, limit: 200 })),
@@ -211,6 +224,30 @@ export interface SignInOptions {
 
 export async function signInOptions(): Promise<SignInOptions> {
   return get<SignInOptions>("/api/v1/console/sign-in-options");
+}
+
+export interface PersonalKeyView {
+  id: string;
+  name: string;
+  hint: string;
+  scopes: string[];
+  created_at: string;
+  expires_at: string;
+}
+
+export interface MintedPersonalKey extends PersonalKeyView {
+  key: string;
+}
+
+export interface UserView {
+  id: string;
+  name: string;
+  role: SessionInfo["role"];
+  disabled: boolean;
+  has_password: boolean;
+  created_at: string;
+  updated_at: string;
+  created_by: string;
 }
 
 // A user's name and password, or the admin token: exchanged for the session cookie.

@@ -1,7 +1,16 @@
 import { type MouseEvent, useEffect, useState } from "react";
 
 // The console's routes: /<screen>[/<id>]. Links push history entries; Back and Forward work.
-export type Screen = "hardware" | "nodes" | "jobs" | "services" | "models" | "artifacts" | "provisioning" | "audit";
+export type Screen =
+  | "hardware"
+  | "nodes"
+  | "jobs"
+  | "services"
+  | "models"
+  | "artifacts"
+  | "provisioning"
+  | "audit"
+  | "people";
 
 // Each screen's area (docs/access.md): shown to a role that may read it.
 export const SCREENS: readonly { screen: Screen; title: string; area: string }[] = [
@@ -13,6 +22,7 @@ export const SCREENS: readonly { screen: Screen; title: string; area: string }[]
   { screen: "artifacts", title: "Artifacts", area: "work" },
   { screen: "provisioning", title: "Provisioning", area: "fleet" },
   { screen: "audit", title: "Audit", area: "audit" },
+  { screen: "people", title: "People", area: "self" },
 ];
 
 export interface Route {

@@ -117,3 +117,49 @@ test("a viewer signs in with a password, sees their role, and is refused a chang
   assert.match(await refused.textContent(), /viewer.*Next step:/s);
   await page.context().close();
 });
+
+// The People screen: an admin adds a user; she signs in, mints a personal key (shown once) that
+// acts as her, and revokes it; an admin disabling her ends her session at its next request.
+test("people: an admin adds a user, she mints and revokes a key, and is disabled", async () => {
+  const admin = await newPage(browser);
+  await signIn(admin);
+  await admin.getByRole("navigation", { name: "Main" }).getByRole("link", { name: "People" }).click();
+  await admin.getByRole("heading", { name: "Users" }).waitFor();
+  await admin.getByLabel("Name", { exact: true }).fill("mia");
+  await admin.getByLabel("Role", { exact: true }).selectOption("member");
+  const password = "mia's long passphrase";
+  await admin.getByLabel(/^Password/).fill(password);
+  await admin.getByRole("button", { name: "Add user" }).click();
+  await admin.locator('tr[data-user="mia"]').waitFor();
+  await screenshot(admin, "people");
+
+  const mia = await newPage(browser);
+  await mia.goto(BASE_URL + "/people");
+  await mia.getByLabel("Name").fill("mia");
+  await mia.getByLabel("Password").fill(password);
+  await mia.getByRole("button", { name: "Sign in", exact: true }).click();
+  await mia.getByRole("heading", { name: "My API keys" }).waitFor();
+  assert.equal(await mia.getByRole("heading", { name: "Users" }).count(), 0, "a member manages no users");
+  await mia.getByLabel("Key name (where it is used)").fill("laptop");
+  await mia.getByRole("checkbox", { name: /^deploy/ }).check();
+  await mia.getByRole("button", { name: "Mint key" }).click();
+  const key = (await mia.getByTestId("personal-key").textContent()).trim();
+  assert.match(key, /^mfk_/);
+  const asKey = await fetch(BASE_URL + "/api/v1/me", { headers: { Authorization: `Bearer ${key}` } });
+  const me = await asKey.json();
+  assert.deepEqual([me.user, me.role, me.scopes], ["mia", "member", ["deploy", "read"]]);
+  await mia.getByRole("button", { name: "I have kept it: hide the key" }).click();
+  assertNowhere(await browserState(mia), key);
+  await mia.getByRole("button", { name: "Revoke key laptop" }).click();
+  await mia.getByRole("dialog").getByRole("button", { name: "Revoke key" }).click();
+  await mia.getByText("No keys yet.").waitFor();
+  const revoked = await fetch(BASE_URL + "/api/v1/me", { headers: { Authorization: `Bearer ${key}` } });
+  assert.equal(revoked.status, 401);
+
+  await admin.getByRole("button", { name: "Disable mia" }).click();
+  await admin.locator('tr[data-user="mia"]').getByText("disabled").waitFor();
+  await mia.reload();
+  await mia.getByLabel("Name").waitFor(); // her session no longer opens the console
+  await admin.context().close();
+  await mia.context().close();
+});
