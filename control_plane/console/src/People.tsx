@@ -1,10 +1,10 @@
 import { type FormEvent, useState } from "react";
 import { ApiError, api, asApiError, type MintedPersonalKey, type PersonalKeyView, type UserView } from "./api";
 import { Confirm } from "./Confirm";
-import { CopyButton } from "./enroll/CommandBox";
 import { ErrorNote } from "./ErrorNote";
 import { when } from "./Labels";
 import { ListTable } from "./ListTable";
+import { RevealOnce } from "./RevealOnce";
 import { usePolled } from "./usePolled";
 
 const ROLES = ["viewer", "member", "operator", "admin"] as const;
@@ -65,22 +65,15 @@ function MyKeys() {
         }}
       />
       {minted && (
-        <section aria-labelledby="minted-key-heading" className="token-box">
-          <h3 id="minted-key-heading">API key {minted.name}</h3>
-          <p className="warning">
-            Copy it now: you will not see it again. The control plane keeps only its digest and its hint{" "}
-            <code>{minted.hint}</code>.
-          </p>
-          <output className="secret" data-testid="personal-key" aria-label="API key">
-            {minted.key}
-          </output>
-          <div className="actions start">
-            <CopyButton text={minted.key} label="Copy key" />
-            <button type="button" onClick={() => setMinted(null)}>
-              I have kept it: hide the key
-            </button>
-          </div>
-        </section>
+        <RevealOnce
+          title={`API key ${minted.name}`}
+          label="API key"
+          what="Key"
+          hint={minted.hint}
+          secret={minted.key}
+          testId="personal-key"
+          onHide={() => setMinted(null)}
+        />
       )}
       <ErrorNote error={failure ?? keys.error} />
       <ListTable

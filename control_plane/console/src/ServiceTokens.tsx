@@ -1,4 +1,4 @@
-import { type FormEvent, useEffect, useRef, useState } from "react";
+import { type FormEvent, useState } from "react";
 import { type AccessTokenView, ApiError, api, asApiError, type MintedAccessToken, type ServiceView } from "./api";
 import { Confirm } from "./Confirm";
 import { CopyButton } from "./enroll/CommandBox";
@@ -7,14 +7,10 @@ import { ago } from "./format";
 import { when } from "./Labels";
 import { ListTable } from "./ListTable";
 import { LLM_RUNNERS } from "./ServiceLlm";
+import { RevealOnce } from "./RevealOnce";
 import { usePolled } from "./usePolled";
 
 const REFRESH_MS = 10_000;
-
-// Empties the clipboard (best effort: the browser may refuse; clipboard histories are out of reach).
-function clearClipboard() {
-  void navigator.clipboard?.writeText("").catch(() => undefined);
-}
 
 // Where clients reach the service: the control plane's own origin (the gateway), never a node.
 // The example carries a placeholder, never a token.
@@ -90,20 +86,6 @@ export function ServiceTokens({ serviceId, deployed }: { serviceId: string; depl
   const [revoking, setRevoking] = useState<AccessTokenView | null>(null);
   const [failure, setFailure] = useState<ApiError | null>(null);
 
-  // A token copied with the button is emptied from the clipboard when the reveal clears.
-  const copied = useRef(false);
-  useEffect(() => {
-    if (minted === null && copied.current) {
-      copied.current = false;
-      clearClipboard();
-    }
-  }, [minted]);
-  useEffect(
-    () => () => {
-      if (copied.current) clearClipboard();
-    },
-    [],
-  );
 
   async function revoke(token: AccessTokenView) {
     setRevoking(null);
@@ -138,23 +120,15 @@ export function ServiceTokens({ serviceId, deployed }: { serviceId: string; depl
         />
       )}
       {minted && (
-        <section aria-labelledby="minted-heading" className="token-box">
-          <h3 id="minted-heading">Access token {minted.name}</h3>
-          <p className="warning">
-            Copy it now: you will not see it again. The control plane keeps only its digest and its hint{" "}
-            <code>{minted.hint}</code>.
-          </p>
-          <output className="secret" data-testid="access-token" aria-label="Access token">
-            {minted.token}
-          </output>
-          <div className="actions start">
-            <CopyButton text={minted.token} label="Copy token" onCopied={() => (copied.current = true)} />
-            <button type="button" onClick={() => setMinted(null)}>
-              I have kept it: hide the token
-            </button>
-          </div>
-          <p className="help">Hiding it also empties the clipboard if the button copied it: paste it where it belongs first.</p>
-        </section>
+        <RevealOnce
+          title={`Access token ${minted.name}`}
+          label="Access token"
+          what="Token"
+          hint={minted.hint}
+          secret={minted.token}
+          testId="access-token"
+          onHide={() => setMinted(null)}
+        />
       )}
       <ErrorNote error={failure ?? tokens.error} />
       <ListTable
