@@ -197,8 +197,10 @@ class OidcProvider:
             name = str(claims.get(self._username_claim) or "").strip().lower()
             if session.scalar(select(User.id).where(User.name == name)) is not None:
                 raise Conflict(
-                    "A user of this name exists who did not sign in through the provider.",
-                    "An admin renames or removes that local user, then sign in again.",
+                    "Another user has this name (a local user, or another of the provider's "
+                    "people).",
+                    "An admin removes that user (or changes the provider's username claim, "
+                    "MODELFORGE_OIDC_USERNAME_CLAIM), then sign in again.",
                     code="OIDC_NAME_TAKEN",
                 )
             if not _valid_name(name):
