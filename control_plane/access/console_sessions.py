@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from control_plane.clock import Clock
 from control_plane.db import rowcount
 from control_plane.errors import AdminAuthError, CsrfError, TooManyRequests
-from control_plane.models import ConsoleSession
+from control_plane.models import ConsoleSession, User
 from control_plane.security import sha256_hex
 
 _SIGN_IN_AGAIN = "Sign in to the console again (your name and password, or the admin token)."
@@ -34,6 +34,8 @@ class SignedIn:
     expires_at: datetime
     #: The user a password sign-in made it for; None: made with the admin token.
     user_id: str | None = None
+    #: That user's row, read with the session's (None when `user_id` is None).
+    user: User | None = field(default=None, repr=False, compare=False)
 
     @property
     def csrf_token(self) -> str:
@@ -101,7 +103,7 @@ def csrf_token_for(session_id: str) -> str:
 
 
 def start_session(
-    *, session: Session, clock: Clock, lifetime: timedelta, user_id: str | None = None
+    *, session: Session, clock: Clock, lifetime: timedelta, user: User | None = None
 ) -> SignedIn:
     """A new session (a new random id at every sign-in: a session id is never carried over)."""
     session_id = secrets.token_urlsafe(32)
@@ -111,13 +113,19 @@ def start_session(
             id_hash=sha256_hex(session_id),
             created_at=now,
             expires_at=now + lifetime,
-            user_id=user_id,
+            user_id=None if user is None else user.id,
         )
     )
-    return SignedIn(session_id=session_id, expires_at=now + lifetime, user_id=user_id)
+    return SignedIn(
+        session_id=session_id,
+        expires_at=now + lifetime,
+        user_id=None if user is None else user.id,
+        user=user,
+    )
 
 
 def find_session(*, session: Session, clock: Clock, session_id: str) -> SignedIn:
+    """The session a cookie names, with its user's row (read in the same session)."""
     row = session.get(ConsoleSession, sha256_hex(session_id))
     if row is None:
         raise AdminAuthError(
@@ -129,7 +137,10 @@ def find_session(*, session: Session, clock: Clock, session_id: str) -> SignedIn
         raise AdminAuthError(
             "This console session has expired.", _SIGN_IN_AGAIN, code="SESSION_EXPIRED"
         )
-    return SignedIn(session_id=session_id, expires_at=row.expires_at, user_id=row.user_id)
+    user = None if row.user_id is None else session.get(User, row.user_id)
+    return SignedIn(
+        session_id=session_id, expires_at=row.expires_at, user_id=row.user_id, user=user
+    )
 
 
 def check_csrf(signed_in: SignedIn, presented: str | None) -> None:

@@ -20,6 +20,7 @@ has a 10 s timeout. The client secret, codes and tokens are never logged or put 
 
 from __future__ import annotations
 
+import re
 import secrets
 import threading
 import warnings
@@ -35,12 +36,13 @@ from joserfc.jwk import KeySet
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from control_plane.access import people
 from control_plane.access.roles import Role
 from control_plane.clock import Clock
 from control_plane.db import rowcount
 from control_plane.errors import AdminAuthError, Conflict, ModelForgeError, NotFound
 from control_plane.models import OidcLogin, User
-from control_plane.security import new_id, sha256_hex
+from control_plane.security import sha256_hex
 from control_plane.settings import Settings
 
 with warnings.catch_warnings():
@@ -195,33 +197,31 @@ class OidcProvider:
         now = self._clock.now()
         if user is None:
             name = str(claims.get(self._username_claim) or "").strip().lower()
-            if session.scalar(select(User.id).where(User.name == name)) is not None:
-                raise Conflict(
-                    "Another user has this name (a local user, or another of the provider's "
-                    "people).",
-                    "An admin removes that user (or changes the provider's username claim, "
-                    "MODELFORGE_OIDC_USERNAME_CLAIM), then sign in again.",
-                    code="OIDC_NAME_TAKEN",
-                )
-            if not _valid_name(name):
+            if not re.fullmatch(people.USER_NAME_PATTERN, name):
                 raise OidcRefused(
                     f"The provider's `{self._username_claim}` claim is not a usable name "
                     "(lower case letters, digits, '.', '_', '-'; 32 at most).",
                     "Ask the operator to set MODELFORGE_OIDC_USERNAME_CLAIM to a claim that is.",
                     code="OIDC_NAME_INVALID",
                 )
-            user = User(
-                id=new_id("usr"),
-                name=name,
-                role=role.value,
-                password_hash=None,
-                disabled=False,
-                created_at=now,
-                updated_at=now,
-                created_by="oidc",
-                oidc_subject=subject,
-            )
-            session.add(user)
+            try:
+                user = people.create_user(
+                    session=session,
+                    clock=self._clock,
+                    actor="oidc",
+                    name=name,
+                    role=role,
+                    password=None,
+                    oidc_subject=subject,
+                )
+            except Conflict:  # USER_EXISTS: the name is another user's
+                raise Conflict(
+                    "Another user has this name (a local user, or another of the provider's "
+                    "people).",
+                    "An admin removes that user (or changes the provider's username claim, "
+                    "MODELFORGE_OIDC_USERNAME_CLAIM), then sign in again.",
+                    code="OIDC_NAME_TAKEN",
+                ) from None
         elif user.role != role.value:
             user.role, user.updated_at = role.value, now
         if user.disabled:
@@ -337,16 +337,6 @@ def _unreachable(why: str) -> OidcUnavailable:
         f"The OpenID provider could not be used: {why}.",
         "Try again shortly; if it persists, check MODELFORGE_OIDC_ISSUER and that the control "
         "plane reaches the provider.",
-    )
-
-
-def _valid_name(name: str) -> bool:
-    return (
-        0 < len(name) <= 32
-        and name[0].isascii()
-        and name[0].isalpha()
-        and all(c.isascii() and (c.isalnum() or c in "._-") for c in name)
-        and name == name.lower()
     )
 
 

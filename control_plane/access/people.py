@@ -9,13 +9,14 @@ as the services' tokens are: it is random, not chosen, so a slow hash adds nothi
 
 from __future__ import annotations
 
+import functools
 import secrets
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from control_plane.access.console_sessions import SignInThrottle
@@ -25,6 +26,9 @@ from control_plane.errors import AdminAuthError, Conflict, NotFound
 from control_plane.models import ApiKey, User
 from control_plane.security import new_id, sha256_hex
 
+#: A user's name: lower case, as an identity provider's usernames usually are; 32 at most (the
+#: audit log's actor column holds `user:<name> key:<8>`).
+USER_NAME_PATTERN = r"^[a-z][a-z0-9._-]{0,31}$"
 KEY_PREFIX = "mfk_"
 #: The characters of a key a list shows: its prefix and 6 of its 43 random ones.
 HINT_LENGTH = 10
@@ -43,16 +47,10 @@ class MintedKey:
     key: str = field(repr=False)
 
 
-class _Dummy:
+@functools.cache
+def _dummy_hash() -> str:
     """A hash to verify against when the name is unknown (made once, on first use)."""
-
-    value: str | None = None
-
-    @classmethod
-    def get(cls) -> str:
-        if cls.value is None:
-            cls.value = _HASHER.hash(secrets.token_urlsafe(16))
-        return cls.value
+    return _HASHER.hash(secrets.token_urlsafe(16))
 
 
 def hash_password(password: str) -> str:
@@ -60,8 +58,16 @@ def hash_password(password: str) -> str:
 
 
 def create_user(
-    *, session: Session, clock: Clock, actor: str, name: str, role: Role, password: str | None
+    *,
+    session: Session,
+    clock: Clock,
+    actor: str,
+    name: str,
+    role: Role,
+    password: str | None,
+    oidc_subject: str | None = None,
 ) -> User:
+    """A new user; `oidc_subject` for one the OpenID provider signs in (`oidc.py`)."""
     if session.scalar(select(User.id).where(User.name == name)) is not None:
         raise Conflict(
             f"A user named {name!r} exists.",
@@ -78,6 +84,7 @@ def create_user(
         created_at=now,
         updated_at=now,
         created_by=actor[:100],
+        oidc_subject=oidc_subject,
     )
     session.add(user)
     session.flush()
@@ -116,7 +123,7 @@ def check_password(
     user = session.scalar(select(User).where(User.name == name))
     stored = user.password_hash if user is not None else None
     try:
-        _HASHER.verify(stored or _Dummy.get(), password)
+        _HASHER.verify(stored or _dummy_hash(), password)
         matched = stored is not None
     except (VerificationError, InvalidHashError):
         matched = False
@@ -141,12 +148,12 @@ def mint_key(
     expires_in_days: int,
 ) -> MintedKey:
     now = clock.now()
-    held = session.scalars(
-        select(ApiKey.id).where(ApiKey.user_id == user.id, ApiKey.expires_at > now)
-    ).all()
-    if len(held) >= MAX_KEYS:
+    held = session.scalar(
+        select(func.count()).where(ApiKey.user_id == user.id, ApiKey.expires_at > now)
+    )
+    if (held or 0) >= MAX_KEYS:
         raise Conflict(
-            f"{user.name} holds {len(held)} keys, the most one user may.",
+            f"{user.name} holds {held} keys, the most one user may.",
             "Revoke keys no longer used (DELETE /api/v1/me/keys/{key_id}), then mint again.",
             code="TOO_MANY_KEYS",
         )

@@ -29,7 +29,6 @@ class Principal:
     user_name: str | None = None
     #: A key's scopes; None for a session or the admin token.
     scopes: frozenset[Scope] | None = None
-    key_id: str | None = None
 
     def check(self, area: Area, change: bool) -> None:
         if permits(self.role, self.scopes, area, change):

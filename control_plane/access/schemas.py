@@ -9,13 +9,12 @@ from typing import Annotated, Self
 from fastapi import Path
 from pydantic import BaseModel, Field, SecretStr, StringConstraints, model_validator
 
+from control_plane.access.people import USER_NAME_PATTERN
 from control_plane.access.roles import Role, Scope
 from control_plane.schemas import StrictModel
 
-#: A user's name: lower case, as an identity provider's usernames usually are; 32 at most (the
-#: audit log's actor column holds `user:<name> key:<8>`).
-UserName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9._-]{0,31}$")]
-UserNamePath = Annotated[str, Path(pattern=r"^[a-z][a-z0-9._-]{0,31}$")]
+UserName = Annotated[str, StringConstraints(pattern=USER_NAME_PATTERN)]
+UserNamePath = Annotated[str, Path(pattern=USER_NAME_PATTERN)]
 #: 12 characters at least (NIST SP 800-63B asks 8; a shared appliance asks more), 256 at most.
 Password = Annotated[SecretStr, StringConstraints(min_length=12, max_length=256)]
 

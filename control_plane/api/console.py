@@ -31,7 +31,6 @@ from control_plane.api.deps import (
 from control_plane.api.routing import LaneRoute
 from control_plane.context import AppContext
 from control_plane.errors import AdminAuthError, ModelForgeError
-from control_plane.models import User
 
 CONSOLE_DIST = Path(__file__).resolve().parent.parent / "console" / "dist"
 #: The console's routes (client-side); each serves index.html.
@@ -91,10 +90,10 @@ def sign_in(
         session=session,
         clock=ctx.clock,
         lifetime=timedelta(seconds=ctx.settings.console_session_seconds),
-        user_id=None if user is None else user.id,
+        user=user,
     )
     _set_session(response, request, ctx, signed_in)
-    return _info(signed_in, user)
+    return _info(signed_in)
 
 
 def _set_session(
@@ -173,7 +172,7 @@ def oidc_callback(
                 session=session,
                 clock=ctx.clock,
                 lifetime=timedelta(seconds=ctx.settings.console_session_seconds),
-                user_id=user.id,
+                user=user,
             )
     except ModelForgeError as exc:
         return _page(exc)
@@ -200,14 +199,11 @@ def current_session(request: Request, response: Response, ctx: ContextDep) -> Co
     same origin."""
     signed_in = console_session(request, ctx, _cookie(request))
     response.headers["Cache-Control"] = "no-store"
-    user = None
-    if signed_in.user_id is not None:
-        with ctx.read_session_factory() as session:
-            user = session.get(User, signed_in.user_id)
-    return _info(signed_in, user)
+    return _info(signed_in)
 
 
-def _info(signed_in: console_sessions.SignedIn, user: User | None) -> ConsoleSessionInfo:
+def _info(signed_in: console_sessions.SignedIn) -> ConsoleSessionInfo:
+    user = signed_in.user
     if user is None:
         return ConsoleSessionInfo(csrf_token=signed_in.csrf_token, expires_at=signed_in.expires_at)
     return ConsoleSessionInfo(

@@ -18,7 +18,6 @@ from control_plane.audit import ADMIN_TOKEN_ACTOR, Audit, console_actor
 from control_plane.context import AppContext
 from control_plane.errors import AdminAuthError, CredentialError, refusal_for
 from control_plane.fleet.credentials import NodePrincipal
-from control_plane.models import User
 from control_plane.security import sha256_hex
 
 
@@ -84,7 +83,6 @@ def _principal(
             user_id=user.id,
             user_name=user.name,
             scopes=frozenset(Scope(scope) for scope in key.scopes),
-            key_id=key.id,
         )
     session_id = request.cookies.get(SESSION_COOKIE)
     if not session_id:
@@ -99,21 +97,20 @@ def _principal(
         return Principal(
             actor=console_actor(sha256_hex(session_id)), role=Role.ADMIN, via="session"
         )
-    with ctx.read_session_factory() as session:
-        person = session.get(User, signed_in.user_id)
-        if person is None or person.disabled:
-            raise AdminAuthError(
-                "This console session's user is disabled.",
-                "Ask an admin to enable the user again, then sign in.",
-                code="USER_DISABLED",
-            )
-        return Principal(
-            actor=f"user:{person.name}",
-            role=Role(person.role),
-            via="session",
-            user_id=person.id,
-            user_name=person.name,
+    person = signed_in.user
+    if person is None or person.disabled:
+        raise AdminAuthError(
+            "This console session's user is disabled.",
+            "Ask an admin to enable the user again, then sign in.",
+            code="USER_DISABLED",
         )
+    return Principal(
+        actor=f"user:{person.name}",
+        role=Role(person.role),
+        via="session",
+        user_id=person.id,
+        user_name=person.name,
+    )
 
 
 PrincipalDep = Annotated[Principal, Depends(current_principal)]

@@ -46,6 +46,7 @@ PEOPLE = {
     "olga": ["ml-team", "ml-ops"],
     "mia": ["ml-team"],
     "zed": ["somewhere-else"],
+    "lena": ["ml-team"],
 }
 ID_TOKEN_TTL = 60
 CHROMIUM = Path("/usr/bin/chromium")
@@ -130,6 +131,13 @@ def test_people_sign_in_through_the_provider_with_the_role_their_groups_map_to(
     _refusal(_sign_in(cp, "mia"), "USER_DISABLED")
     # Nobody whose groups map to no role gets in (no default role is set).
     _refusal(_sign_in(cp, "zed"), "OIDC_NO_ROLE")
+    # A local user holds the name the provider gives: refused, the local user unchanged.
+    local = {"name": "lena", "role": "viewer", "password": "lena's local passphrase"}
+    assert cp.client.post("/api/v1/users", headers=cp.admin, json=local).status_code == 201
+    _refusal(_sign_in(cp, "lena"), "OIDC_NAME_TAKEN")
+    cp.client.cookies.clear()
+    lena = cp.client.get("/api/v1/users/lena", headers=cp.admin).json()
+    assert (lena["role"], lena["created_by"]) == ("viewer", "admin-token")
     assert CLIENT_SECRET not in caplog.text
 
 
